@@ -1,0 +1,1 @@
+"""Activation calibration (installed as ``fp8export.calibration``): observers and calibrators."""

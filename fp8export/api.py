@@ -1,0 +1,54 @@
+"""The library's verbs, one per CLI command (DESIGN.md "Data flow").
+
+Each takes a frozen config and returns a JSON-serialisable result object. Imports are lazy so
+``import fp8export.api`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fp8export.config import ConvertConfig
+
+
+def convert(config: ConvertConfig) -> Any:
+    """Checkpoint → FP8 folder. See :func:`fp8export.checkpoint.convert.convert`."""
+    from fp8export.checkpoint.convert import convert as _convert
+
+    return _convert(config)
+
+
+def calibrate(config: Any) -> Any:
+    """Sample data → activation ranges. See :func:`fp8export.calibration.api.calibrate`."""
+    from fp8export.calibration.api import calibrate as _calibrate
+
+    return _calibrate(config)
+
+
+def export_onnx(config: Any) -> Any:
+    """FP8 folder → ONNX Q/DQ graph. See :func:`fp8export.onnx.export.export_onnx`."""
+    from fp8export.onnx.export import export_onnx as _export
+
+    return _export(config)
+
+
+def build_engine(config: Any) -> Any:
+    """ONNX → TensorRT engine. See :func:`fp8export.engine.build.build_engine`."""
+    from fp8export.engine.build import build_engine as _build
+
+    return _build(config)
+
+
+def verify(config: Any) -> Any:
+    """Reference vs candidate → verification result and report. See :mod:`fp8export.verify`."""
+    from fp8export.verify.run import verify as _verify
+
+    return _verify(config)
+
+
+def inspect(path: Any, **options: Any) -> Any:
+    """Describe a checkpoint, FP8 folder or ONNX graph. See :mod:`fp8export.inspect`."""
+    from fp8export.inspect import inspect as _inspect
+
+    return _inspect(path, **options)

@@ -1,0 +1,1 @@
+"""Checkpoint readers, tensor selection, FP8 writers and the convert pipeline."""

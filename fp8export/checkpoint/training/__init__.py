@@ -1,0 +1,1 @@
+"""Readers of FP8 training state (amax histories): Transformer Engine, Keras float8, torchao."""

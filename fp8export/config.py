@@ -1,0 +1,137 @@
+"""Frozen configs and string enums shared across commands.
+
+The CLI builds one of these from its options and hands it to one function in
+``fp8export.api``; library users build them directly. Every default is ``None`` or the
+documented default, validation happens in ``__post_init__`` and raises Fp8ExportError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from fp8export.errors import Fp8ExportError
+
+
+class StrEnum(str, Enum):
+    """An enum whose values are the strings users type."""
+
+    def __str__(self) -> str:  # click and JSON show the value
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | StrEnum, option: str):
+        """Look up ``value`` (case-insensitive, ``_`` = ``-``) or list the valid names."""
+        if isinstance(value, cls):
+            return value
+        key = str(value).strip().lower().replace("_", "-")
+        for member in cls:
+            if member.value == key:
+                return member
+        valid = ", ".join(m.value for m in cls)
+        raise Fp8ExportError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
+
+
+class ScalesMode(StrEnum):
+    """Where activation scales come from (``convert --scales``)."""
+
+    AUTO = "auto"  # history if the checkpoint has it, else calibrate if data given, else weights
+    HISTORY = "history"
+    CALIBRATE = "calibrate"
+    WEIGHTS = "weights"  # weight scales only; activations dynamic
+
+
+class ScaleSource(StrEnum):
+    """Where one recorded scale came from (the manifest's ``scale source``)."""
+
+    HISTORY = "history"
+    CALIBRATION = "calibration"
+    WEIGHTS = "weights"
+
+
+class OutputFormat(StrEnum):
+    """On-disk dialect of the FP8 folder's config (``convert --format``)."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    VLLM = "vllm"
+    MODELOPT = "modelopt"
+
+
+class CalibMethod(StrEnum):
+    """Calibrator used to turn observed activations into an amax."""
+
+    MAX = "max"
+    PERCENTILE = "percentile"
+    MSE = "mse"
+    ENTROPY = "entropy"
+
+
+class AmaxAlgo(StrEnum):
+    """How an amax history becomes one amax (``--amax-algo``)."""
+
+    MAX = "max"
+    MOST_RECENT = "most-recent"
+
+
+class Device(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Options of ``fp8export convert`` (see DESIGN.md, CLI contract)."""
+
+    checkpoint: Path
+    output: Path | None = None  # default: sibling "<checkpoint>-fp8"
+    scales: ScalesMode = ScalesMode.AUTO
+    calib_data: Path | None = None
+    calib_amax: Path | None = None  # amax.json written by `fp8export calibrate`
+    calib_method: CalibMethod = CalibMethod.MAX
+    calib_samples: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    percentile: float | None = None
+    amax_algo: AmaxAlgo = AmaxAlgo.MAX
+    margin: int = 0  # extra power-of-two headroom: amax * 2**margin
+    weight_scales_from_history: bool = False
+    format: OutputFormat = OutputFormat.COMPRESSED_TENSORS
+    exclude: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    fuse_scales: bool = True
+    device: Device = Device.AUTO
+    force: bool = False
+    accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "checkpoint", Path(self.checkpoint))
+        if self.output is not None:
+            object.__setattr__(self, "output", Path(self.output))
+        for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
+                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device)):
+            object.__setattr__(self, name, enum.parse(getattr(self, name), f"--{name.replace('_', '-')}"))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "include", tuple(self.include))
+        if self.scales is ScalesMode.CALIBRATE and self.calib_data is None and self.calib_amax is None:
+            raise Fp8ExportError(
+                "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
+                "`fp8export calibrate`)."
+            )
+        if self.margin < 0:
+            raise Fp8ExportError(f"--margin must be >= 0, got {self.margin}.")
+
+    @property
+    def resolved_output(self) -> Path:
+        if self.output is not None:
+            return self.output
+        src = self.checkpoint
+        stem = src.name if src.is_dir() else src.stem
+        return src.parent / f"{stem}-fp8"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra", None)
+        return {k: (str(v) if isinstance(v, (Path, Enum)) else v) for k, v in d.items()}

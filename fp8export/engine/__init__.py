@@ -1,0 +1,1 @@
+"""TensorRT engine build and inspection (imports tensorrt lazily)."""

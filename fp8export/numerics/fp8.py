@@ -1,0 +1,111 @@
+"""E4M3 / E5M2 numerics with one scale convention (DESIGN.md "Conventions").
+
+``scale`` is always a *dequantization factor*: ``scale = amax / 448``,
+``q = cast_rne(clamp(x / scale, -448, 448))`` and ``x ≈ q * scale``. This is the meaning of
+ONNX ``QuantizeLinear``'s ``y_scale``, vLLM's and compressed-tensors' ``weight_scale`` /
+``input_scale`` and ModelOpt's exports. Transformer Engine and torchao store the reciprocal;
+their readers convert with :func:`multiplier_to_scale`.
+
+The cast itself is torch's ``float8_e4m3fn`` conversion (round to nearest, ties to even); we
+clamp first because a cast of an out-of-range value is not guaranteed to saturate (it may give
+NaN). That clamp-then-cast rule and the amax checks are the FP8-specific logic no library
+gives us.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fp8export.errors import Fp8ExportError
+
+E4M3_MAX = 448.0
+"""Largest finite OCP float8_e4m3fn value (no infinities; 0x7F/0xFF are NaN)."""
+E5M2_MAX = 57344.0
+"""Largest finite float8_e5m2 value. E5M2 is read (training gradients), never written."""
+
+E4M3_DTYPE = torch.float8_e4m3fn
+E5M2_DTYPE = torch.float8_e5m2
+
+
+def check_amax(amax: float, name: str) -> float:
+    """Return ``amax`` as a float if it can become a scale, else raise naming the tensor.
+
+    An amax that is zero, negative, NaN or Inf never becomes a scale (DESIGN.md).
+    """
+    value = float(amax)
+    if not math.isfinite(value):
+        raise Fp8ExportError(
+            f"{name}: amax is {value}, not a finite number; the tensor or its recorded history "
+            "holds NaN/Inf. Fix the source values, or exclude it with --exclude."
+        )
+    if value <= 0.0:
+        raise Fp8ExportError(
+            f"{name}: amax is {value}; a scale needs amax > 0 (an all-zero tensor or an empty "
+            "history). Exclude it with --exclude, or give calibration data that reaches it."
+        )
+    return value
+
+
+def amax_to_scale(amax: float, name: str = "tensor") -> np.float32:
+    """Dequantization scale ``amax / 448`` as float32 (computed in float64, rounded once)."""
+    value = check_amax(amax, name)
+    scale = np.float32(value / E4M3_MAX)
+    if not np.isfinite(scale) or scale <= 0:
+        # amax below ~6e-43 underflows float32; no real tensor has such a range.
+        raise Fp8ExportError(f"{name}: amax {value!r} gives a scale that float32 cannot hold.")
+    return scale
+
+
+def multiplier_to_scale(multiplier: float, name: str = "tensor") -> np.float32:
+    """Convert a quantization multiplier (TE/torchao ``scale = 448/amax``) to our scale."""
+    value = float(multiplier)
+    if not math.isfinite(value) or value <= 0.0:
+        raise Fp8ExportError(
+            f"{name}: stored FP8 multiplier is {value}; it must be finite and > 0."
+        )
+    return np.float32(1.0 / value)
+
+
+def tensor_amax(x: torch.Tensor) -> float:
+    """max(|x|) of a tensor in float32, as a Python float (NaN if x holds NaN)."""
+    if x.numel() == 0:
+        return 0.0
+    return float(x.detach().float().abs().max())
+
+
+def quantize_e4m3(x: torch.Tensor, scale: float | np.floating | torch.Tensor) -> torch.Tensor:
+    """Quantize ``x`` to float8_e4m3fn with dequantization factor ``scale``.
+
+    Computes ``x / scale`` in float32 (as ONNX QuantizeLinear does), clamps to ±448 and casts
+    with round-to-nearest-even. Returns a ``torch.float8_e4m3fn`` tensor of x's shape.
+    """
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    y = x.to(torch.float32) / s
+    return y.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+
+
+def dequantize(q: torch.Tensor, scale: float | np.floating | torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in float32, returned as ``dtype``. Accepts E4M3 or E5M2 input."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+def fake_quantize_e4m3(x: torch.Tensor, scale: float | np.floating | torch.Tensor) -> torch.Tensor:
+    """Quantize then dequantize, returning x's dtype: the exact FP8 round trip, emulated."""
+    return dequantize(quantize_e4m3(x, scale), scale, dtype=x.dtype)
+
+
+def decode_e4m3_bytes(raw: np.ndarray) -> np.ndarray:
+    """Decode uint8 E4M3 codes to float32 (NaN for 0x7F / 0xFF)."""
+    t = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).view(E4M3_DTYPE)
+    return t.to(torch.float32).numpy()
+
+
+def decode_e5m2_bytes(raw: np.ndarray) -> np.ndarray:
+    """Decode uint8 E5M2 codes to float32 (read-only support: ±inf and NaN as in IEEE)."""
+    t = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).view(E5M2_DTYPE)
+    return t.to(torch.float32).numpy()

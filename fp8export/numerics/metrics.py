@@ -1,0 +1,46 @@
+"""Accuracy metrics shared by convert (weight round trip), calibration and verify."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10·log10(Σref² / Σ(ref−test)²)``.
+
+    Computed in float64. Returns ``inf`` when the two are identical, and ``-inf`` when the
+    reference is all zeros but the test is not.
+    """
+    ref = reference.detach().to(torch.float64).flatten()
+    err = ref - test.detach().to(torch.float64).flatten()
+    noise = float(torch.dot(err, err))
+    signal = float(torch.dot(ref, ref))
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def cosine(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Cosine similarity of the flattened tensors, in float64 (1.0 for two zero tensors)."""
+    a = reference.detach().to(torch.float64).flatten()
+    b = test.detach().to(torch.float64).flatten()
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(torch.dot(a, b)) / (na * nb)
+
+
+def rel_l2(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """``‖ref − test‖₂ / ‖ref‖₂`` in float64 (inf if ref is zero and test is not)."""
+    a = reference.detach().to(torch.float64).flatten()
+    b = test.detach().to(torch.float64).flatten()
+    num, den = float((a - b).norm()), float(a.norm())
+    if num == 0.0:
+        return 0.0
+    return num / den if den else math.inf

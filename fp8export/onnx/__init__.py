@@ -1,0 +1,1 @@
+"""ONNX export, Q/DQ rewrite and the TensorRT-rule structural checker."""

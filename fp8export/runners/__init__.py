@@ -1,0 +1,1 @@
+"""Runners: one interface (activate / infer / deactivate) over torch, onnxruntime, TensorRT."""

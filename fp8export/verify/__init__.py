@@ -1,0 +1,1 @@
+"""Comparison of reference and candidate outputs, thresholds, and reports."""

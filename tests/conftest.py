@@ -1,0 +1,69 @@
+"""Shared fixtures and marker handling.
+
+Markers (pyproject, --strict-markers): ``gpu`` skips without CUDA, ``tensorrt`` skips without
+the tensorrt package (and a GPU), ``slow`` runs only with ``--run-slow`` or FP8EXPORT_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "samples"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or os.environ.get("FP8EXPORT_SLOW") == "1"
+    has_cuda = None
+    has_trt = importlib.util.find_spec("tensorrt") is not None
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: use --run-slow or FP8EXPORT_SLOW=1"))
+        if "gpu" in item.keywords or "tensorrt" in item.keywords:
+            if has_cuda is None:
+                has_cuda = _has_cuda()
+            if not has_cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "tensorrt" in item.keywords and not has_trt:
+            item.add_marker(pytest.mark.skip(reason="needs the tensorrt package"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture()
+def run_cli():
+    """Run the real CLI in-process with click's CliRunner; returns the click Result."""
+    from click.testing import CliRunner
+
+    from fp8export.cli import cli
+
+    def _run(*args: str, **kwargs):
+        runner = CliRunner()
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False, **kwargs)
+
+    return _run
+
+
+@pytest.fixture()
+def python_exe() -> str:
+    return sys.executable
