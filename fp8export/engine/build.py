@@ -1,0 +1,209 @@
+"""``build-engine``: a strongly typed TensorRT FP8 engine from a Q/DQ ONNX graph.
+
+Written against the real ``tensorrt`` Python API for 10.x (STRONGLY_TYPED network flag, no
+precision builder flags — they were deprecated in 10.12) and 11.x (networks are always strongly
+typed; the precision flags are gone). See reference/tensorrt_fp8_onnx.md §3. TensorRT is
+imported only here and in the TensorRT runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
+from fp8export.errors import Fp8ExportError
+
+MIN_FP8_CC = (8, 9)  # Ada 8.9, Hopper 9.0, Blackwell 10.x/12.x
+
+
+@dataclass(frozen=True)
+class BuildEngineConfig:
+    """Options of ``fp8export build-engine``."""
+
+    onnx: Path
+    output: Path | None = None  # default: <onnx stem>.engine beside the graph
+    shapes: tuple[ShapeRange, ...] = ()
+    workspace_gib: float | None = None
+    optimization_level: int = 3
+    timing_cache: Path | None = None
+    force: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "onnx", Path(self.onnx))
+        if self.output is not None:
+            object.__setattr__(self, "output", Path(self.output))
+        if self.timing_cache is not None:
+            object.__setattr__(self, "timing_cache", Path(self.timing_cache))
+        if not 0 <= self.optimization_level <= 5:
+            raise Fp8ExportError(f"--opt-level must be 0..5, got {self.optimization_level}.")
+        if self.workspace_gib is not None and self.workspace_gib <= 0:
+            raise Fp8ExportError(f"--workspace must be > 0 GiB, got {self.workspace_gib}.")
+
+    @property
+    def resolved_output(self) -> Path:
+        return self.output or self.onnx.with_suffix(".engine")
+
+
+@dataclass
+class BuildEngineResult:
+    engine: str
+    report: str
+    tensorrt_version: str
+    gpu: str
+    compute_capability: str
+    build_seconds: float
+    profile: list[dict]
+    fp8_gemms: int
+    fallback_gemms: list[str] = field(default_factory=list)
+    unattributed_gemms: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def trt_major(trt) -> int:
+    return int(str(trt.__version__).split(".")[0])
+
+
+def network_flags(trt) -> int:
+    """Creation flags: STRONGLY_TYPED on 10.x; 0 on 11.x where it is implicit (and deprecated)."""
+    if trt_major(trt) >= 11:
+        return 0
+    return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+
+
+def check_gpu() -> tuple[str, tuple[int, int]]:
+    """Name and compute capability of GPU 0; FP8 needs CC >= 8.9."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Fp8ExportError(
+            "build-engine needs an NVIDIA GPU with compute capability >= 8.9 (Ada, Hopper, "
+            "Blackwell); none is visible here. Build on the machine that will run the engine."
+        )
+    cc = torch.cuda.get_device_capability(0)
+    name = torch.cuda.get_device_name(0)
+    if cc < MIN_FP8_CC:
+        raise Fp8ExportError(
+            f"GPU {name} has compute capability {cc[0]}.{cc[1]}; TensorRT FP8 needs >= 8.9 "
+            "(Ada, Hopper, Blackwell). Use an FP16 export, or build on a newer GPU."
+        )
+    return name, cc
+
+
+def parser_errors(parser) -> list[str]:
+    """Every ONNX parser error with node name and operator (TensorRT reports them one by one)."""
+    out = []
+    for i in range(parser.num_errors):
+        e = parser.get_error(i)
+        node = e.node_name() if hasattr(e, "node_name") else str(e.node())
+        op = e.node_operator() if hasattr(e, "node_operator") else "?"
+        out.append(f"node {node!r} ({op}): {e.desc()}")
+    return out
+
+
+def _structural_check(onnx_path: Path) -> list[str]:
+    """Run the Q/DQ structural checker; return the ONNX GEMM nodes expected in FP8."""
+    from fp8export.onnx.check import check_model
+
+    report = check_model(onnx_path)
+    if not report.ok:
+        raise Fp8ExportError(
+            f"{onnx_path} fails the FP8 Q/DQ structural check, so TensorRT would not build FP8 "
+            f"GEMMs from it:\n{report.to_text()}\nRe-export it with `fp8export export-onnx`."
+        )
+    d = report.to_dict()
+    return list(d.get("fp8_gemms", []))
+
+
+def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
+    """Parse, build, inspect and save an engine; write ``<engine>.build.json`` beside it."""
+    from fp8export._lazy import lazy_import
+
+    if not cfg.onnx.is_file():
+        raise Fp8ExportError(f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
+    out = cfg.resolved_output
+    if out.exists() and not cfg.force:
+        raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
+    inputs = graph_inputs(cfg.onnx)
+    profile = default_profile(inputs, list(cfg.shapes))
+    expected_fp8 = _structural_check(cfg.onnx)
+
+    trt = lazy_import("tensorrt", "build-engine")
+    gpu, cc = check_gpu()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(cfg.onnx)):
+        errors = parser_errors(parser)
+        raise Fp8ExportError(
+            f"TensorRT {trt.__version__} could not parse {cfg.onnx}:\n  " + "\n  ".join(errors)
+        )
+
+    config = builder.create_builder_config()
+    if cfg.workspace_gib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(cfg.workspace_gib * 2**30))
+    config.builder_optimization_level = cfg.optimization_level
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the inspector needs it
+    cache_bytes = cfg.timing_cache.read_bytes() if cfg.timing_cache and cfg.timing_cache.exists() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    if profile:
+        p = builder.create_optimization_profile()
+        for r in profile:
+            p.set_shape(r.name, r.min, r.opt, r.max)
+        config.add_optimization_profile(p)
+
+    start = time.perf_counter()
+    blob = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - start
+    if blob is None:
+        raise Fp8ExportError(
+            f"TensorRT {trt.__version__} failed to build an engine from {cfg.onnx}; its log above "
+            "says why (often: workspace too small — raise --workspace)."
+        )
+    if cfg.timing_cache:
+        _atomic_write(cfg.timing_cache, bytes(config.get_timing_cache().serialize()))
+
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(blob)
+    if engine is None:
+        raise Fp8ExportError("TensorRT built an engine it cannot deserialize; rebuild with --force.")
+    inspector = engine.create_engine_inspector()
+    info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    from fp8export.engine.layers import attribute_gemms
+
+    layers = attribute_gemms(info, expected_fp8)
+    _atomic_write(out, bytes(blob))
+    result = BuildEngineResult(
+        engine=str(out), report=str(out) + ".build.json", tensorrt_version=str(trt.__version__),
+        gpu=gpu, compute_capability=f"{cc[0]}.{cc[1]}", build_seconds=round(seconds, 3),
+        profile=[r.to_dict() for r in profile], fp8_gemms=len(layers.fp8_gemms),
+        fallback_gemms=layers.fallback_gemms, unattributed_gemms=layers.unattributed,
+        notes=layers.notes,
+    )
+    report = {**result.to_dict(), "layers": layers.to_dict(), "host": platform.node(),
+              "expected_fp8_gemms": expected_fp8}
+    _atomic_write(Path(result.report), json.dumps(report, indent=2, sort_keys=True).encode())
+    return result
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
