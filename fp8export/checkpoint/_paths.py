@@ -1,0 +1,90 @@
+"""Keeping paths named by untrusted files inside their folder, and reading small JSON files.
+
+Index files (``*.index.json``) name shard files; a hostile one can name ``../../etc/passwd``,
+an absolute path, or a shard that is a symlink leading out of the folder. Every such path is
+resolved (symlinks followed) and must land inside the checkpoint folder — or, for a Hugging
+Face hub cache snapshot (``…/snapshots/<rev>/``, whose files are symlinks into the repo's
+``blobs/``), inside that cache's ``blobs`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from fp8export.errors import Fp8ExportError
+
+# Index and config files are small (a 600B-parameter index is ~10 MB); anything larger is not
+# one, and reading it whole would be a cheap memory attack.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+def allowed_roots(folder: Path) -> list[Path]:
+    """Folders that files of ``folder`` may resolve into (see the module docstring)."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":  # huggingface_hub cache: <repo>/snapshots/<rev>/
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == r or path.is_relative_to(r) for r in roots)
+
+
+def contained(folder: Path, name: str, *, named_by: Path) -> Path:
+    """``folder / name`` after checking that ``name`` cannot escape ``folder``.
+
+    ``named_by`` is the file that gave us ``name`` (for the message). Returns the path inside
+    the folder (not resolved, so messages show what the user sees); it may not exist.
+    """
+    if not isinstance(name, str) or not name:
+        raise Fp8ExportError(f"{named_by}: file name {name!r} is not a non-empty string. "
+                             "Fix or regenerate the file.")
+    if (PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute()
+            or ".." in PurePosixPath(name.replace("\\", "/")).parts or "\0" in name):
+        raise Fp8ExportError(
+            f"{named_by}: refers to {name!r}, a path outside the checkpoint folder; refused. "
+            "Index entries must be file names inside the folder — regenerate the index."
+        )
+    path = folder / name
+    check_symlink(path, folder, named_by=named_by)
+    return path
+
+
+def check_symlink(path: Path, folder: Path, *, named_by: Path | None = None) -> None:
+    """Raise if ``path`` (or a symlink on the way) resolves outside ``folder``'s allowed roots."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as exc:  # symlink loops
+        raise Fp8ExportError(f"{path}: cannot resolve the path ({exc}). Replace the symlink "
+                             "with the real file.") from exc
+    if not _inside(real, allowed_roots(folder)):
+        origin = f" (named by {named_by})" if named_by else ""
+        raise Fp8ExportError(
+            f"{path}{origin}: resolves to {real}, outside the checkpoint folder {folder}; "
+            "refused. Copy the real file into the folder instead of linking to it."
+        )
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse a small JSON file, mapping every failure to Fp8ExportError naming ``path``."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise Fp8ExportError(f"{path}: cannot read {what} ({exc.strerror}).") from exc
+    if size > MAX_JSON_BYTES:
+        raise Fp8ExportError(f"{path}: {what} is {size} bytes, far larger than any real one "
+                             f"(limit {MAX_JSON_BYTES}); the file is corrupt or not a {what}.")
+    try:
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise Fp8ExportError(f"{path}: {what} is not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start}). Restore the original file.") from exc
+    except json.JSONDecodeError as exc:
+        raise Fp8ExportError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno} "
+                             f"column {exc.colno}). Restore or regenerate the file.") from exc
+    except OSError as exc:
+        raise Fp8ExportError(f"{path}: cannot read {what} ({exc.strerror}).") from exc

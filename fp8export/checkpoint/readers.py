@@ -1,0 +1,37 @@
+"""The built-in readers, registered on import (``open_checkpoint`` imports this module).
+
+Order matters: the first reader whose ``can_open`` is true opens the path. Readers registered
+with ``first=True`` elsewhere (Transformer Engine, Keras) are consulted before these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8export.checkpoint.hf_folder import (
+    PT_INDEX, ST_INDEX, TORCH_SUFFIXES, has_weights, open_hf_folder, open_index_file,
+    open_safetensors_file, open_torch_file,
+)
+from fp8export.checkpoint.source import register_reader
+
+
+def _is_hf_folder(p: Path) -> bool:
+    return p.is_dir() and has_weights(p)
+
+
+def _is_safetensors(p: Path) -> bool:
+    return p.is_file() and p.suffix == ".safetensors"
+
+
+def _is_index(p: Path) -> bool:
+    return p.is_file() and p.name in (ST_INDEX, PT_INDEX)
+
+
+def _is_torch(p: Path) -> bool:
+    return p.is_file() and p.suffix in TORCH_SUFFIXES
+
+
+register_reader("hf-folder", _is_hf_folder, open_hf_folder)
+register_reader("safetensors", _is_safetensors, open_safetensors_file)
+register_reader("hf-index", _is_index, open_index_file)
+register_reader("torch", _is_torch, open_torch_file)
