@@ -1,0 +1,73 @@
+"""``fp8export verify REFERENCE CANDIDATE``: imports only click; the work is in fp8export.verify."""
+
+from __future__ import annotations
+
+import click
+
+THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metric: bound "
+                  "(e.g. {preset: default, kl_mean: 0.01}).")
+
+
+@click.command("verify")
+@click.argument("reference", type=click.Path(path_type=str))
+@click.argument("candidate", type=click.Path(path_type=str))
+@click.option("--data", type=click.Path(path_type=str), default=None,
+              help="Eval data: .txt, .jsonl (text), .npz/.safetensors (input_ids). Default: a "
+                   "small built-in sample set (said in the report).")
+@click.option("--thresholds", default="default", show_default=True, help=THRESHOLD_HELP)
+@click.option("--report-dir", type=click.Path(path_type=str), default="fp8export-report",
+              show_default=True, help="Where report.json/.md/.html and junit.xml go.")
+@click.option("--backend", type=click.Choice(["auto", "torch", "onnxruntime", "tensorrt"]),
+              default="auto", show_default=True,
+              help="Candidate runtime; auto picks from the path (FP8 folder → torch FP8, "
+                   ".onnx → onnxruntime, .engine/.plan → TensorRT).")
+@click.option("--reference-dtype", type=click.Choice(["bf16", "fp32"]), default="bf16",
+              show_default=True)
+@click.option("--samples", type=int, default=None, help="Use at most N samples.")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--seq-len", type=int, default=128, show_default=True,
+              help="Truncate samples to N tokens.")
+@click.option("--per-layer", is_flag=True, help="Rank quantized layers by the error each adds "
+                                                "(SQNR of its output; FP8 folder candidates).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True)
+@click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
+              show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
+                                      ">= 8.9 (auto), or exact emulation.")
+def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
+            samples, batch_size, seq_len, per_layer, device, fp8_mode):
+    """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
+
+    Exit 0: passed; 1: bad input or environment; 3: ran, and thresholds failed.
+    """
+    from fp8export import api
+    from fp8export.errors import VerificationFailed
+    from fp8export.verify.config import VerifyConfig
+
+    cfg = VerifyConfig(reference=reference, candidate=candidate, data=data,
+                       thresholds=thresholds, report_dir=report_dir, backend=backend,
+                       reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
+                       seq_len=seq_len, per_layer=per_layer, device=device, fp8_mode=fp8_mode)
+    try:
+        result = api.verify(cfg)
+    except VerificationFailed as exc:
+        _summary(exc.result)
+        raise
+    _summary(result)
+
+
+def _summary(result) -> None:
+    if result is None:
+        return
+    m = result.metrics
+    parts = [f"{k}={m[k]:.4g}" for k in ("cosine_min", "top1_agreement", "kl_mean", "ppl_ratio")
+             if k in m]
+    click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
+               f"backend {result.backend}; " + ", ".join(parts))
+    for f in result.failures:
+        click.echo(f"  failed: {f['message']}")
+    if result.per_layer:
+        worst = result.per_layer[0]
+        click.echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
+    if result.reports:
+        click.echo(f"  report: {result.reports.get('report.md')}")

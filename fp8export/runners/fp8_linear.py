@@ -1,0 +1,135 @@
+"""``Fp8Linear``: a linear layer whose weight stays in E4M3, with per-tensor scales.
+
+Two execution paths compute the same function (DESIGN.md "Conventions": scale = amax / 448):
+
+* **scaled_mm** (CUDA, compute capability >= 8.9): the input is quantized to E4M3 with the
+  static ``input_scale`` (or a dynamic per-tensor ``amax / 448`` when the folder has none) and
+  multiplied with the E4M3 weight by ``torch._scaled_mm`` (fp32 accumulation, bf16 output).
+* **emulate** (everywhere): the same quantize step as a fake-quantize, the weight dequantized
+  to float32, the matmul in float32, the result cast to the layer's output dtype. This is the
+  function the ONNX Q/DQ graph computes (QuantizeLinear → DequantizeLinear → MatMul).
+
+``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+use_fast_accum=False)`` needs ``a`` row-major ``[M, K]`` and ``b`` column-major ``[K, N]``;
+our weight is stored ``[N, K]`` row-major, so ``weight.t()`` is exactly that, without a copy.
+K and N must be multiples of 16: a layer that is not falls back to emulation and says so in
+``fallback_reason``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, quantize_e4m3
+
+MODES = ("auto", "emulate", "scaled_mm")
+
+
+def scaled_mm_available(device: torch.device | str | None = None) -> bool:
+    """True when ``torch._scaled_mm`` can run E4M3 GEMMs on ``device`` (CUDA, CC >= 8.9)."""
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor dequantization scale ``amax / 448`` of ``x`` as a float32 scalar tensor.
+
+    An all-zero input gets scale 1 (any scale quantizes zeros exactly), never 0.
+    """
+    amax = x.detach().abs().amax().to(torch.float32)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored as E4M3 ``[out, in]`` and float32 per-tensor scales.
+
+    Args:
+        weight: E4M3 tensor ``[out_features, in_features]``.
+        weight_scale: dequantization factor of the weight (float or 1-element tensor).
+        input_scale: static dequantization factor of the input, or None (dynamic per-tensor).
+        bias: optional ``[out_features]`` tensor in high precision.
+        mode: "auto" (scaled_mm where available, else emulate), "emulate" or "scaled_mm".
+        out_dtype: dtype of the output (and of the bias); bf16 by default.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale, input_scale=None, bias=None,
+                 mode: str = "auto", out_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if weight.dtype != E4M3_DTYPE or weight.dim() != 2:
+            raise ValueError(f"Fp8Linear needs a 2-D float8_e4m3fn weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", _scalar(weight_scale))
+        self.register_buffer("input_scale", None if input_scale is None else _scalar(input_scale))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype))
+        self.mode = mode
+        self.out_dtype = out_dtype
+        self.fallback_reason: str | None = None
+        if self.in_features % 16 or self.out_features % 16:
+            self.fallback_reason = (f"in/out features {self.in_features}x{self.out_features} "
+                                    "are not multiples of 16 (torch._scaled_mm needs that)")
+
+    def extra_repr(self) -> str:
+        act = "static" if self.input_scale is not None else "dynamic"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, input={act}, mode={self.mode}")
+
+    # -- paths --------------------------------------------------------------------------------
+    def uses_scaled_mm(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` takes the real FP8 GEMM path."""
+        if self.mode == "emulate" or self.fallback_reason is not None:
+            return False
+        ok = scaled_mm_available(device)
+        if self.mode == "scaled_mm" and not ok:
+            raise RuntimeError("Fp8Linear mode='scaled_mm' needs a CUDA GPU with compute "
+                               "capability >= 8.9 (Ada, Hopper or newer)")
+        return ok
+
+    def input_scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input_scale if self.input_scale is not None else dynamic_scale(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_scaled_mm(x.device):
+            return self.forward_scaled_mm(x)
+        return self.forward_emulated(x)
+
+    def forward_emulated(self, x: torch.Tensor) -> torch.Tensor:
+        """Exact emulation: fake-quantize x, dequantize W, fp32 matmul, cast the result."""
+        s_in = self.input_scale_for(x)
+        xq = quantize_e4m3(x, s_in).to(torch.float32) * s_in
+        w = self.weight.to(torch.float32) * self.weight_scale
+        y = torch.nn.functional.linear(xq, w)
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(self.out_dtype)
+
+    def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """Real FP8 GEMM with ``torch._scaled_mm`` (fp32 accumulate, ``out_dtype`` result)."""
+        s_in = self.input_scale_for(x)
+        lead = x.shape[:-1]
+        a = quantize_e4m3(x.reshape(-1, self.in_features), s_in)
+        out_dtype = self.out_dtype if self.out_dtype in (torch.bfloat16, torch.float16,
+                                                         torch.float32) else torch.bfloat16
+        y = torch._scaled_mm(a, self.weight.t(), scale_a=s_in.reshape(()).float(),
+                             scale_b=self.weight_scale.reshape(()).float(), out_dtype=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features).to(self.out_dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * self.weight_scale).to(dtype)
+
+
+def _scalar(value) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32).detach().reshape(-1)
+    if t.numel() != 1:
+        raise ValueError(f"per-tensor scale must have one element, got shape {tuple(t.shape)}")
+    return t.reshape(()).clone()

@@ -1,0 +1,173 @@
+"""Build a runnable torch model from an FP8 folder (docs/fp8-folder.md).
+
+The architecture comes from the folder's ``config.json`` (``quantization_config`` dropped), the
+high-precision tensors are loaded as they are, and every module the manifest lists under
+``quantized`` is replaced by :class:`~fp8export.runners.fp8_linear.Fp8Linear` holding its E4M3
+weight and scales. GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8export.errors import Fp8ExportError
+from fp8export.runners.fp8_linear import MODES, Fp8Linear, scaled_mm_available
+
+MANIFEST = "fp8export.json"
+
+
+def is_fp8_folder(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()
+
+
+def read_manifest(fp8_dir: str | Path) -> dict[str, Any]:
+    p = Path(fp8_dir) / MANIFEST
+    if not p.is_file():
+        raise Fp8ExportError(f"{fp8_dir}: no {MANIFEST}; this is not an FP8 folder written by "
+                             "`fp8export convert`. Convert the checkpoint first.")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise Fp8ExportError(f"{p}: not valid JSON ({exc}). Re-run `fp8export convert`.") from exc
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise Fp8ExportError(f"{folder}: no config.json, so the architecture is unknown. Put the "
+                             "model's config.json in the folder.")
+    return json.loads(p.read_text())
+
+
+def load_fp8_tensors(fp8_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's ``*.safetensors`` files, as stored (E4M3 stays E4M3)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(fp8_dir).glob("*.safetensors"))
+    if not files:
+        raise Fp8ExportError(f"{fp8_dir}: no .safetensors files in the FP8 folder. Re-run "
+                             "`fp8export convert`.")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """"auto" → "scaled_mm" where the GPU has FP8 GEMMs, else "emulate"; checks explicit modes."""
+    if mode not in MODES:
+        raise Fp8ExportError(f"FP8 runtime mode {mode!r} is unknown; valid: {', '.join(MODES)}.")
+    if mode == "scaled_mm" and not scaled_mm_available(device):
+        raise Fp8ExportError(
+            f"FP8 runtime mode 'scaled_mm' needs a CUDA GPU with compute capability >= 8.9 "
+            f"(Ada/Hopper/Blackwell); device {device} has none. Use mode 'emulate' or 'auto'."
+        )
+    if mode == "auto":
+        return "scaled_mm" if scaled_mm_available(device) else "emulate"
+    return mode
+
+
+def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+                    mode: str, dtype: torch.dtype, where: Path) -> Fp8Linear:
+    """One Fp8Linear from the manifest entry of module ``name`` and the folder's tensors."""
+    wname = entry.get("weight", f"{name}.weight")
+    try:
+        w = tensors[wname]
+        ws = tensors[f"{name}.weight_scale"]
+    except KeyError as exc:
+        raise Fp8ExportError(f"{where}: the manifest lists {name} as quantized but tensor "
+                             f"{exc.args[0]} is missing. Re-run `fp8export convert`.") from None
+    if w.dtype != torch.float8_e4m3fn:
+        raise Fp8ExportError(f"{where}: {wname} is {w.dtype}, expected F8_E4M3.")
+    if entry.get("layout", "out_in") == "in_out":
+        w = w.t().contiguous()
+    bias = tensors.get(f"{name}.bias")
+    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype)
+
+
+def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.bfloat16, mode: str = "auto"):
+    """Build the FP8 folder's model with quantized linears as :class:`Fp8Linear`.
+
+    Args:
+        fp8_dir: folder written by ``fp8export convert`` (has ``fp8export.json``).
+        device: where to run.
+        dtype: dtype of everything left in high precision and of each Fp8Linear's output.
+        mode: "auto" (``torch._scaled_mm`` on CC >= 8.9, emulation elsewhere), "emulate" or
+            "scaled_mm".
+
+    Returns:
+        ``(model, config, manifest, info)``; ``info`` says which path ran and which layers fell
+        back to emulation, and why (JSON-serialisable).
+    """
+    from fp8export.models import empty_model
+
+    where = Path(fp8_dir)
+    manifest = read_manifest(where)
+    config = read_config(where)
+    dev = torch.device(device)
+    resolved = resolve_mode(mode, dev)
+    tensors = load_fp8_tensors(where)
+    model = empty_model(config, where, dtype=dtype)
+    quantized = manifest.get("quantized") or {}
+    fallbacks = {}
+    for name, entry in quantized.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise Fp8ExportError(f"{where}: the manifest quantizes {name}, which the architecture "
+                                 "in config.json does not have.") from None
+        new = make_fp8_linear(name, entry, tensors, mode=resolved, dtype=dtype, where=where)
+        expected = _linear_shape(old)
+        if expected is not None and expected != (new.out_features, new.in_features):
+            raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
+                                 f" but the architecture expects {expected[0]}x{expected[1]}.")
+        if new.fallback_reason and resolved == "scaled_mm":
+            fallbacks[name] = new.fallback_reason
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    state = model.state_dict()
+    loadable = {}
+    for key, t in tensors.items():
+        module = key.rpartition(".")[0]
+        if module in quantized:
+            continue  # weight, scales and bias already inside the Fp8Linear
+        if key in state:
+            if tuple(state[key].shape) != tuple(t.shape):
+                raise Fp8ExportError(f"{where}: tensor {key} has shape {tuple(t.shape)} but the "
+                                     f"architecture expects {tuple(state[key].shape)}.")
+            loadable[key] = t.to(dtype) if t.is_floating_point() else t
+    missing = [k for k in state if k not in loadable and k.rpartition(".")[0] not in quantized]
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied = {k for k in missing if k.endswith(("lm_head.weight", "decoder.weight"))}
+    missing = [k for k in missing if k not in tied
+               and not k.endswith(("inv_freq", "position_ids", "original_inv_freq"))]
+    if missing:
+        raise Fp8ExportError(f"{where}: {len(missing)} tensors the architecture needs are "
+                             f"missing, e.g. {missing[:3]}. Re-run `fp8export convert`.")
+    model.load_state_dict(loadable, strict=False)
+    if tied:
+        model.tie_weights()
+    model = model.to(dev).eval()
+    info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
+            "activation_scheme": manifest.get("activation_scheme")}
+    return model, config, manifest, info
+
+
+def fp8_modules(model: torch.nn.Module) -> dict[str, Fp8Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    w = getattr(module, "weight", None)
+    if w is None or w.dim() != 2:
+        return None
+    if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
+        return (w.shape[1], w.shape[0])
+    return (w.shape[0], w.shape[1])

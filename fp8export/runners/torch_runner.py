@@ -1,0 +1,102 @@
+"""Torch runners: the bf16/fp32 reference (``TorchRunner``) and their shared machinery.
+
+The feed is ``{"input_ids": int64 [B, T], "attention_mask": int64 [B, T]}`` (numpy); the
+output is ``{"logits": float32 [B, T, V]}`` (``[B, C]`` for classifiers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fp8export.errors import Fp8ExportError
+from fp8export.runners.base import Runner
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+          "fp16": "float16", "float16": "float16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    key = str(name).lower()
+    if key not in DTYPES:
+        raise Fp8ExportError(f"dtype {name!r} is unknown; use bf16, fp16 or fp32.")
+    return getattr(torch, DTYPES[key])
+
+
+def resolve_device(device: str | None) -> str:
+    """"auto" → "cuda" when a GPU is visible else "cpu"; "cuda" without a GPU is an error."""
+    import torch
+
+    dev = str(device or "auto").lower()
+    if dev == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp8ExportError("--device cuda was requested but no CUDA GPU is visible to torch "
+                             "on this machine. Use --device cpu (or auto), or run on a GPU host.")
+    if dev != "cpu" and not dev.startswith("cuda"):
+        raise Fp8ExportError(f"--device {device!r} is unknown; use auto, cpu or cuda.")
+    return dev
+
+
+class TorchModelRunner(Runner):
+    """A runner around a torch module built in ``_build()``; subclasses say how to build it."""
+
+    def __init__(self, path: str | Path, *, dtype: str = "bf16", device: str = "auto",
+                 name: str | None = None):
+        super().__init__(name)
+        self.path = Path(path)
+        self.dtype_name = str(dtype)
+        self.device_name = device
+        self.model = None
+        self.config: dict[str, Any] = {}
+
+    def _build(self):  # -> (model, config)
+        raise NotImplementedError
+
+    def _activate(self) -> None:
+        self.device = resolve_device(self.device_name)
+        self.dtype = torch_dtype(self.dtype_name)
+        self.model, self.config = self._build()
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        if "input_ids" not in feed:
+            raise Fp8ExportError(f"runner {self.name}: feed needs 'input_ids', got {list(feed)}")
+        ids = torch.as_tensor(np.asarray(feed["input_ids"]), dtype=torch.long, device=self.device)
+        kwargs = {"input_ids": ids}
+        if feed.get("attention_mask") is not None:
+            kwargs["attention_mask"] = torch.as_tensor(np.asarray(feed["attention_mask"]),
+                                                       dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(**kwargs, use_cache=False) if self._takes_cache() else \
+                self.model(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return {"logits": logits.float().cpu().numpy()}
+
+    def _takes_cache(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "use_cache", False))
+
+    def _deactivate(self) -> None:
+        self.model = None
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update(path=str(self.path), dtype=self.dtype_name,
+                 device=getattr(self, "device", self.device_name))
+        return d
+
+
+class TorchRunner(TorchModelRunner):
+    """The reference: the checkpoint in bf16 (or fp32) through ``fp8export.models.load_model``."""
+
+    backend = "torch"
+
+    def _build(self):
+        from fp8export.models import load_model
+
+        return load_model(self.path, dtype=self.dtype, device=self.device)

@@ -1,0 +1,107 @@
+"""Which runner a path needs: detection of the candidate kind, and the reference runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fp8export.errors import Fp8ExportError
+from fp8export.runners.base import Runner
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+KINDS_HINT = ("Give an FP8 folder written by `fp8export convert` (has fp8export.json), an "
+              "ONNX file (.onnx, from `fp8export export-onnx`), a TensorRT engine "
+              "(.engine/.plan, from `fp8export build-engine`), or an unquantized Hugging Face "
+              "folder (config.json + weights).")
+
+
+def candidate_kind(path: Path) -> str:
+    """"fp8-folder", "onnx", "engine" or "hf-folder"; Fp8ExportError for anything else."""
+    p = Path(path)
+    if not p.exists():
+        raise Fp8ExportError(f"{p}: no such candidate file or folder. {KINDS_HINT}")
+    if p.is_dir():
+        if (p / "fp8export.json").is_file():
+            return "fp8-folder"
+        cfg = p / "config.json"
+        if cfg.is_file():
+            try:
+                qc = json.loads(cfg.read_text()).get("quantization_config")
+            except (json.JSONDecodeError, AttributeError):
+                raise Fp8ExportError(f"{cfg}: not a valid config.json.") from None
+            if qc:
+                raise Fp8ExportError(
+                    f"{p}: a quantized folder without fp8export.json (written by another tool, "
+                    f"quant_method {qc.get('quant_method')!r}); verify runs FP8 folders written "
+                    "by `fp8export convert`. Convert the bf16 checkpoint with fp8export, or "
+                    "export it to ONNX.")
+            return "hf-folder"
+        raise Fp8ExportError(f"{p}: folder has neither fp8export.json nor config.json. "
+                             f"{KINDS_HINT}")
+    suffix = p.suffix.lower()
+    if suffix == ".onnx":
+        return "onnx"
+    if suffix in ENGINE_SUFFIXES:
+        return "engine"
+    raise Fp8ExportError(f"{p}: unknown candidate kind (suffix {p.suffix!r}). {KINDS_HINT}")
+
+
+_BACKEND_OF = {"fp8-folder": "torch", "hf-folder": "torch", "onnx": "onnxruntime",
+               "engine": "tensorrt"}
+
+
+def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
+                   dtype: str = "bf16", fp8_mode: str = "auto") -> Runner:
+    """The runner for ``path`` (not yet activated); ``backend`` must fit the kind when given."""
+    kind = candidate_kind(path)
+    natural = _BACKEND_OF[kind]
+    backend = str(backend)
+    if backend not in ("auto", natural):
+        raise Fp8ExportError(f"{path}: --backend {backend} cannot run a {kind} candidate; it "
+                             f"runs with --backend {natural} (or auto).")
+    if kind == "fp8-folder":
+        from fp8export.runners.torch_fp8_runner import TorchFp8Runner
+
+        return TorchFp8Runner(path, dtype=dtype, device=device, mode=fp8_mode, name="candidate")
+    if kind == "hf-folder":
+        from fp8export.runners.torch_runner import TorchRunner
+
+        return TorchRunner(path, dtype=dtype, device=device, name="candidate")
+    if kind == "onnx":
+        try:
+            from fp8export.runners.ort_runner import OrtRunner
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("fp8export"):
+                raise Fp8ExportError("this fp8export build has no onnxruntime runner yet; "
+                                     "verify the FP8 folder instead.") from exc
+            raise
+        return OrtRunner(path)
+    # TensorRT: the runner imports tensorrt lazily and checks the GPU in activate().
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        raise Fp8ExportError(
+            f"{path}: a TensorRT engine, but TensorRT is not installed here, so it cannot run. "
+            "Install it (pip install 'fp8export[tensorrt]', TensorRT 10.x/11.x from NVIDIA's "
+            "index) on the GPU machine the engine was built for, or verify the FP8 folder or "
+            "its ONNX on this machine instead.")
+    from fp8export.runners.trt_runner import TrtRunner
+
+    return TrtRunner(path)
+
+
+def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto") -> Runner:
+    """The torch reference runner; the reference must be an unquantized checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise Fp8ExportError(f"{p}: no such reference checkpoint. Give the bf16/fp32 model the "
+                             "candidate was converted from (a Hugging Face folder).")
+    if p.is_dir() and (p / "fp8export.json").is_file():
+        raise Fp8ExportError(f"{p}: the reference is an FP8 folder; the reference must be the "
+                             "original high-precision checkpoint (swap the two arguments?).")
+    if p.suffix.lower() in (".onnx",) + ENGINE_SUFFIXES:
+        raise Fp8ExportError(f"{p}: the reference must be a torch checkpoint (a Hugging Face "
+                             "folder), not an ONNX graph or an engine.")
+    from fp8export.runners.torch_runner import TorchRunner
+
+    return TorchRunner(p, dtype=dtype, device=device, name="reference")

@@ -1,0 +1,71 @@
+"""``VerifyConfig``: the options of ``fp8export verify`` as one frozen value."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from fp8export.config import Device, StrEnum
+from fp8export.errors import Fp8ExportError
+
+
+class Backend(StrEnum):
+    """How the candidate runs (``verify --backend``); auto picks from the path."""
+
+    AUTO = "auto"
+    TORCH = "torch"  # FP8 folder through the torch FP8 runtime, or a plain HF folder
+    ONNXRUNTIME = "onnxruntime"
+    TENSORRT = "tensorrt"
+
+
+class RefDtype(StrEnum):
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Options of ``fp8export verify REFERENCE CANDIDATE`` (DESIGN.md, CLI contract).
+
+    ``samples``/``seq_len`` bound the data; ``fp8_mode`` picks the torch FP8 path
+    ("auto": ``torch._scaled_mm`` on compute capability >= 8.9, emulation elsewhere).
+    """
+
+    reference: Path
+    candidate: Path
+    data: Path | None = None
+    thresholds: str = "default"  # preset name or a .yaml/.yml/.json file
+    report_dir: Path = Path("fp8export-report")
+    backend: Backend = Backend.AUTO
+    reference_dtype: RefDtype = RefDtype.BF16
+    samples: int | None = None
+    batch_size: int = 4
+    seq_len: int | None = 128
+    per_layer: bool = False
+    device: Device = Device.AUTO
+    fp8_mode: str = "auto"
+    write_reports: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        for name in ("reference", "candidate", "report_dir"):
+            object.__setattr__(self, name, Path(getattr(self, name)))
+        if self.data is not None:
+            object.__setattr__(self, "data", Path(self.data))
+        for name, enum in (("backend", Backend), ("reference_dtype", RefDtype),
+                           ("device", Device)):
+            object.__setattr__(self, name, enum.parse(getattr(self, name),
+                                                      f"--{name.replace('_', '-')}"))
+        for name in ("samples", "batch_size", "seq_len"):
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise Fp8ExportError(f"--{name.replace('_', '-')} must be >= 1, got {v}.")
+        if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
+            raise Fp8ExportError(f"fp8_mode {self.fp8_mode!r} is unknown; use auto, emulate "
+                                 "or scaled_mm.")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra", None)
+        return {k: (str(v) if isinstance(v, (Path, Enum)) else v) for k, v in d.items()}

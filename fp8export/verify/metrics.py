@@ -1,0 +1,206 @@
+"""Logit comparison metrics, per token, per sample and aggregated (padding masked out).
+
+Everything here is pure computation on arrays: :class:`Comparison` takes the reference's and
+the candidate's logits batch by batch and :meth:`Comparison.result` returns plain Python
+numbers and lists (JSON-serialisable). Definitions (``p`` = softmax of the reference,
+``q`` = softmax of the candidate, over the last axis):
+
+* ``kl``: KL(p‖q) = Σ p (log p − log q) in nats, per token; ``kl_mean`` over all valid tokens,
+  ``kl_p99`` its 99th percentile, ``kl_max`` its maximum.
+* ``cosine``: cosine similarity of a sample's valid logits flattened; ``cosine_mean`` and
+  ``cosine_min`` over samples (``cosine_token_min`` is the worst single position).
+* ``rel_l2`` = ‖ref − cand‖₂ / ‖ref‖₂ over all valid logits; ``max_abs`` = max |ref − cand|.
+* ``top1_agreement``: fraction of valid positions where both argmaxes agree;
+  ``top5_overlap``: mean |top5(ref) ∩ top5(cand)| / 5.
+* causal LMs: ``ppl_reference`` / ``ppl_candidate`` = exp(mean next-token NLL) over positions
+  whose next token is real (not padding); ``ppl_ratio`` = candidate / reference.
+* sequence labels: ``accuracy_reference`` / ``accuracy_candidate`` and ``accuracy_drop``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp8export.errors import Fp8ExportError
+
+SCATTER_POINTS = 20000  # logit pairs kept for the scatter plot
+
+
+def token_metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position metrics of ``[N, V]`` logit rows (float64 inside). Returns tensors [N]."""
+    r = ref.to(torch.float64)
+    c = cand.to(torch.float64)
+    lp = torch.log_softmax(r, dim=-1)
+    lq = torch.log_softmax(c, dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # rounding can give -1e-17
+    cos = torch.nn.functional.cosine_similarity(r, c, dim=-1, eps=1e-30)
+    top1 = (r.argmax(-1) == c.argmax(-1)).to(torch.float64)
+    k = min(5, r.shape[-1])
+    tr = r.topk(k, dim=-1).indices
+    tc = c.topk(k, dim=-1).indices
+    overlap = (tr.unsqueeze(-1) == tc.unsqueeze(-2)).any(-1).sum(-1).to(torch.float64) / k
+    return {"kl": kl, "cosine": cos, "top1": top1, "top5": overlap}
+
+
+def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample sum of next-token NLL and count of scored positions ([B] each).
+
+    Position t predicts token t+1; it is scored when both t and t+1 are real tokens.
+    """
+    lp = torch.log_softmax(logits[:, :-1].to(torch.float64), dim=-1)
+    target = input_ids[:, 1:]
+    valid = (mask[:, :-1] > 0) & (mask[:, 1:] > 0)
+    nll = -lp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    nll = torch.where(valid, nll, torch.zeros_like(nll))
+    return nll.sum(-1), valid.sum(-1)
+
+
+class Comparison:
+    """Accumulates the comparison of two runners' logits over batches.
+
+    Args:
+        causal: score perplexity (next-token NLL) of both models.
+        seed: seed of the subsample kept for the logit scatter plot.
+    """
+
+    def __init__(self, *, causal: bool, seed: int = 0):
+        self.causal = causal
+        self._rng = np.random.default_rng(seed)
+        self._tok: dict[str, list[np.ndarray]] = {"kl": [], "cosine": [], "top1": [], "top5": []}
+        self.per_sample: list[dict[str, Any]] = []
+        self._err_sq = 0.0
+        self._ref_sq = 0.0
+        self._max_abs = 0.0
+        self._nll = [0.0, 0.0]
+        self._nll_count = 0
+        self._correct = [0, 0]
+        self._labelled = 0
+        self._scatter: list[np.ndarray] = []
+        self.vocab: int | None = None
+
+    def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray, *,
+            attention_mask: np.ndarray | None = None, input_ids: np.ndarray | None = None,
+            labels: np.ndarray | None = None, indices: tuple[int, ...] | None = None) -> None:
+        """Add one batch: logits ``[B, T, V]`` (or ``[B, C]`` for classifiers)."""
+        ref = torch.as_tensor(np.asarray(ref_logits, dtype=np.float32))
+        cand = torch.as_tensor(np.asarray(cand_logits, dtype=np.float32))
+        if ref.shape != cand.shape:
+            raise Fp8ExportError(
+                f"reference logits have shape {tuple(ref.shape)} but the candidate's have "
+                f"{tuple(cand.shape)}: the two are not the same model (vocabulary or head size "
+                "differ). Verify a candidate converted from this reference."
+            )
+        if ref.dim() == 2:  # classifier [B, C]: one position per sample
+            ref, cand = ref.unsqueeze(1), cand.unsqueeze(1)
+            mask = torch.ones(ref.shape[:2], dtype=torch.long)
+        else:
+            mask = (torch.ones(ref.shape[:2], dtype=torch.long) if attention_mask is None
+                    else torch.as_tensor(np.asarray(attention_mask)).long())
+        self.vocab = int(ref.shape[-1])
+        b = ref.shape[0]
+        indices = indices if indices is not None else tuple(
+            range(len(self.per_sample), len(self.per_sample) + b))
+        if self.causal and input_ids is not None and ref.shape[1] > 1:
+            ids = torch.as_tensor(np.asarray(input_ids)).long()
+            nll_r, cnt = next_token_nll(ref, ids, mask)
+            nll_c, _ = next_token_nll(cand, ids, mask)
+        else:
+            nll_r = nll_c = cnt = None
+        for i in range(b):
+            valid = mask[i] > 0
+            r, c = ref[i][valid], cand[i][valid]
+            if r.shape[0] == 0:
+                continue
+            tm = token_metrics(r, c)
+            for k, v in tm.items():
+                self._tok[k].append(v.numpy())
+            r64, c64 = r.to(torch.float64), c.to(torch.float64)
+            err = c64 - r64
+            esq, rsq = float((err * err).sum()), float((r64 * r64).sum())
+            mabs = float(err.abs().max())
+            self._err_sq += esq
+            self._ref_sq += rsq
+            self._max_abs = max(self._max_abs, mabs) if math.isfinite(mabs) else math.nan
+            rn, cn = float(r64.norm()), float(c64.norm())
+            cos = float((r64 * c64).sum()) / (rn * cn) if rn and cn else float(rn == cn)
+            row = {"index": int(indices[i]), "tokens": int(valid.sum()),
+                   "cosine": cos, "rel_l2": math.sqrt(esq / rsq) if rsq else math.inf,
+                   "max_abs": mabs, "kl_mean": float(tm["kl"].mean()),
+                   "top1_agreement": float(tm["top1"].mean())}
+            if nll_r is not None and int(cnt[i]) > 0:
+                n = int(cnt[i])
+                row["ppl_reference"] = math.exp(float(nll_r[i]) / n)
+                row["ppl_candidate"] = math.exp(float(nll_c[i]) / n)
+                self._nll[0] += float(nll_r[i])
+                self._nll[1] += float(nll_c[i])
+                self._nll_count += n
+            if labels is not None and np.asarray(labels).ndim == 1:
+                lab = int(np.asarray(labels)[i])
+                pr, pc = int(r[-1].argmax()), int(c[-1].argmax())
+                row.update(label=lab, pred_reference=pr, pred_candidate=pc)
+                self._correct[0] += int(pr == lab)
+                self._correct[1] += int(pc == lab)
+                self._labelled += 1
+            self.per_sample.append(row)
+            self._keep_scatter(r, c)
+
+    def _keep_scatter(self, r: torch.Tensor, c: torch.Tensor) -> None:
+        kept = sum(len(s) for s in self._scatter)
+        room = SCATTER_POINTS - kept
+        if room <= 0:
+            return
+        flat_r, flat_c = r.reshape(-1).numpy(), c.reshape(-1).numpy()
+        take = min(room, max(1, SCATTER_POINTS // 16), flat_r.size)
+        idx = self._rng.choice(flat_r.size, size=take, replace=False)
+        self._scatter.append(np.stack([flat_r[idx], flat_c[idx]], axis=1))
+
+    @property
+    def samples(self) -> int:
+        return len(self.per_sample)
+
+    def result(self) -> dict[str, Any]:
+        """``{"metrics": {...}, "per_sample": [...], "distributions": {...}}`` (plain types)."""
+        if not self.per_sample:
+            raise Fp8ExportError("no sample had any real (unmasked) token, so there is nothing "
+                                 "to compare. Give data with non-empty samples.")
+        tok = {k: np.concatenate(v) for k, v in self._tok.items()}
+        cos_s = np.array([s["cosine"] for s in self.per_sample])
+        m: dict[str, Any] = {
+            "cosine_mean": _f(cos_s.mean()), "cosine_min": _f(cos_s.min()),
+            "cosine_token_min": _f(tok["cosine"].min()),
+            "rel_l2": _f(math.sqrt(self._err_sq / self._ref_sq) if self._ref_sq else math.inf),
+            "max_abs": _f(self._max_abs),
+            "top1_agreement": _f(tok["top1"].mean()), "top5_overlap": _f(tok["top5"].mean()),
+            "kl_mean": _f(tok["kl"].mean()), "kl_p99": _f(np.percentile(tok["kl"], 99)),
+            "kl_max": _f(tok["kl"].max()), "tokens": int(tok["kl"].size),
+        }
+        if self._nll_count:
+            pr = math.exp(self._nll[0] / self._nll_count)
+            pc = math.exp(self._nll[1] / self._nll_count)
+            m.update(ppl_reference=_f(pr), ppl_candidate=_f(pc), ppl_ratio=_f(pc / pr),
+                     ppl_tokens=self._nll_count)
+        if self._labelled:
+            ar, ac = self._correct[0] / self._labelled, self._correct[1] / self._labelled
+            m.update(accuracy_reference=ar, accuracy_candidate=ac, accuracy_drop=ar - ac)
+        scatter = np.concatenate(self._scatter) if self._scatter else np.zeros((0, 2))
+        return {
+            "metrics": m,
+            "per_sample": self.per_sample,
+            "distributions": {"kl": _finite_list(tok["kl"]),
+                              "scatter_reference": _finite_list(scatter[:, 0]),
+                              "scatter_candidate": _finite_list(scatter[:, 1])},
+        }
+
+
+def _f(x) -> float:
+    return float(x)
+
+
+def _finite_list(a: np.ndarray) -> list[float]:
+    a = np.asarray(a, dtype=np.float64)
+    return [float(v) for v in a[np.isfinite(a)]]

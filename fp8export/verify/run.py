@@ -1,0 +1,161 @@
+"""``verify(cfg)``: run reference and candidate on the same inputs, compare, report, gate.
+
+Stages, each producing plain data: inputs (data.py) → outputs of two runners (runners/) →
+comparison (metrics.py) and per-layer attribution (per_layer.py) → checks (thresholds.py) →
+reports (report.py). Bad input raises Fp8ExportError before any comparison; a candidate that
+misses its thresholds raises VerificationFailed *after* the reports are written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fp8export._progress import info, progress
+from fp8export.errors import Fp8ExportError, VerificationFailed
+from fp8export.verify.config import VerifyConfig
+
+
+@dataclass
+class VerifyResult:
+    """Everything verify found; ``to_dict()`` is JSON-serialisable (report.json is its subset)."""
+
+    passed: bool
+    backend: str
+    samples: int
+    metrics: dict[str, Any]
+    thresholds: dict[str, dict[str, float]]
+    failures: list[dict[str, Any]]
+    checks: list[dict[str, Any]]
+    per_layer: list[dict[str, Any]] | None
+    thresholds_source: str
+    reference: dict[str, Any]
+    candidate: dict[str, Any]
+    data: dict[str, Any]
+    task: str
+    notes: list[str] = field(default_factory=list)
+    per_sample: list[dict[str, Any]] = field(default_factory=list)
+    distributions: dict[str, list[float]] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+    reports: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first_output(out: dict, who: str):
+    if "logits" in out:
+        return out["logits"]
+    if len(out) == 1:
+        return next(iter(out.values()))
+    raise Fp8ExportError(f"{who} returned outputs {sorted(out)} and none is named 'logits'; "
+                         "export the model with a 'logits' output.")
+
+
+def _check_same_model(ref_cfg: dict, cand_runner, reference, candidate) -> None:
+    cand_cfg = getattr(cand_runner, "config", None) or {}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "model_type"):
+        a, b = ref_cfg.get(key), cand_cfg.get(key)
+        if a is not None and b is not None and a != b:
+            raise Fp8ExportError(
+                f"reference {reference} and candidate {candidate} are different models: "
+                f"{key} is {a!r} vs {b!r}. Verify the candidate against the checkpoint it was "
+                "converted from.")
+
+
+def verify(cfg: VerifyConfig) -> VerifyResult:
+    """Compare ``cfg.candidate`` against ``cfg.reference``; write reports; gate on thresholds.
+
+    Returns:
+        VerifyResult (passed).
+    Raises:
+        Fp8ExportError: bad input or environment (exit 1).
+        VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult and the
+            reports are already on disk.
+    """
+    from fp8export.models import task_of
+    from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
+    from fp8export.verify.data import load_verify_samples
+    from fp8export.verify.metrics import Comparison
+    from fp8export.verify.thresholds import evaluate, load_thresholds
+
+    t0 = time.perf_counter()
+    thr_source, thresholds = load_thresholds(cfg.thresholds)
+    kind = candidate_kind(cfg.candidate)
+    ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
+                                device=str(cfg.device))
+    cand_runner = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
+                                 dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
+                                 fp8_mode=cfg.fp8_mode)
+    notes: list[str] = []
+    per_layer = None
+    with ref_runner, cand_runner:
+        t_load = time.perf_counter() - t0
+        ref_cfg = ref_runner.config
+        _check_same_model(ref_cfg, cand_runner, cfg.reference, cfg.candidate)
+        task = task_of(ref_cfg)
+        samples, data_info = load_verify_samples(cfg.data, cfg.reference, ref_cfg,
+                                                 samples=cfg.samples, seq_len=cfg.seq_len)
+        if data_info.get("note"):
+            notes.append(data_info["note"])
+            info(data_info["note"])
+        probe = None
+        if cfg.per_layer:
+            if kind == "fp8-folder":
+                from fp8export.verify.per_layer import PerLayerProbe
+
+                probe = PerLayerProbe(ref_runner.model, cand_runner.model, cand_runner.manifest)
+            else:
+                notes.append(f"--per-layer needs the FP8 folder as the candidate (got a {kind}); "
+                             "run verify on the FP8 folder for per-layer attribution.")
+        from fp8export.calibration.data import iter_batches, num_batches
+
+        cmp = Comparison(causal=task == "causal-lm")
+        t_ref = t_cand = 0.0
+        try:
+            for batch in progress(iter_batches(samples, cfg.batch_size),
+                                  total=num_batches(samples, cfg.batch_size), desc="verify",
+                                  unit="batch"):
+                feed = {"input_ids": batch.input_ids.numpy(),
+                        "attention_mask": batch.attention_mask.numpy()}
+                if probe is not None:
+                    probe.set_mask(batch.attention_mask)
+                ref_logits = _first_output(ref_runner.infer(feed), "the reference")
+                t_ref += ref_runner.last_inference_time or 0.0
+                cand_logits = _first_output(cand_runner.infer(feed), "the candidate")
+                t_cand += cand_runner.last_inference_time or 0.0
+                labels = batch.labels.numpy() if batch.labels is not None else None
+                cmp.add(ref_logits, cand_logits, attention_mask=feed["attention_mask"],
+                        input_ids=feed["input_ids"], labels=labels, indices=batch.indices)
+        finally:
+            if probe is not None:
+                per_layer = probe.result()
+                probe.close()
+        compared = cmp.result()
+        ref_desc, cand_desc = ref_runner.describe(), cand_runner.describe()
+    for name, reason in (cand_desc.get("fallbacks") or {}).items():
+        notes.append(f"{name}: ran in emulation, not torch._scaled_mm ({reason}).")
+    checks = evaluate(compared["metrics"], thresholds)
+    failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
+                for c in checks if c["status"] == "failed"]
+    result = VerifyResult(
+        passed=not failures, backend=cand_runner.backend, samples=cmp.samples,
+        metrics=compared["metrics"], thresholds=thresholds, failures=failures, checks=checks,
+        per_layer=per_layer, thresholds_source=thr_source, reference=ref_desc,
+        candidate={**cand_desc, "kind": kind}, data=data_info, task=task, notes=notes,
+        per_sample=compared["per_sample"], distributions=compared["distributions"],
+        timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),
+                "candidate_s": round(t_cand, 3),
+                "total_s": round(time.perf_counter() - t0, 3)},
+    )
+    if cfg.write_reports:
+        from fp8export.verify.report import write_reports
+
+        result.reports = write_reports(result.to_dict(), cfg.report_dir)
+    if failures:
+        names = ", ".join(f["message"] for f in failures)
+        worst = f" Worst layer: {per_layer[0]['module']}." if per_layer else ""
+        raise VerificationFailed(f"{len(failures)} of {len(checks)} thresholds failed: {names}."
+                                 f"{worst} Report: {cfg.report_dir}", result)
+    return result

@@ -1,0 +1,143 @@
+"""Pass/fail thresholds: presets, files, and their evaluation against aggregated metrics.
+
+A thresholds spec maps metric names to a bound. The direction is the metric's own (similarity
+metrics have a minimum, error metrics a maximum), so ``{"kl_mean": 0.02}`` means
+``kl_mean <= 0.02``; the explicit form ``{"kl_mean": {"max": 0.02}}`` is accepted too. A file
+may start from a preset and override some bounds: ``{"preset": "default", "kl_mean": 0.01}``.
+The reasoning behind each preset is in docs/verify.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fp8export.errors import Fp8ExportError
+
+#: metric -> "min" (higher is better: bound is a minimum) or "max" (bound is a maximum)
+DIRECTIONS = {
+    "cosine_mean": "min", "cosine_min": "min", "cosine_token_min": "min",
+    "top1_agreement": "min", "top5_overlap": "min",
+    "rel_l2": "max", "max_abs": "max",
+    "kl_mean": "max", "kl_p99": "max", "kl_max": "max",
+    "ppl_ratio": "max", "accuracy_drop": "max",
+}
+
+PRESETS: dict[str, dict[str, float]] = {
+    # Near-lossless: what a healthy FP8 conversion of a well-conditioned model reaches.
+    "strict": {"cosine_mean": 0.998, "cosine_min": 0.995, "top1_agreement": 0.97,
+               "top5_overlap": 0.93, "kl_mean": 0.005, "kl_p99": 0.05, "ppl_ratio": 1.01,
+               "accuracy_drop": 0.005},
+    # The gate: a healthy per-tensor E4M3 conversion passes, one broken layer fails.
+    "default": {"cosine_mean": 0.995, "cosine_min": 0.99, "top1_agreement": 0.92,
+                "top5_overlap": 0.85, "kl_mean": 0.02, "kl_p99": 0.2, "ppl_ratio": 1.05,
+                "accuracy_drop": 0.01},
+    # For small or hard-to-quantize models where some drift is accepted.
+    "loose": {"cosine_mean": 0.98, "cosine_min": 0.95, "top1_agreement": 0.85,
+              "top5_overlap": 0.75, "kl_mean": 0.08, "kl_p99": 0.8, "ppl_ratio": 1.15,
+              "accuracy_drop": 0.03},
+}
+
+
+def _valid_names() -> str:
+    return ", ".join(sorted(DIRECTIONS))
+
+
+def normalize(spec: dict[str, Any], source: str) -> dict[str, dict[str, float]]:
+    """``{metric: {"op": "min"|"max", "value": float}}`` from a spec; raises on unknown names."""
+    out: dict[str, dict[str, float]] = {}
+    spec = dict(spec)
+    base = spec.pop("preset", None)
+    if base is not None:
+        out.update(normalize(preset(str(base)), f"preset {base}"))
+    for name, bound in spec.items():
+        if name not in DIRECTIONS:
+            raise Fp8ExportError(f"{source}: unknown metric {name!r} in thresholds; valid "
+                                 f"metrics are: {_valid_names()} (and 'preset').")
+        op = DIRECTIONS[name]
+        if isinstance(bound, dict):
+            if set(bound) - {"min", "max"} or len(bound) != 1:
+                raise Fp8ExportError(f"{source}: threshold for {name} must be a number or "
+                                     f"{{'{op}': number}}, got {bound!r}.")
+            given_op, bound = next(iter(bound.items()))
+            if given_op != op:
+                raise Fp8ExportError(f"{source}: {name} takes a '{op}' bound (its direction), "
+                                     f"not '{given_op}'.")
+        if bound is None:
+            out.pop(name, None)  # `kl_p99: null` drops a preset's bound
+            continue
+        try:
+            value = float(bound)
+        except (TypeError, ValueError):
+            raise Fp8ExportError(f"{source}: threshold for {name} must be a number, got "
+                                 f"{bound!r}.") from None
+        if math.isnan(value):
+            raise Fp8ExportError(f"{source}: threshold for {name} is NaN.")
+        out[name] = {"op": op, "value": value}
+    return out
+
+
+def preset(name: str) -> dict[str, float]:
+    if name not in PRESETS:
+        raise Fp8ExportError(f"unknown thresholds preset {name!r}; use one of "
+                             f"{', '.join(PRESETS)} or a .yaml/.json file.")
+    return dict(PRESETS[name])
+
+
+def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, float]]]:
+    """Resolve ``--thresholds``: a preset name, a ``.yaml``/``.yml``/``.json`` file, or a dict.
+
+    Returns ``(label, thresholds)`` with ``thresholds`` normalized (see :func:`normalize`).
+    """
+    if isinstance(spec, dict):
+        return "custom", normalize(spec, "thresholds")
+    text = str(spec)
+    if text in PRESETS:
+        return text, normalize(PRESETS[text], f"preset {text}")
+    p = Path(text)
+    if p.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise Fp8ExportError(f"--thresholds {text!r} is neither a preset ({', '.join(PRESETS)}) "
+                             "nor a .yaml/.yml/.json file.")
+    if not p.is_file():
+        raise Fp8ExportError(f"{p}: no such thresholds file.")
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(p.read_text())
+        else:
+            import yaml
+
+            data = yaml.safe_load(p.read_text())
+    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError, reported alike
+        raise Fp8ExportError(f"{p}: cannot parse thresholds file ({exc}).") from exc
+    if not isinstance(data, dict) or not data:
+        raise Fp8ExportError(f"{p}: thresholds file must be a mapping of metric: bound, e.g. "
+                             "{kl_mean: 0.02, top1_agreement: 0.9}.")
+    return str(p), normalize(data, str(p))
+
+
+def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]]
+             ) -> list[dict[str, Any]]:
+    """One check per threshold: ``{metric, op, threshold, value, status, message}``.
+
+    ``status`` is "passed", "failed", or "skipped" (the metric does not apply here, e.g.
+    perplexity of a classifier). A NaN or missing-but-applicable value fails.
+    """
+    checks = []
+    for name, t in thresholds.items():
+        op, bound = t["op"], t["value"]
+        value = metrics.get(name)
+        sym = ">=" if op == "min" else "<="
+        check = {"metric": name, "op": op, "threshold": bound, "value": value,
+                 "name": f"{name} {sym} {bound:g}"}
+        if value is None:
+            check.update(status="skipped", message=f"{name} does not apply to this model/data")
+        else:
+            v = float(value)
+            ok = (v >= bound) if op == "min" else (v <= bound)
+            ok = ok and not math.isnan(v)
+            check.update(status="passed" if ok else "failed",
+                         message=f"{name} = {v:.6g} (needs {sym} {bound:g})")
+        checks.append(check)
+    return checks
