@@ -1,0 +1,322 @@
+"""``export-onnx``: FP8 folder → standard ONNX Q/DQ graph (issue 5, DESIGN.md "ONNX profile").
+
+Steps: read and validate the FP8 folder (:mod:`fp8export.onnx.fp8dir`); build the transformers
+model from its config.json with the dequantized weights; trace it with torch's ONNX exporter
+(dynamic batch and sequence, no KV cache); rewrite every quantized linear into the FP8 Q/DQ
+pattern (:mod:`fp8export.onnx.qdq`); check the result with ``onnx.checker`` (full check) and our
+TensorRT-rule checker (:mod:`fp8export.onnx.check`); write it atomically.
+
+Exporter choice: the dynamo exporter (``torch.onnx.export(..., dynamo=True)``, torch.export +
+onnxscript). Tried on Llama with transformers 5.23 and torch 2.13, both exporters trace with
+dynamic batch/sequence axes and match eager logits, but only the dynamo one
+
+* is the maintained path (the TorchScript exporter is deprecated since torch 2.9),
+* emits opset 21/23 directly (TorchScript stops at opset 20; we would need the version
+  converter for Q/DQ's opset-21 semantics),
+* records, on every node, the module that produced it (``pkg.torch.onnx.name_scopes``), so each
+  quantized linear binds to its MatMul by provenance, not only by content,
+* folds the ``weight.T`` of ``nn.Linear`` into a pre-transposed ``[in, out]`` initializer, so
+  the graph already has the "no Transpose between DQ and MatMul" shape TensorRT wants.
+
+Known difference: for a query position whose attention mask row is all zeros (left padding),
+the dynamo graph's logits differ from eager torch's (both are meaningless there; every
+unmasked position matches to ~1e-7 in fp32). Compare logits on unmasked positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8export.config import StrEnum
+from fp8export.errors import Fp8ExportError
+
+DEFAULT_OPSET = 21
+BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale type decoupled)
+MIN_OPSET, MAX_OPSET = 21, 23
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; leave headroom
+INPUT_NAMES = ("input_ids", "attention_mask")
+
+
+class OnnxDtype(StrEnum):
+    """Activation dtype of the exported graph (``--dtype``)."""
+
+    FP16 = "fp16"
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}[self.value]
+
+
+@dataclass(frozen=True)
+class ExportOnnxConfig:
+    """Options of ``fp8export export-onnx``."""
+
+    fp8_dir: Path
+    output: Path | None = None  # default: sibling "<fp8_dir>.onnx"
+    dtype: OnnxDtype = OnnxDtype.FP16
+    opset: int | None = None  # default 21 (23 for bf16)
+    force: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_dir", Path(self.fp8_dir))
+        if self.output is not None:
+            object.__setattr__(self, "output", Path(self.output))
+        object.__setattr__(self, "dtype", OnnxDtype.parse(self.dtype, "--dtype"))
+        if self.opset is not None and not MIN_OPSET <= int(self.opset) <= MAX_OPSET:
+            raise Fp8ExportError(
+                f"--opset {self.opset}: supported opsets are {MIN_OPSET}..{MAX_OPSET} (FP8 Q/DQ "
+                "needs >= 19; the profile uses 21, or 23 for bf16 with fp32 scales). Use --opset 21.")
+
+    @property
+    def resolved_output(self) -> Path:
+        if self.output is not None:
+            return self.output
+        return self.fp8_dir.parent / f"{self.fp8_dir.name}.onnx"
+
+    @property
+    def resolved_opset(self) -> int:
+        if self.opset is not None:
+            return int(self.opset)
+        return BF16_OPSET if self.dtype is OnnxDtype.BF16 else DEFAULT_OPSET
+
+
+@dataclass
+class ExportResult:
+    """What ``export_onnx`` wrote and what TensorRT will make of it (JSON-serialisable)."""
+
+    output: Path
+    external_data: Path | None
+    dtype: str
+    opset: int
+    ir_version: int
+    file_bytes: int
+    seconds: float
+    fp8_gemms: list[str]  # quantized linears TensorRT can run in FP8
+    sixteen_bit: dict[str, str]  # quantized linears it will run in 16-bit, with the reason
+    output_name: str
+    check: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": str(self.output),
+            "external_data": str(self.external_data) if self.external_data else None,
+            "dtype": self.dtype, "opset": self.opset, "ir_version": self.ir_version,
+            "file_bytes": self.file_bytes, "seconds": round(self.seconds, 3),
+            "fp8_gemms": list(self.fp8_gemms), "sixteen_bit": dict(self.sixteen_bit),
+            "output_name": self.output_name, "check": self.check, "notes": list(self.notes),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# tracing
+
+def build_torch_model(folder, dtype):
+    """The transformers model of ``folder`` (an Fp8Folder) holding its dequantized weights."""
+    import torch
+
+    from fp8export.models import empty_model
+
+    model = empty_model(folder.config, folder.path, dtype=dtype)
+    state = folder.model_state(dtype)
+    expected = model.state_dict()
+    loadable = {}
+    for name, t in state.items():
+        if name not in expected:
+            continue
+        if tuple(expected[name].shape) != tuple(t.shape):
+            raise Fp8ExportError(
+                f"{folder.path}: tensor {name} has shape {tuple(t.shape)} but the architecture in "
+                f"config.json expects {tuple(expected[name].shape)}. Re-run `fp8export convert`.")
+        loadable[name] = t
+    missing = [k for k in expected if k not in loadable
+               and not k.endswith(("inv_freq", "position_ids", "lm_head.weight", "decoder.weight"))]
+    if missing:
+        raise Fp8ExportError(
+            f"{folder.path}: {len(missing)} weights the architecture needs are missing, e.g. "
+            f"{missing[:3]}. The FP8 folder does not match its config.json.")
+    model.load_state_dict(loadable, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model.eval().requires_grad_(False).to(torch.device("cpu"))
+
+
+def _wrapper(model):
+    import torch
+
+    class _Logits(torch.nn.Module):
+        """input_ids, attention_mask -> logits (or last hidden state); no KV cache."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner  # name scopes start with "model.": qdq strips it
+
+        def forward(self, input_ids, attention_mask):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            return out.logits if getattr(out, "logits", None) is not None \
+                else out.last_hidden_state
+
+    return _Logits(model)
+
+
+def torch_export(folder, dtype: OnnxDtype, opset: int):
+    """Trace the model of ``folder`` to an ``onnx.ModelProto`` (dequantized weights, no Q/DQ).
+
+    Returns ``(model_proto, output_name)``. The ``model.`` prefix of the node name scopes is the
+    wrapper's; :func:`fp8export.onnx.qdq.module_of` strips it.
+    """
+    import torch
+
+    model = build_torch_model(folder, dtype.torch_dtype)
+    wrapped = _wrapper(model)
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, max(vocab, 2), (2, 8), generator=gen, dtype=torch.int64)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        probe = model(input_ids=ids, attention_mask=mask)
+    output_name = "logits" if getattr(probe, "logits", None) is not None else "last_hidden_state"
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    arch = (folder.config.get("architectures") or [folder.config.get("model_type", "?")])[0]
+    sink = io.StringIO()
+    try:
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                wrapped, (ids, mask), dynamo=True, opset_version=opset,
+                input_names=list(INPUT_NAMES), output_names=[output_name],
+                dynamic_shapes=dynamic, optimize=True, verbose=False, report=False)
+    except Exception as exc:  # the exporter raises many types; all mean "cannot trace"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise Fp8ExportError(
+            f"{folder.path}: torch.onnx (dynamo) could not trace architecture {arch} with dynamic "
+            f"batch/sequence: {first}. Use a transformers version that supports torch.export for "
+            "this model, or serve the FP8 folder directly (vLLM / the torch FP8 runner).") from exc
+    proto = program.model_proto
+    if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
+        proto.graph.output[0].name = output_name
+    return proto, output_name
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+def _initializer_bytes(proto) -> int:
+    total = 0
+    for t in proto.graph.initializer:
+        total += len(t.raw_data) if t.raw_data else t.ByteSize()
+    return total
+
+
+def strip_metadata(proto) -> None:
+    """Drop per-node exporter metadata (stack traces with local paths) for stable bytes."""
+    for node in proto.graph.node:
+        del node.metadata_props[:]
+        node.doc_string = ""
+    proto.doc_string = ""
+
+
+def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Path, Path | None]:
+    """Save ``proto`` to ``output`` atomically (temp folder + rename), external data > 2 GB.
+
+    ``check_fn(path)`` runs on the temporary file before it is renamed into place; if it raises,
+    nothing is left behind. Returns ``(output, data_path or None)``.
+    """
+    import onnx
+
+    output = Path(output)
+    data_name = output.name + ".data"
+    data_path = output.parent / data_name
+    if output.exists() and not force:
+        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    external = _initializer_bytes(proto) > EXTERNAL_DATA_BYTES
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tmp_model = tmp / output.name
+        if external:
+            onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        else:
+            onnx.save_model(proto, str(tmp_model))
+        if check_fn is not None:
+            check_fn(tmp_model)
+        if external:
+            os.replace(tmp / data_name, data_path)
+        elif data_path.exists() and force:
+            data_path.unlink()  # a stale external-data file from an earlier, larger export
+        os.replace(tmp_model, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output, (data_path if external else None)
+
+
+# --------------------------------------------------------------------------------------------
+
+def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
+    """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
+    import onnx
+
+    from fp8export.onnx.check import check_model
+    from fp8export.onnx.fp8dir import read_fp8_folder
+    from fp8export.onnx.qdq import rewrite_qdq
+
+    start = time.perf_counter()
+    output = cfg.resolved_output
+    if output.exists() and not cfg.force:
+        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
+    if output.suffix != ".onnx":
+        raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
+    folder = read_fp8_folder(cfg.fp8_dir)
+    opset = cfg.resolved_opset
+    proto, output_name = torch_export(folder, cfg.dtype, opset)
+    rewrite = rewrite_qdq(proto, folder.layers, dtype=cfg.dtype.value, opset=opset)
+    strip_metadata(proto)
+    proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} ({cfg.dtype})"
+
+    report_box: dict[str, Any] = {}
+
+    def _check(path: Path) -> None:
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+            raise Fp8ExportError(
+                f"{folder.path}: the exported graph fails onnx.checker ({exc}); this is a bug in "
+                f"fp8export — try --opset {DEFAULT_OPSET} --dtype fp16 and report it.") from exc
+        report = check_model(path)
+        report_box["report"] = report
+        if not report.ok:
+            raise Fp8ExportError(
+                f"{folder.path}: the exported graph breaks TensorRT's FP8 rules, refusing to write "
+                f"it:\n{report.to_text(errors_only=True)}")
+
+    out, data = write_model(proto, output, force=cfg.force, check_fn=_check)
+    report = report_box["report"]
+    size = out.stat().st_size + (data.stat().st_size if data else 0)
+    fp8 = [g.layer for g in report.gemms if g.fp8 and g.layer]
+    sixteen = {g.layer: g.reason for g in report.gemms if not g.fp8 and g.layer}
+    notes = list(rewrite.notes)
+    if sixteen:
+        notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
+                     + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
+    return ExportResult(output=out, external_data=data, dtype=cfg.dtype.value, opset=opset,
+                        ir_version=int(proto.ir_version), file_bytes=size,
+                        seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
+                        output_name=output_name, check=report.to_dict(), notes=notes)

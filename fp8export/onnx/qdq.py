@@ -1,0 +1,305 @@
+"""Rewrite an exported graph into the FP8 Q/DQ pattern TensorRT fuses (DESIGN.md "ONNX profile").
+
+For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)::
+
+    <m>.weight  FLOAT8E4M3FN [in, out] ─▶ DequantizeLinear(<m>.weight_scale, fp8 zp 0, axis=1) ─┐
+    x ─▶ QuantizeLinear(<m>.input_scale, fp8 zp 0, axis=1, saturate=1)                         ├▶ MatMul
+         ─▶ DequantizeLinear(<m>.input_scale, fp8 zp 0, axis=1) ─────────────────────────────────┘
+
+* the weight is the folder's E4M3 bytes, pre-transposed to the orientation the GEMM reads, so no
+  Transpose sits between the DQ and the GEMM (ModelOpt's ``fp8_exporter.py`` does the same);
+* per-tensor (scalar) scales, ``axis`` always written (TensorRT 10.1 defaulted a missing axis to
+  0, later parsers to 1), an all-zero FLOAT8E4M3FN zero point on every Q and DQ (the onnx-tensorrt
+  importer takes the quantized type from the zero point, else ``output_dtype``, else INT8);
+* scale dtype = activation dtype; at opset >= 23 with bf16 activations the scales stay float32
+  and the DQs carry ``output_dtype`` = bf16 (needs TensorRT >= 10.13);
+* layers without a static ``input_scale`` (dynamic activations) get the weight DQ only: the
+  GEMM then runs in 16-bit in TensorRT, and the checker says so.
+
+Binding a manifest layer to its GEMM: by provenance first (the dynamo exporter records the module
+path in the node's ``pkg.torch.onnx.name_scopes``), confirmed by content; else by content alone
+(the dequantized weight equals an initializer up to transpose) — the path the Keras export uses.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fp8export.errors import Fp8ExportError
+
+ZERO_POINT = "fp8_zero_point"
+_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+_WRAPPER_PREFIX = "model."
+
+
+@dataclass
+class Binding:
+    layer: str
+    node: object  # onnx.NodeProto (MatMul/Gemm)
+    weight_input: int  # 1 (B) for MatMul/Gemm
+    initializer: str  # name of the float weight initializer now feeding it
+    transpose_node: object | None  # a Transpose(initializer) between, to remove
+    orientation: str  # "in_out" ([K, N]) or "out_in" ([N, K]) as the GEMM reads it
+    how: str  # "provenance" | "content"
+
+
+@dataclass
+class RewriteResult:
+    bound: dict[str, str] = field(default_factory=dict)  # layer -> "provenance" | "content"
+    static: list[str] = field(default_factory=list)  # layers with activation Q/DQ
+    dynamic: list[str] = field(default_factory=list)  # weight-only DQ (16-bit in TensorRT)
+    max_scale_rounding: float = 0.0  # largest relative change from casting scales to the dtype
+    notes: list[str] = field(default_factory=list)
+
+
+def module_of(node, prefix: str = _WRAPPER_PREFIX) -> str | None:
+    """Module path that produced ``node`` (from the dynamo exporter's name scopes), or None."""
+    for prop in node.metadata_props:
+        if prop.key == _SCOPES_KEY:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            if len(scopes) < 2:
+                return None
+            name = scopes[-2]
+            return name[len(prefix):] if prefix and name.startswith(prefix) else name
+    return None
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    return {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[name]
+
+
+def _onnx_dtype(name: str) -> int:
+    from onnx import TensorProto
+
+    return {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16,
+            "bf16": TensorProto.BFLOAT16}[name]
+
+
+def scale_dtype_for(dtype: str, opset: int) -> str:
+    """Scale dtype of the profile: the activation dtype, except fp32 for bf16 at opset >= 23."""
+    return "fp32" if dtype == "bf16" and opset >= 23 else dtype
+
+
+def _weight_source(node, inits: Mapping, producers: Mapping):
+    """(initializer name, transpose node or None) feeding the GEMM's B, or None."""
+    name = node.input[1]
+    if name in inits:
+        return name, None
+    prod = producers.get(name)
+    if prod is not None and prod.op_type == "Transpose" and prod.input[0] in inits:
+        perm = [a.ints for a in prod.attribute if a.name == "perm"]
+        if not perm or list(perm[0]) == [1, 0]:
+            return prod.input[0], prod
+    return None
+
+
+def _orientation(node, transposed: bool) -> str:
+    """How the GEMM reads B: "in_out" ([K, N]) or "out_in" ([N, K])."""
+    trans_b = 0
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+    return "out_in" if bool(trans_b) != transposed else "in_out"
+
+
+def _expected(layer, orientation: str, dtype: str) -> np.ndarray:
+    import torch
+
+    w = layer.weight_out_in.to(torch.float32) * layer.weight_scale  # [out, in]
+    arr = w.numpy().astype(_np_dtype(dtype)).astype(np.float32)
+    return arr.T if orientation == "in_out" else arr
+
+
+def _matches(value: np.ndarray, expected: np.ndarray) -> bool:
+    if value.shape != expected.shape:
+        return False
+    # the initializer is the model parameter itself: equal up to the dtype's rounding
+    atol = 1e-6 * float(np.abs(expected).max() or 1.0)
+    return bool(np.allclose(value.astype(np.float32), expected, rtol=1e-3, atol=atol))
+
+
+def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
+    """Find the MatMul/Gemm of every quantized layer. Raises naming any layer not found."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    candidates = []  # (node, init name, transpose node, orientation)
+    for node in graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+            continue
+        src = _weight_source(node, inits, producers)
+        if src is None or len(inits[src[0]].dims) != 2:
+            continue
+        candidates.append((node, src[0], src[1], _orientation(node, src[1] is not None)))
+    cache: dict[str, np.ndarray] = {}
+
+    def value(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = numpy_helper.to_array(inits[name]).astype(np.float32)
+        return cache[name]
+
+    bindings: dict[str, Binding] = {}
+    used: set[int] = set()
+    # 1) provenance, confirmed by content
+    for i, (node, init, tnode, orient) in enumerate(candidates):
+        layer = layers.get(module_of(node) or "")
+        if layer is None or layer.name in bindings:
+            continue
+        if _matches(value(init), _expected(layer, orient, dtype)):
+            bindings[layer.name] = Binding(layer.name, node, 1, init, tnode, orient, "provenance")
+            used.add(i)
+    # 2) content, for the rest (shape first, then values; ambiguity is an error)
+    for layer in layers.values():
+        if layer.name in bindings:
+            continue
+        hits = []
+        for i, (node, init, tnode, orient) in enumerate(candidates):
+            if i in used:
+                continue
+            exp = _expected(layer, orient, dtype)
+            if tuple(inits[init].dims) == exp.shape and _matches(value(init), exp):
+                hits.append(i)
+        if not hits:
+            raise Fp8ExportError(
+                f"layer {layer.name}: no MatMul/Gemm in the exported graph uses its weight (by "
+                "module name or by content). Exclude it at convert time (--exclude "
+                f"'{layer.name}') or report the architecture.")
+        inits_hit = {candidates[i][1] for i in hits}
+        if len(inits_hit) > 1:
+            raise Fp8ExportError(
+                f"layer {layer.name}: its weight matches {len(inits_hit)} different initializers "
+                "in the graph, so it cannot be bound by content. Exclude it (--exclude).")
+        i = hits[0]
+        node, init, tnode, orient = candidates[i]
+        bindings[layer.name] = Binding(layer.name, node, 1, init, tnode, orient, "content")
+        used.add(i)
+    return bindings
+
+
+def _scale_tensor(name: str, value: float, sdtype: str, layer: str, result: RewriteResult):
+    from onnx import numpy_helper
+
+    cast = np.asarray(value, dtype=np.float32).astype(_np_dtype(sdtype))
+    back = float(cast.astype(np.float32))
+    if not np.isfinite(back) or back <= 0.0:
+        raise Fp8ExportError(
+            f"layer {layer}: scale {value!r} is not representable as a positive {sdtype} "
+            f"(TensorRT needs positive scales of the activation dtype). Export with --dtype fp32, "
+            "or exclude the layer at convert time.")
+    result.max_scale_rounding = max(result.max_scale_rounding, abs(back - value) / value)
+    return numpy_helper.from_array(np.asarray(cast), name)
+
+
+def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteResult:
+    """Rewrite ``model`` (in place) so every layer in ``layers`` uses the FP8 Q/DQ pattern.
+
+    ``layers`` maps module names to :class:`~fp8export.onnx.fp8dir.QuantLayer`. ``dtype`` is
+    the activation dtype ("fp32"|"fp16"|"bf16"), ``opset`` the graph's opset.
+    """
+    import ml_dtypes
+    import torch
+    from onnx import helper, numpy_helper
+
+    if dtype == "bf16" and opset < 23:
+        sdtype = "bf16"
+    else:
+        sdtype = scale_dtype_for(dtype, opset)
+    result = RewriteResult()
+    bindings = bind_layers(model, layers, dtype)
+    graph = model.graph
+    consumers: dict[str, int] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    outputs = {o.name for o in graph.output}
+
+    zp = numpy_helper.from_array(np.zeros((), dtype=ml_dtypes.float8_e4m3fn), ZERO_POINT)
+    new_inits = [zp]
+    out_dtype_attr = {}
+    if sdtype != dtype:  # opset 23: DQ emits the activation dtype from an fp32 scale
+        out_dtype_attr = {"output_dtype": _onnx_dtype(dtype)}
+    remove_inits: set[str] = set()
+    remove_nodes: set[int] = set()
+    insert_before: dict[int, list] = {}
+    act_dq: dict[tuple[str, float], str] = {}
+
+    for name in layers:  # manifest order: deterministic names and node order
+        b = bindings[name]
+        layer = layers[name]
+        gemm = b.node
+        q = layer.weight_out_in.contiguous()  # [out, in] float8
+        raw = q.view(torch.uint8).numpy()
+        raw = raw.T if b.orientation == "in_out" else raw
+        w8 = np.ascontiguousarray(raw).view(ml_dtypes.float8_e4m3fn)
+        w_name, s_name = f"{name}.weight", f"{name}.weight_scale"
+        new_inits.append(numpy_helper.from_array(w8, w_name))
+        new_inits.append(_scale_tensor(s_name, layer.weight_scale, sdtype, name, result))
+        axis = 1 if b.orientation == "in_out" else 0  # output-channel axis of the stored weight
+        nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, ZERO_POINT],
+                                  [f"{name}.weight_dq"], name=f"{name}/weight_dq", axis=axis,
+                                  **out_dtype_attr)]
+        # activation
+        if layer.input_scale is not None:
+            x = gemm.input[0]
+            key = (x, float(layer.input_scale))
+            if key in act_dq:
+                gemm.input[0] = act_dq[key]
+            else:
+                i_name = f"{name}.input_scale"
+                new_inits.append(_scale_tensor(i_name, layer.input_scale, sdtype, name, result))
+                nodes.append(helper.make_node(
+                    "QuantizeLinear", [x, i_name, ZERO_POINT], [f"{name}.input_q"],
+                    name=f"{name}/input_q", axis=1, saturate=1))
+                nodes.append(helper.make_node(
+                    "DequantizeLinear", [f"{name}.input_q", i_name, ZERO_POINT],
+                    [f"{name}.input_dq"], name=f"{name}/input_dq", axis=1, **out_dtype_attr))
+                act_dq[key] = f"{name}.input_dq"
+                gemm.input[0] = f"{name}.input_dq"
+            result.static.append(name)
+        else:
+            result.dynamic.append(name)
+        # weight
+        old = gemm.input[1]
+        gemm.input[1] = f"{name}.weight_dq"
+        consumers[old] -= 1
+        if b.transpose_node is not None and consumers[old] == 0 and old not in outputs:
+            remove_nodes.add(id(b.transpose_node))
+            consumers[b.initializer] -= 1
+        if consumers.get(b.initializer, 0) == 0 and b.initializer not in outputs:
+            remove_inits.add(b.initializer)
+        idx = next(i for i, n in enumerate(graph.node) if n is gemm)
+        insert_before.setdefault(idx, []).extend(nodes)
+        result.bound[name] = b.how
+
+    new_nodes = []
+    for i, n in enumerate(graph.node):
+        new_nodes.extend(insert_before.get(i, []))
+        if id(n) not in remove_nodes:
+            new_nodes.append(n)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    kept = [t for t in graph.initializer if t.name not in remove_inits]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    # value_info for removed tensors would dangle; shape inference rebuilds what is needed
+    vi = [v for v in graph.value_info if v.name not in remove_inits]
+    del graph.value_info[:]
+    graph.value_info.extend(vi)
+    if result.dynamic:
+        result.notes.append(
+            f"{len(result.dynamic)} layer(s) have no static input scale (dynamic activations): "
+            "weight-only DQ, TensorRT will run these in 16-bit: " + ", ".join(result.dynamic))
+    if result.max_scale_rounding > 0:
+        result.notes.append(
+            f"scales stored as {sdtype}: largest relative rounding {result.max_scale_rounding:.2e}")
+    return result

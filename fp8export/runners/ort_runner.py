@@ -1,0 +1,165 @@
+"""onnxruntime runner (and an ``onnx.reference`` runner as an independent slow cross-check).
+
+DESIGN.md "ONNX profile": onnxruntime's CPU provider runs FP8 Q/DQ graphs only in float/float16
+and only at ``ORT_ENABLE_BASIC`` — at the extended level it fuses fp32 Q/DQ+MatMul into
+``MatMulIntegerToFloat``, which has no float8 kernel (reference §5.2, onnxruntime #22269). The
+CPU and CUDA providers have no bf16 QuantizeLinear/DequantizeLinear kernels (reference §5.1), so
+a bf16 graph is refused up front with a message naming ``--dtype`` rather than failing inside
+session creation. The CUDA provider is used when onnxruntime-gpu is installed and a GPU is
+visible; pass ``providers=["CPUExecutionProvider"]`` to force the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fp8export.errors import Fp8ExportError
+from fp8export.runners.base import Runner
+
+_BF16 = 16
+
+
+def graph_uses_bf16(model) -> bool:
+    """True when the graph computes in bfloat16 (inputs/outputs, initializers, casts, Q/DQ)."""
+    g = model.graph
+    for v in (*g.input, *g.output):
+        if v.type.tensor_type.elem_type == _BF16:
+            return True
+    if any(t.data_type == _BF16 for t in g.initializer):
+        return True
+    for n in g.node:
+        for a in n.attribute:
+            if a.name in ("to", "output_dtype") and a.i == _BF16:
+                return True
+    return False
+
+
+def _load_header(path: Path):
+    import onnx
+
+    if not path.is_file():
+        raise Fp8ExportError(f"{path}: no such ONNX file. Export one with `fp8export "
+                             "export-onnx FP8DIR -o model.onnx`.")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise Fp8ExportError(f"{path}: not a readable ONNX model ({exc}).") from exc
+
+
+def _prepare_feed(feed: dict[str, np.ndarray], inputs: dict[str, str], name: str):
+    missing = [k for k in inputs if k not in feed]
+    if missing:
+        raise Fp8ExportError(f"runner {name}: the graph needs inputs {missing}; the feed has "
+                             f"{sorted(feed)}.")
+    out = {}
+    for k, typ in inputs.items():
+        arr = np.asarray(feed[k])
+        if typ == "tensor(int64)" and arr.dtype != np.int64:
+            arr = arr.astype(np.int64)
+        out[k] = arr
+    return out
+
+
+class OrtRunner(Runner):
+    """Run an ONNX graph with onnxruntime. ``providers``: default CUDA if available, else CPU."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None,
+                 name: str | None = None):
+        super().__init__(name)
+        self.path = Path(path)
+        self.requested = list(providers) if providers else None
+        self.session = None
+        self.providers: list[str] = []
+
+    def _choose_providers(self) -> list[str]:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        if self.requested:
+            bad = [p for p in self.requested if p not in available]
+            if bad:
+                raise Fp8ExportError(
+                    f"{self.path}: onnxruntime providers {bad} are not available here (have "
+                    f"{available}). Install onnxruntime-gpu for CUDA, or use the CPU provider.")
+            return self.requested
+        if "CUDAExecutionProvider" in available:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    def _activate(self) -> None:
+        import onnxruntime as ort
+
+        header = _load_header(self.path)
+        providers = self._choose_providers()
+        if graph_uses_bf16(header):
+            raise Fp8ExportError(
+                f"{self.path}: a bf16 graph; onnxruntime's {providers[0]} has no bf16 "
+                "QuantizeLinear/DequantizeLinear kernels. Re-export with `export-onnx --dtype "
+                "fp16` (or fp32) to run it in onnxruntime, or build a TensorRT engine from the "
+                "bf16 graph (`fp8export build-engine`).")
+        opts = ort.SessionOptions()
+        # ORT_ENABLE_BASIC: the extended fusions turn fp32 FP8 Q/DQ+MatMul into
+        # MatMulIntegerToFloat, which has no float8 kernel (DESIGN.md).
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.path), sess_options=opts,
+                                                providers=providers)
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+            raise Fp8ExportError(
+                f"{self.path}: onnxruntime ({', '.join(providers)}) cannot load the graph: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. Check it "
+                "with `fp8export inspect`, or re-export with --dtype fp16 --opset 21.") from exc
+        self.providers = list(self.session.get_providers())
+        self._inputs = {i.name: i.type for i in self.session.get_inputs()}
+        self._outputs = [o.name for o in self.session.get_outputs()]
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        run_feed = _prepare_feed(feed, self._inputs, self.name)
+        values = self.session.run(self._outputs, run_feed)
+        return dict(zip(self._outputs, values))
+
+    def _deactivate(self) -> None:
+        self.session = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": str(self.path), "providers": self.providers,
+                "graph_optimization_level": "ORT_ENABLE_BASIC"}
+
+
+class OnnxReferenceRunner(Runner):
+    """``onnx.reference.ReferenceEvaluator``: numpy, slow, independent of onnxruntime.
+
+    Runs bf16 graphs too (through ml_dtypes). For tests and small graphs only.
+    """
+
+    backend = "onnx-reference"
+
+    def __init__(self, path: str | Path, name: str | None = None):
+        super().__init__(name)
+        self.path = Path(path)
+        self.evaluator = None
+
+    def _activate(self) -> None:
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        _load_header(self.path)
+        model = onnx.load(str(self.path))
+        self.evaluator = ReferenceEvaluator(model)
+        self._inputs = {i.name: ("tensor(int64)" if i.type.tensor_type.elem_type == 7 else "")
+                        for i in model.graph.input}
+        self._outputs = [o.name for o in model.graph.output]
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        run_feed = _prepare_feed(feed, self._inputs, self.name)
+        values = self.evaluator.run(None, run_feed)
+        return dict(zip(self._outputs, values))
+
+    def _deactivate(self) -> None:
+        self.evaluator = None
