@@ -1,0 +1,33 @@
+"""``fp8export inspect PATH``: explain a checkpoint, an FP8 folder or an ONNX graph."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--plot", "plot", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Write a PNG of per-layer weight scale, input scale and SQNR.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print machine-readable JSON instead of the table.")
+def command(path: str, plot: str | None, as_json: bool) -> None:
+    """Table of every tensor of PATH: dtype, shape, amax, scale (amax/448), SQNR.
+
+    PATH is a checkpoint (Hugging Face folder, .safetensors, .pt/.pth/.bin), an FP8 folder
+    written by convert (scales and SQNR from fp8export.json), or a .onnx graph (structural
+    checks). Exits 1 if PATH cannot be read, or if an ONNX graph fails its checks.
+    """
+    import json
+
+    from fp8export import api
+    from fp8export.errors import Fp8ExportError
+
+    result = api.inspect(path, plot=plot, as_json=as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+    else:
+        click.echo(result.to_text())
+    if not result.ok:
+        raise Fp8ExportError(f"{path}: the ONNX graph fails the checks listed above; re-export "
+                             "it with fp8export export-onnx.")

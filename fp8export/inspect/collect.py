@@ -1,0 +1,315 @@
+"""Build an :class:`InspectResult` for a checkpoint, an FP8 folder or an ONNX graph.
+
+Tensors are loaded one at a time and dropped, so inspecting a large checkpoint needs memory for
+one tensor (plus its float32 copy for the round trip), not the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fp8export.checkpoint._paths import read_json
+from fp8export.errors import Fp8ExportError
+from fp8export.inspect.result import InspectResult, TensorRow
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp8export.checkpoint.source import Checkpoint, TensorInfo
+
+MANIFEST = "fp8export.json"
+FLOAT = frozenset({"F64", "F32", "F16", "BF16"})
+FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
+BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+         "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+
+
+def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = False) -> InspectResult:
+    """Describe a checkpoint, an FP8 folder (``convert`` output) or an ONNX graph.
+
+    Args:
+        path: anything ``open_checkpoint`` opens, an FP8 folder, or a ``.onnx`` file.
+        plot: write a PNG of per-layer weight scale, input scale and SQNR there.
+        as_json: accepted so ``api.inspect(path, as_json=True)`` mirrors the CLI; the result is
+            the same either way (call ``to_dict()`` for JSON, ``to_text()`` for the table).
+
+    Returns:
+        An :class:`InspectResult`. Raises Fp8ExportError for unreadable input.
+    """
+    del as_json  # rendering is the caller's choice; see the docstring
+    p = Path(path)
+    if p.suffix.lower() == ".onnx":
+        if plot is not None:
+            raise Fp8ExportError(f"{p}: --plot draws checkpoints and FP8 folders, not ONNX graphs. "
+                                 "Inspect the FP8 folder the graph was exported from instead.")
+        return _inspect_onnx(p)
+    from fp8export.checkpoint.source import open_checkpoint
+
+    manifest = _manifest(p)
+    with open_checkpoint(p) as ck:
+        infos = ck.tensors()
+        if manifest is not None or any(i.dtype in FP8 for i in infos):
+            result = _fp8_folder(ck, infos, manifest)
+        else:
+            result = _checkpoint(ck, infos)
+        result.notes[:0] = list(getattr(ck, "notes", []))
+    if plot is not None:
+        from fp8export.inspect.plot import write_plot
+
+        write_plot(result, Path(plot))
+        result.plot = str(plot)
+    return result
+
+
+# ------------------------------------------------------------------------------- checkpoint
+
+def _targets(ck: Checkpoint, infos: list[TensorInfo],
+             notes: list[str]) -> tuple[dict[str, str | None], dict[str, str]]:
+    """Weights convert would quantize (→ their fused group, or None), and reasons for the rest.
+
+    Uses convert's own selection (:func:`fp8export.checkpoint.select.select_targets`) so the
+    table shows what convert will do; falls back to a plain shape rule if selection refuses.
+    """
+    try:
+        from fp8export.checkpoint.select import select_targets
+    except ImportError:
+        select_targets = None
+    if select_targets is not None:
+        try:
+            sel = select_targets(infos, ck.config)
+            return {t.weight: t.fused_group for t in sel.targets}, dict(sel.excluded)
+        except Fp8ExportError as exc:
+            notes.append(f"convert would refuse this checkpoint as it is: {exc}")
+    notes.append("candidates chosen by the fallback rule: 2-D float '*.weight' tensors")
+    return {i.name: None for i in infos
+            if i.name.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT}, {}
+
+
+def _checkpoint(ck: Checkpoint, infos: list[TensorInfo]) -> InspectResult:
+    from fp8export._progress import progress
+    from fp8export.numerics.fp8 import E4M3_MAX, fake_quantize_e4m3, tensor_amax
+    from fp8export.numerics.metrics import sqnr_db
+
+    result = InspectResult(path=str(ck.path), kind="checkpoint", reader=ck.kind)
+    targets, excluded = _targets(ck, infos, result.notes)
+    # Pass 1: amax of every float tensor, one tensor in memory at a time.
+    for info in progress(infos, total=len(infos), desc="inspect", unit="tensor"):
+        row = _row(info, "candidate" if info.name in targets else
+                   ("float" if info.dtype in FLOAT else "other"))
+        row.note = excluded.get(info.name)
+        if info.dtype in FLOAT and info.numel:
+            row.amax = tensor_amax(ck.load(info.name))
+        result.tensors.append(row)
+    # Fused siblings (q/k/v, gate/up) share the largest amax, as convert does by default.
+    group_amax: dict[str, float] = {}
+    for row in result.tensors:
+        group = targets.get(row.name)
+        if group and row.amax is not None:
+            group_amax[group] = max(group_amax.get(group, 0.0), row.amax)
+    # Pass 2: the scale convert would use and the SQNR of the weight's FP8 round trip.
+    for row in result.tensors:
+        if row.role != "candidate" or row.amax is None:
+            continue
+        group = targets.get(row.name)
+        amax = group_amax.get(group, row.amax) if group else row.amax
+        if not (math.isfinite(amax) and amax > 0):
+            row.note = (f"amax is {amax}: no scale possible (NaN/Inf or all-zero weights); "
+                        "convert refuses it unless it is excluded")
+            continue
+        row.scale = _f32(amax / E4M3_MAX)  # float32, as amax_to_scale stores it
+        row.scale_source = "weights"
+        if group:
+            row.note = f"fused group {group} (shared scale)"
+        t = ck.load(row.name)
+        row.sqnr_db = sqnr_db(t, fake_quantize_e4m3(t.float(), row.scale))
+        del t
+    result.summary = _summary(result.tensors, ck.config)
+    return result
+
+
+# ------------------------------------------------------------------------------ FP8 folder
+
+def _manifest(p: Path) -> dict[str, Any] | None:
+    path = p / MANIFEST if p.is_dir() else None
+    if path is None or not path.is_file():
+        return None
+    data = read_json(path, "fp8export manifest")
+    if not isinstance(data, dict) or not isinstance(data.get("quantized", {}), dict):
+        raise Fp8ExportError(f"{path}: not an fp8export manifest (no 'quantized' object). "
+                             "Re-run fp8export convert to regenerate the folder.")
+    return data
+
+
+def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
+                manifest: dict[str, Any] | None) -> InspectResult:
+    from fp8export.numerics.fp8 import tensor_amax
+
+    result = InspectResult(path=str(ck.path), kind="fp8-folder", reader=ck.kind)
+    notes = result.notes
+    m_quant: dict[str, Any] = (manifest or {}).get("quantized", {}) or {}
+    m_excluded: dict[str, Any] = (manifest or {}).get("excluded", {}) or {}
+    if manifest is None:
+        notes.append(f"no {MANIFEST} here: scale sources and SQNR are unknown "
+                     "(the folder was not written by fp8export convert)")
+    elif manifest.get("format_version") != 1:
+        notes.append(f"{MANIFEST} has format_version {manifest.get('format_version')!r}; "
+                     "this inspect reads version 1, fields may be missing")
+    names = {i.name for i in infos}
+    scales = {i.name: ck.load(i.name).float() for i in infos
+              if i.name.endswith((".weight_scale", ".input_scale")) and i.dtype in FLOAT}
+
+    for info in infos:
+        module = info.name.rsplit(".", 1)[0]
+        entry = m_quant.get(module, {}) if isinstance(m_quant.get(module), dict) else {}
+        if info.name in scales:
+            row = _row(info, "scale")
+            values = scales[info.name]
+            value = float(values.max()) if values.numel() else float("nan")
+            if info.name.endswith(".weight_scale"):
+                row.scale = value
+            else:
+                row.input_scale = value
+            if not (math.isfinite(value) and value > 0) or bool((values <= 0).any()):
+                row.note = "invalid scale: must be finite and > 0"
+                notes.append(f"{info.name}: scale {value} is not finite and positive; the folder "
+                             "is broken — re-run convert")
+        elif info.dtype in FP8 and info.name.endswith(".weight"):
+            row = _row(info, "quantized")
+            q = ck.load(info.name)
+            ws = scales.get(f"{module}.weight_scale")
+            if ws is None:
+                row.amax = tensor_amax(q)
+                row.note = "no weight_scale tensor: amax is of the raw FP8 codes"
+                notes.append(f"{info.name}: FP8 weight without {module}.weight_scale")
+            else:
+                row.scale = float(ws.max())
+                row.amax = _dequantized_amax(q, ws)
+                if ws.numel() > 1:
+                    row.note = f"{ws.numel()} per-channel scales; the largest is shown"
+            del q
+            ins = scales.get(f"{module}.input_scale")
+            row.input_scale = float(ins.max()) if ins is not None and ins.numel() else None
+            row.sqnr_db = _num(entry.get("weight_sqnr_db"))
+            row.scale_source = entry.get("weight_scale_source")
+            row.input_scale_source = entry.get("input_scale_source")
+            if manifest is not None and not entry:
+                notes.append(f"{info.name}: quantized but not listed in {MANIFEST}")
+            elif entry and row.scale is not None:
+                _cross_check(info.name, row.scale, entry.get("weight_scale"), notes)
+        else:
+            role = "float" if info.dtype in FLOAT else "other"
+            row = _row(info, role)
+            if info.dtype in FLOAT and info.numel:
+                row.amax = tensor_amax(ck.load(info.name))
+            reason = m_excluded.get(info.name) or m_excluded.get(module)
+            row.note = str(reason) if reason else None
+        result.tensors.append(row)
+
+    for module in m_quant:
+        if f"{module}.weight" not in names:
+            notes.append(f"{MANIFEST} lists {module} as quantized but {module}.weight is missing")
+    result.summary = _summary(result.tensors, ck.config)
+    if manifest is not None:
+        result.summary.update({k: manifest.get(k) for k in
+                               ("output_format", "activation_scheme", "format_version")})
+        result.summary["source"] = (manifest.get("source") or {}).get("name")
+        result.notes.extend(str(n) for n in manifest.get("notes") or [])
+    return result
+
+
+def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:
+    from fp8export.numerics.fp8 import tensor_amax
+
+    codes = q.float().abs()
+    if scale.numel() == 1:
+        return tensor_amax(codes) * float(scale.reshape(()))
+    # per-channel: one scale per output row ([out], [out, 1])
+    return tensor_amax(codes * scale.reshape(-1, *([1] * (codes.dim() - 1))))
+
+
+def _cross_check(name: str, stored: float, recorded: Any, notes: list[str]) -> None:
+    value = _num(recorded)
+    if value is None:
+        return
+    if not math.isclose(stored, value, rel_tol=1e-6):
+        notes.append(f"{name}: weight_scale in the file is {stored:.6g} but {MANIFEST} records "
+                     f"{value:.6g}; the folder was modified after convert")
+
+
+# ------------------------------------------------------------------------------------ ONNX
+
+def _inspect_onnx(p: Path) -> InspectResult:
+    if not p.is_file():
+        raise Fp8ExportError(f"{p}: no such file. Give the path of an ONNX model.")
+    try:
+        check = importlib.import_module("fp8export.onnx.check")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("fp8export.onnx.check", "onnx"):
+            raise
+        raise Fp8ExportError(
+            f"{p}: inspecting ONNX graphs needs fp8export.onnx.check"
+            f"{' and the onnx package' if exc.name == 'onnx' else ''}, which this installation "
+            "lacks. Install fp8export with its onnx extra (pip install 'fp8export[onnx]').") from exc
+    report = check.check_model(p)
+    result = InspectResult(path=str(p), kind="onnx", ok=bool(report.ok),
+                           report_text=report.to_text())
+    to_dict = getattr(report, "to_dict", None)
+    result.report = to_dict() if callable(to_dict) else None
+    return result
+
+
+# --------------------------------------------------------------------------------- helpers
+
+def _row(info: TensorInfo, role: str) -> TensorRow:
+    return TensorRow(name=info.name, dtype=info.dtype, shape=list(info.shape),
+                     nbytes=info.numel * BYTES.get(info.dtype, 0), role=role)
+
+
+def _f32(x: float) -> float:
+    import numpy as np
+
+    return float(np.float32(x))
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if value in ("inf", "-inf", "nan"):  # how JSON writers spell non-finite numbers
+        return float(value)
+    return None
+
+
+def _summary(rows: list[TensorRow], config: dict[str, Any] | None) -> dict[str, Any]:
+    by_dtype: dict[str, dict[str, int]] = {}
+    for r in rows:
+        d = by_dtype.setdefault(r.dtype, {"tensors": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["bytes"] += r.nbytes
+    weights = [r for r in rows if r.name.endswith(".weight") and len(r.shape) == 2]
+    quant = [r for r in rows if r.role in ("quantized", "candidate")]
+    sqnrs = [(r.sqnr_db, r.name) for r in quant if r.sqnr_db is not None and not math.isnan(r.sqnr_db)]
+    scales = [r.scale for r in quant if r.scale is not None]
+    summary: dict[str, Any] = {
+        "tensors": len(rows),
+        "parameters": sum(math.prod(r.shape) for r in rows),
+        "bytes": sum(r.nbytes for r in rows),
+        "by_dtype": dict(sorted(by_dtype.items())),
+        "quantized": len([r for r in quant if r.role == "quantized"]),
+        "fp8_candidates": len([r for r in quant if r.role == "candidate"]),
+        "high_precision_weights": len([r for r in weights if r.role not in ("quantized", "candidate")]),
+        "static_input_scales": len([r for r in quant if r.input_scale is not None]),
+        "sqnr_db_min": min(sqnrs)[0] if sqnrs else None,
+        "sqnr_db_min_tensor": min(sqnrs)[1] if sqnrs else None,
+        "weight_scale_min": min(scales) if scales else None,
+        "weight_scale_max": max(scales) if scales else None,
+    }
+    if config:
+        summary["model_type"] = config.get("model_type")
+        summary["architectures"] = config.get("architectures")
+        qc = config.get("quantization_config")
+        if isinstance(qc, dict):
+            summary["quantization_config"] = qc.get("quant_method") or qc.get("format")
+    return summary
