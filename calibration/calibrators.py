@@ -1,0 +1,315 @@
+"""Calibrators: observed activation statistics -> one amax per input, behind one interface.
+
+Every calibrator collects the same streaming statistics (:class:`ActivationStats`: running
+absmax, plus a bf16 bit-pattern histogram when it needs one) and differs only in
+:meth:`Calibrator.amax_from`. So one pass over the data can serve all four methods (the
+calibrator comparison does that), and ``compute_amax`` is a pure function of the statistics:
+the same data gives the same amax bit for bit.
+
+Registry: ``@register_calibrator("name")``; :func:`get_calibrator` normalises names
+(case, ``_``/``-``) and lists the valid ones for an unknown name.
+
+Methods (TensorRT's pytorch-quantization ``calib/histogram.py`` and ModelOpt's
+``HistogramCalibrator`` implement the INT8 versions of percentile / mse / entropy over a linear
+2048-bin histogram; what changes for FP8 is said at each class):
+
+- ``max``: the running absmax. The peers' default (vLLM, ModelOpt FP8 "max" calibration).
+- ``percentile``: the smallest observed value with at least ``p`` % of ``|x|`` at or below it.
+- ``mse``: the candidate amax minimising the FP8 round-trip squared error of the observed
+  values, quantizing each histogram value with :func:`quantize_e4m3` (the deployed cast).
+- ``entropy``: the candidate amax minimising KL(observed || FP8-quantised) histograms.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from fp8export.calibration.observers import ActivationStats, FinalStats
+from fp8export.errors import Fp8ExportError
+from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
+
+DEFAULT_PERCENTILE = 99.99
+# Candidate amaxes for mse / entropy: amax * 2**(-j / STEPS_PER_OCTAVE), j = 0..OCTAVES*STEPS.
+# TensorRT searches bins 128..2048 of a linear histogram, i.e. [max/16, max]. FP8 outliers in
+# LLMs reach 100-1000x the bulk, so we search 12 octaves down, logarithmically (FP8 error is
+# scale-invariant inside the normal range, so log spacing matches its error curve).
+STEPS_PER_OCTAVE = 32
+OCTAVES = 12
+
+
+@dataclass(frozen=True)
+class AmaxResult:
+    """An amax with JSON-serialisable facts about how it was chosen."""
+
+    amax: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Calibrator(ABC):
+    """collect(x) per batch, compute_amax() at the end, reset() to reuse.
+
+    Subclasses set ``name`` / ``needs_histogram`` and implement :meth:`amax_from`.
+    """
+
+    name: ClassVar[str] = ""
+    needs_histogram: ClassVar[bool] = True
+
+    def __init__(self, **options: Any):
+        if options:
+            raise Fp8ExportError(
+                f"calibrator {self.name!r} takes no options, got {sorted(options)}.")
+        self.stats = ActivationStats(histogram=self.needs_histogram)
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Add one tensor of observed values (padding already removed)."""
+        self.stats.update(x)
+
+    def reset(self) -> None:
+        self.stats.reset()
+
+    def compute_amax(self) -> float:
+        """The amax for everything collected so far (raises if nothing was collected)."""
+        final = self.stats.finalize()
+        if final is None:
+            raise Fp8ExportError(f"calibrator {self.name!r}: no values were collected.")
+        return self.amax_from(final).amax
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def amax_from(self, stats: FinalStats) -> AmaxResult:
+        """Compute the amax from host-side statistics (pure: same stats, same result)."""
+
+
+_REGISTRY: dict[str, type[Calibrator]] = {}
+
+
+def _normalise(name: str) -> str:
+    return str(name).strip().lower().replace("_", "-")
+
+
+def register_calibrator(name: str) -> Callable[[type[Calibrator]], type[Calibrator]]:
+    """Class decorator adding a calibrator under ``name`` (normalised)."""
+    key = _normalise(name)
+
+    def deco(cls: type[Calibrator]) -> type[Calibrator]:
+        if key in _REGISTRY and _REGISTRY[key] is not cls:
+            raise ValueError(f"calibrator {key!r} is already registered")
+        cls.name = key
+        _REGISTRY[key] = cls
+        return cls
+
+    return deco
+
+
+def available_calibrators() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def calibrator_class(name: str) -> type[Calibrator]:
+    key = _normalise(name)
+    if key not in _REGISTRY:
+        raise Fp8ExportError(f"--calib-method: unknown calibrator {name!r}; valid calibrators "
+                             f"are: {', '.join(available_calibrators())}.")
+    return _REGISTRY[key]
+
+
+def get_calibrator(name: str, **options: Any) -> Calibrator:
+    """A fresh calibrator by (normalised) name; ``None``-valued options are dropped."""
+    cls = calibrator_class(name)
+    return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def check_finite(stats: FinalStats, method: str) -> None:
+    if not math.isfinite(stats.amax) or stats.nonfinite:
+        raise Fp8ExportError(
+            f"observed activations hold NaN/Inf (max |x| = {stats.amax}); the bf16 model "
+            "overflows on the calibration data, so no {method} scale can be derived. Check the "
+            "checkpoint's weights, or exclude the layer with --exclude.".replace(
+                "{method}", method))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@register_calibrator("max")
+class MaxCalibrator(Calibrator):
+    """The largest ``|x|`` seen: nothing is clipped, resolution is given away to outliers."""
+
+    needs_histogram = False
+
+    def amax_from(self, stats: FinalStats) -> AmaxResult:
+        check_finite(stats, self.name)
+        return AmaxResult(stats.amax, {"observed_max": stats.amax})
+
+
+def percentile_amax(values: np.ndarray, counts: np.ndarray, percentile: float) -> float:
+    """Smallest observed value with ``cumsum(counts) >= percentile/100 * total``.
+
+    Exact for the histogram (each bin is one bf16 value), unlike a linear histogram's bin
+    edge. TensorRT's ``_compute_amax_percentile`` does the same search over bin edges.
+    """
+    cum = np.cumsum(counts)
+    target = percentile / 100.0 * cum[-1]
+    k = int(np.searchsorted(cum, target, side="left"))
+    return float(values[min(k, len(values) - 1)])
+
+
+@register_calibrator("percentile")
+class PercentileCalibrator(Calibrator):
+    """Clip the top ``100 - p`` % of ``|x|`` (default p = 99.99, as TensorRT and ModelOpt)."""
+
+    def __init__(self, percentile: float = DEFAULT_PERCENTILE):
+        super().__init__()
+        p = float(percentile)
+        if not (0.0 < p <= 100.0) or not math.isfinite(p):
+            raise Fp8ExportError(f"--percentile must be in (0, 100], got {percentile}.")
+        self.percentile = p
+
+    def options(self) -> dict[str, Any]:
+        return {"percentile": self.percentile}
+
+    def amax_from(self, stats: FinalStats) -> AmaxResult:
+        check_finite(stats, self.name)
+        values, counts = stats.nonzero()
+        amax = min(percentile_amax(values, counts, self.percentile), stats.amax)
+        details = {"observed_max": stats.amax, "percentile": self.percentile}
+        if amax <= 0.0 < stats.amax:
+            # More than p % of the values are exactly zero: a zero amax can never be a scale
+            # (DESIGN.md), so fall back to the max and say so.
+            details["fallback"] = "percentile was 0 (mostly zeros); used the max"
+            amax = stats.amax
+        return AmaxResult(amax, details)
+
+
+def candidate_amaxes(amax: float, extra: tuple[float, ...] = ()) -> np.ndarray:
+    """Descending candidates ``amax * 2**(-j/STEPS)``, plus ``extra`` values <= amax."""
+    j = np.arange(OCTAVES * STEPS_PER_OCTAVE + 1, dtype=np.float64)
+    cands = amax * np.exp2(-j / STEPS_PER_OCTAVE)
+    if extra:
+        cands = np.concatenate([cands, [e for e in extra if 0.0 < e <= amax]])
+    # Round to float32 (what a stored amax/scale is), dedupe, largest first so argmin's first
+    # hit prefers the least clipping on exact ties (TensorRT's entropy takes the last argmin
+    # over ascending thresholds, i.e. also the largest).
+    return np.unique(cands.astype(np.float32).astype(np.float64))[::-1]
+
+
+def _scales(cands: np.ndarray) -> torch.Tensor:
+    """float32 dequantization scales ``amax / 448`` exactly as ``amax_to_scale`` rounds them."""
+    return torch.from_numpy((cands / E4M3_MAX).astype(np.float32))
+
+
+def _quantized_codes(values32: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of ``values`` under each scale, ``[C, N]`` uint8 magnitude codes (0..126)."""
+    q = quantize_e4m3(values32.unsqueeze(0), scales.unsqueeze(1))
+    return q.view(torch.uint8) & 0x7F
+
+
+@register_calibrator("mse")
+class MseCalibrator(Calibrator):
+    """Minimise ``sum_i n_i * (fq(v_i) - v_i)**2`` over candidate amaxes, on the E4M3 grid.
+
+    Like TensorRT's ``_compute_amax_mse`` (fake-quantize the bin centres, weight by counts),
+    but the centres are exact bf16 values, the quantizer is the deployed E4M3 cast
+    (clamp + RNE, subnormals, underflow to 0) with the float32 scale convert would store, and
+    the candidates include the max and the 99.99th percentile, so mse's error is never worse
+    than theirs. Because E4M3's relative error is the same everywhere in its normal range,
+    shrinking the amax only helps values that would fall into subnormals/zero, and clipping
+    costs ``(x - amax)**2``: for most data the answer stays close to the max.
+    """
+
+    chunk = 64  # candidates per vectorised step: [64, N] float32 stays small
+
+    def amax_from(self, stats: FinalStats) -> AmaxResult:
+        check_finite(stats, self.name)
+        values, counts = stats.nonzero()
+        if stats.amax <= 0.0 or values.size == 0:
+            return AmaxResult(stats.amax, {"observed_max": stats.amax})
+        p = percentile_amax(values, counts, DEFAULT_PERCENTILE)
+        cands = candidate_amaxes(stats.amax, (p,))
+        v32 = torch.from_numpy(values.astype(np.float32))
+        v64 = torch.from_numpy(values)
+        w = torch.from_numpy(counts)
+        errs = np.empty(len(cands), dtype=np.float64)
+        for s in range(0, len(cands), self.chunk):
+            sc = _scales(cands[s:s + self.chunk])
+            q = quantize_e4m3(v32.unsqueeze(0), sc.unsqueeze(1)).to(torch.float64)
+            deq = q * sc.to(torch.float64).unsqueeze(1)
+            errs[s:s + len(sc)] = (((deq - v64) ** 2) * w).sum(dim=1).numpy()
+        best = int(np.argmin(errs))
+        total = float(counts.sum())
+        return AmaxResult(float(cands[best]), {
+            "observed_max": stats.amax, "mse": errs[best] / total,
+            "mse_at_max": errs[0] / total, "candidates": len(cands)})
+
+
+@register_calibrator("entropy")
+class EntropyCalibrator(Calibrator):
+    """Minimise KL(P || Q) between the observed and the FP8-quantised histograms.
+
+    TensorRT's entropy calibrator (``_compute_amax_entropy``; the INT8 ``IInt8EntropyCalibrator2``
+    idea) for a threshold ``i``: P = the reference bins below ``i`` with all outlier mass
+    folded into the last bin; Q = those bins merged into 128 *uniform* INT8 levels, each
+    level's mass spread evenly over its non-empty bins; choose the threshold with the least
+    KL. Adapted to FP8:
+
+    - the threshold is a candidate amax ``c`` and the levels are the **E4M3 grid** under the
+      float32 scale ``c/448``: each histogram value is assigned to the code ``quantize_e4m3``
+      rounds it to (RNE, so level widths double every binade, subnormals have fixed width,
+      and tiny values share level 0 with the exact zeros: underflow is part of the loss);
+    - values above ``c`` go into one clip bin that belongs to the top level (448), so
+      clipping costs KL exactly where TensorRT's folded last bin does;
+    - TensorRT's ``bins[0] = bins[1]`` (ReLU zeros) is not copied: zeros are real values here
+      and quantize exactly.
+
+    KL weights values by count, not by magnitude (unlike mse), so rare outliers are cheap to
+    clip when the bulk would otherwise lose resolution to underflow.
+    """
+
+    def amax_from(self, stats: FinalStats) -> AmaxResult:
+        check_finite(stats, self.name)
+        values, counts = stats.nonzero()
+        if stats.amax <= 0.0 or values.size == 0:
+            return AmaxResult(stats.amax, {"observed_max": stats.amax})
+        cands = candidate_amaxes(stats.amax)
+        v32 = torch.from_numpy(values.astype(np.float32))
+        p_all = counts / float(counts.sum())
+        kls = np.empty(len(cands), dtype=np.float64)
+        for s in range(0, len(cands), 64):
+            c = cands[s:s + 64]
+            codes = _quantized_codes(v32, _scales(c)).to(torch.int64).numpy()
+            kls[s:s + len(c)] = _kl_for_thresholds(values, p_all, codes, c)
+        best = int(np.argmin(kls))
+        return AmaxResult(float(cands[best]), {
+            "observed_max": stats.amax, "kl": float(kls[best]), "kl_at_max": float(kls[0]),
+            "candidates": len(cands)})
+
+
+def _kl_for_thresholds(values: np.ndarray, p_all: np.ndarray, codes: np.ndarray,
+                       cands: np.ndarray) -> np.ndarray:
+    """KL(P || Q) for each candidate ``cands[r]`` (codes[r] = E4M3 code of each value)."""
+    rows, n = codes.shape
+    inside = values[None, :] <= cands[:, None]
+    p = np.where(inside, p_all[None, :], 0.0)
+    clip = (p_all[None, :] * ~inside).sum(axis=1)
+    # P over the in-range bins plus one clip bin (column n) on the top level (code 0x7E = 448).
+    p = np.concatenate([p, clip[:, None]], axis=1)
+    level = np.concatenate([codes, np.full((rows, 1), 0x7E, dtype=codes.dtype)], axis=1)
+    flat = (level + 128 * np.arange(rows)[:, None]).ravel()
+    pf = p.ravel()
+    occupied = pf > 0.0
+    mass = np.bincount(flat, weights=pf, minlength=128 * rows)
+    members = np.bincount(flat[occupied], minlength=128 * rows)
+    # Q: each FP8 level's mass spread evenly over its non-empty bins (TensorRT's expansion).
+    q = mass[flat] / np.maximum(members[flat], 1)
+    terms = np.zeros_like(pf)
+    terms[occupied] = pf[occupied] * np.log(pf[occupied] / q[occupied])
+    return terms.reshape(rows, n + 1).sum(axis=1)
