@@ -1,0 +1,238 @@
+"""The reader of torch state dicts that carry FP8 training state (Transformer Engine, torchao).
+
+Registered on import as ``"transformer-engine"`` ahead of the generic readers. It opens
+``.pt`` / ``.pth`` / ``.bin`` files (and Hugging Face folders of ``pytorch_model*.bin``) whose
+pickle names a TE ``_extra_state`` or a torchao delayed-scaling buffer; ``can_open`` decides
+from the pickle's opcodes (``pickletools.genops`` over ``data.pkl``) without unpickling.
+
+Loading the outer file: TE 0.12–1.13 stores each ``_extra_state`` as an ``io.BytesIO``, which
+``torch.load(weights_only=True)`` refuses. We keep torch's weights-only unpickler (it already
+refuses every other callable and checks tensor rebuilding) and allow exactly one more type,
+``io.BytesIO``, through ``torch.serialization.safe_globals``: a BytesIO is an inert byte buffer,
+and its contents are decoded by our own restricted path (:mod:`.te_unpickle`). A custom
+``pickle_module`` would have meant re-implementing what the weights-only unpickler already
+guarantees. Nothing in the checkpoint is ever executed and TE is never imported.
+
+What the checkpoint presents: every tensor except the ``_extra_state`` entries and torchao's
+``fp8_*`` buffers, with TE parameter names mapped to HF-style names (``fc1_weight`` →
+``fc1.weight``, ``weight3`` → ``3.weight``; see :mod:`.te`), so that the histories' modules
+match ``<module>.weight``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fp8export.checkpoint.hf_folder import PT_INDEX, _aux_files, _config, weight_files
+from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
+from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name
+from fp8export.checkpoint.training.base import TrainingState
+from fp8export.checkpoint.training.te import EXTRA_STATE, plan_modules, te_training_state
+from fp8export.checkpoint.training.torchao import (
+    has_delayed_state, is_torchao_buffer, torchao_training_state,
+)
+from fp8export.errors import Fp8ExportError
+
+if TYPE_CHECKING:
+    import torch
+
+READER_NAME = "transformer-engine"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# data.pkl holds names and storage references only (no tensor data): a few MB for the largest
+# models. Larger ones are not scanned (the generic reader then opens or refuses the file).
+MAX_SCAN_BYTES = 256 * 1024 * 1024
+_MARKERS = (b"_extra_state", b"fp8_amax_history_")
+
+
+# ----------------------------------------------------------------------------- detection
+
+def _data_pkl(path: Path) -> bytes | None:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = [i for i in zf.infolist()
+                     if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+            if len(names) != 1 or names[0].file_size > MAX_SCAN_BYTES:
+                return None
+            with zf.open(names[0]) as f:
+                return f.read(MAX_SCAN_BYTES + 1)
+    except (OSError, zipfile.BadZipFile, ValueError, RuntimeError, EOFError, NotImplementedError):
+        return None
+
+
+def _names_fp8_state(data: bytes) -> bool:
+    """Whether the pickle has a string key naming TE extra state or a torchao history buffer."""
+    if not any(m in data for m in _MARKERS):
+        return False
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if isinstance(arg, str) and (arg == EXTRA_STATE or arg.endswith("." + EXTRA_STATE)
+                                         or has_delayed_state([arg])):
+                return True
+    except Exception:  # malformed pickle: not ours to open; the generic reader reports it
+        return False
+    return False
+
+
+def file_has_fp8_state(path: Path) -> bool:
+    """Cheap check of one torch file (no unpickling)."""
+    if not (path.is_file() and path.suffix in TORCH_SUFFIXES and zipfile.is_zipfile(path)):
+        return False
+    data = _data_pkl(path)
+    return data is not None and _names_fp8_state(data)
+
+
+def can_open(path: Path) -> bool:
+    if path.is_file():
+        if path.name == PT_INDEX:
+            return can_open(path.parent)
+        return file_has_fp8_state(path)
+    if path.is_dir():
+        try:
+            fmt, files, _index, _map = weight_files(path)
+        except Fp8ExportError:
+            return False
+        return fmt == "torch" and any(file_has_fp8_state(f) for f in files)
+    return False
+
+
+# ------------------------------------------------------------------------------- loading
+
+def _load(path: Path) -> Any:
+    import torch
+
+    try:
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(path, weights_only=True, map_location="cpu",
+                              mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "GLOBAL" in ln or "global" in ln),
+                      lines[0] if lines else "")
+        hint = (" It holds Transformer Engine FP8 primary weights (Float8Tensor), which "
+                "fp8export does not read; save the model with high-precision weights."
+                if "float8_tensor" in detail.lower() or "Float8Tensor" in detail else "")
+        raise Fp8ExportError(
+            f"{path}: refused for safety — loading it would run code or build objects that are "
+            f"not tensors ({detail[:240]}). Nothing from it was executed.{hint}") from exc
+    except MemoryError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "no detail"
+        raise Fp8ExportError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: "
+                             f"{first}). It is truncated or corrupt: re-save it.") from exc
+
+
+def _is_entry(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, (torch.Tensor, io.BytesIO))
+
+
+def _unwrap(obj: Any, path: Path, notes: list[str]) -> dict[str, Any]:
+    while (isinstance(obj, dict) and not any(_is_entry(v) for v in obj.values())
+           and (key := next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), dict)), None))):
+        notes.append(f"{path.name}: using the state dict under {key!r}")
+        obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise Fp8ExportError(f"{path}: holds a {type(obj).__name__}, not a state dict with string "
+                             "keys. Save model.state_dict() instead.")
+    if obj and all(k.startswith("module.") for k in obj):
+        obj = {k[len("module."):]: v for k, v in obj.items()}
+        notes.append(f"{path.name}: stripped the 'module.' prefix (DataParallel) from every name")
+    return obj
+
+
+class Fp8StateTorchCheckpoint(Checkpoint):
+    """Torch state dict(s) with TE ``_extra_state`` or torchao FP8 buffers (see module doc)."""
+
+    def __init__(self, path: Path, files: list[Path], *, config: dict | None = None,
+                 index: Path | None = None, aux_files: list[Path] | None = None):
+        super().__init__(path=path, kind=READER_NAME, config=config,
+                         source_files=[*files, *([index] if index else [])],
+                         aux_files=list(aux_files or []))
+        self.notes: list[str] = []
+        entries: dict[str, Any] = {}
+        where: dict[str, Path] = {}
+        for file in files:
+            for name, value in _unwrap(_load(file), file, self.notes).items():
+                if name in entries:
+                    raise Fp8ExportError(f"{file}: {name!r} is also in {where[name].name}; shards "
+                                         "must not repeat a name.")
+                entries[name], where[name] = value, file
+        self._entries = entries
+        plans = plan_modules(entries)
+        renames = {old: new for plan in plans.values() for old, new in plan.renames.items()}
+        self._stored: dict[str, str] = {}  # presented name → stored name
+        self._infos: list[TensorInfo] = []
+        ignored: list[str] = []
+        for name, value in entries.items():
+            if name == EXTRA_STATE or name.endswith("." + EXTRA_STATE) or is_torchao_buffer(name):
+                continue
+            if not _tensor(value):
+                ignored.append(name)
+                continue
+            dtype = _dtype_name(value.dtype)
+            if dtype is None or value.is_sparse or value.is_quantized:
+                raise Fp8ExportError(f"{where[name]}: tensor {name!r} is {value.dtype}"
+                                     f"{' (sparse/quantized)' if dtype else ''}, which fp8export "
+                                     "does not read; save it dense in bf16/fp16/fp32.")
+            shown = renames.get(name, name)
+            self._stored[shown] = name
+            self._infos.append(TensorInfo(name=shown, dtype=dtype, shape=tuple(value.shape),
+                                          file=where[name]))
+        if ignored:
+            self.notes.append(f"ignored non-tensor entries: {', '.join(ignored[:8])}"
+                              + (f" and {len(ignored) - 8} more" if len(ignored) > 8 else ""))
+        if renames:
+            self.notes.append(f"Transformer Engine names mapped to HF style for {len(renames)} "
+                              "tensor(s) (e.g. fc1_weight → fc1.weight, weight<i> → <i>.weight)")
+        # Decode the FP8 state now: a hostile or corrupt extra state is refused at open time,
+        # whatever --scales mode is used later.
+        self._state: TrainingState | None
+        if plans:
+            self._state = te_training_state(entries, plans)
+        else:
+            self._state = torchao_training_state(entries)
+
+    def tensors(self) -> list[TensorInfo]:
+        return list(self._infos)
+
+    def load(self, name: str) -> torch.Tensor:
+        stored = self._stored.get(name)
+        if stored is None:
+            raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
+        return self._entries[stored]
+
+    def training_state(self) -> TrainingState | None:
+        return self._state
+
+    def close(self) -> None:
+        self._entries = {}
+
+
+def _tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def open_fp8_state_checkpoint(path: Path) -> Fp8StateTorchCheckpoint:
+    """Open a TE/torchao torch file, its index, or a HF folder of ``pytorch_model*.bin``."""
+    if path.is_file() and path.name == PT_INDEX:
+        path = path.parent
+    if path.is_dir():
+        fmt, files, index, _weight_map = weight_files(path)
+        if fmt != "torch":
+            raise Fp8ExportError(f"{path}: holds safetensors weights; the Transformer Engine "
+                                 "reader reads torch state dicts only.")
+        return Fp8StateTorchCheckpoint(path, files, config=_config(path), index=index,
+                                       aux_files=_aux_files(path))
+    return Fp8StateTorchCheckpoint(path, [path], config=_config(path.parent))
+
+
+register_reader(READER_NAME, can_open, open_fp8_state_checkpoint, first=True)
