@@ -1,0 +1,132 @@
+"""Static activation ranges for ``convert --scales auto|history|calibrate|weights``.
+
+- ``history``: the checkpoint's FP8 training state through the history policy
+  (``fp8export.checkpoint.training.policy.ranges_from_history``; ``--amax-algo``, ``--margin``).
+- ``calibrate``: a saved ``amax.json`` (``--calib-amax``, from ``fp8export calibrate``) or a
+  calibration run over ``--calib-data`` (``fp8export.calibration.api.calibrate_ranges``).
+- ``weights``: no activation ranges; activations are quantized dynamically at run time.
+- ``auto``: history when the checkpoint has training state, else calibration when data (or an
+  amax file) is given, else weights only.
+
+The providers live in other packages and are imported only when their mode runs; a missing
+provider is an error that says so (never a silent fallback). Fused siblings (q/k/v, gate/up)
+read the same input, so with ``fuse_scales`` they share one range: the max of the group.
+Layers left without a usable range are reported by the caller (they run with dynamic
+activations in a second compressed-tensors group; see docs/fp8-folder.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from fp8export.checkpoint.providers import provider
+from fp8export.config import ConvertConfig, ScalesMode
+from fp8export.errors import Fp8ExportError
+from fp8export.scales import ActivationRange
+
+if TYPE_CHECKING:
+    from fp8export.checkpoint.source import Checkpoint
+
+
+def _provider(module: str, attr: str, mode: str) -> Any:
+    return provider(module, attr, f"--scales {mode}",
+                    "Use --scales weights (dynamic activations) for now.")
+
+
+def _has_history(state: Any) -> bool:
+    return state is not None and bool(getattr(state, "histories", None))
+
+
+def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, modules: list[str]
+                  ) -> tuple[dict[str, ActivationRange], list[str]]:
+    state = ckpt.training_state()
+    if not _has_history(state):
+        raise Fp8ExportError(
+            f"{ckpt.path}: --scales history, but the checkpoint holds no FP8 training state "
+            "(Transformer Engine extra_state, Keras float8 variables or torchao buffers). Use "
+            "--scales calibrate --calib-data PATH, or --scales weights.")
+    policy = _provider("fp8export.checkpoint.training.policy", "ranges_from_history", "history")
+    ranges, notes = policy(state, modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+    return dict(ranges), [*getattr(state, "warnings", []), *notes]
+
+
+def _from_calibration(cfg: ConvertConfig, modules: list[str]
+                      ) -> tuple[dict[str, ActivationRange], list[str]]:
+    if cfg.calib_amax is not None:
+        read = _provider("fp8export.calibration.amax_file", "read_amax_file", "calibrate")
+        ranges = dict(read(cfg.calib_amax))
+        return ranges, [f"activation ranges read from {cfg.calib_amax.name}"]
+    run = _provider("fp8export.calibration.api", "calibrate_ranges", "calibrate")
+    ranges, summary = run(cfg, modules)
+    method = summary.get("method", str(cfg.calib_method)) if isinstance(summary, dict) else None
+    samples = summary.get("samples") if isinstance(summary, dict) else None
+    note = f"calibrated activation ranges ({method}"
+    note += f", {samples} samples)" if samples is not None else ")"
+    return dict(ranges), [note]
+
+
+def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: list[str], *,
+                              groups: dict[str, list[str]] | None = None,
+                              ) -> tuple[dict[str, ActivationRange], list[str]]:
+    """Activation ranges for ``modules`` per ``cfg.scales``, and notes for the user.
+
+    Args:
+        cfg: the convert options (``scales``, ``calib_*``, ``amax_algo``, ``margin``).
+        ckpt: the opened checkpoint (for its training state).
+        modules: the linear modules that become FP8.
+        groups: fused groups (name -> member modules) that share one input range; ``None`` or
+            ``{}`` to keep every module's own range.
+
+    Returns:
+        ``(ranges, notes)``: ranges only for modules in ``modules`` whose amax is finite and > 0.
+        An empty dict means dynamic activations.
+    """
+    mode = cfg.scales
+    notes: list[str] = []
+    if mode is ScalesMode.AUTO:
+        if _has_history(ckpt.training_state()):
+            mode = ScalesMode.HISTORY
+            notes.append("--scales auto: using the checkpoint's FP8 training history")
+        elif cfg.calib_data is not None or cfg.calib_amax is not None:
+            mode = ScalesMode.CALIBRATE
+            notes.append("--scales auto: no training history; calibrating on the given data")
+        else:
+            mode = ScalesMode.WEIGHTS
+    if mode is ScalesMode.WEIGHTS:
+        notes.append("weights only: activations are dynamic (no training history or "
+                     "calibration data)")
+        return {}, notes
+    if mode is ScalesMode.HISTORY:
+        ranges, more = _from_history(cfg, ckpt, modules)
+    else:
+        ranges, more = _from_calibration(cfg, modules)
+    notes.extend(more)
+
+    wanted = set(modules)
+    usable: dict[str, ActivationRange] = {}
+    unusable: list[str] = []
+    for name, r in ranges.items():
+        if name not in wanted:
+            continue
+        if math.isfinite(r.amax) and r.amax > 0.0:
+            usable[name] = r
+        else:
+            unusable.append(f"{name} (amax {r.amax})")
+    if unusable:
+        notes.append(f"{len(unusable)} activation range(s) are zero or not finite and were not "
+                     f"used: {', '.join(sorted(unusable)[:5])}")
+    for group, members in (groups or {}).items():
+        have = [usable[m] for m in members if m in usable]
+        if not have:
+            continue
+        top = max(have, key=lambda r: r.amax)
+        for m in members:
+            r = usable.get(m)
+            if r is None or r.amax != top.amax:
+                base = r or top
+                usable[m] = replace(base, module=m, amax=top.amax,
+                                    details={**base.details, "shared_with_fused_group": group,
+                                             **({"own_amax": r.amax} if r else {})})
+    return usable, notes

@@ -1,0 +1,94 @@
+"""Publish an output folder atomically: build it in a hidden temporary sibling, rename when done.
+
+A crash leaves at most a hidden ``.<name>.tmp-*`` folder, never a half-written folder under the
+final name. With ``force`` an existing output is replaced only after the new one is complete
+and verified: the old folder is renamed aside, the new one renamed in, then the old one deleted
+(if the swap fails the old folder is put back).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from fp8export.errors import Fp8ExportError
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_output_target(target: Path, force: bool) -> None:
+    """Refuse to touch an existing output without ``force``, and never replace a file."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise Fp8ExportError(f"{target}: exists and is not a folder; fp8export replaces only "
+                             "folders it wrote. Choose another -o/--output path.")
+    if target.exists() and not force:
+        raise Fp8ExportError(f"{target}: already exists. Pass --force to replace it (the new "
+                             "folder is built first; the old one is removed only on success), "
+                             "or choose another -o/--output path.")
+
+
+class AtomicDir:
+    """Context manager: ``with AtomicDir(target, force) as tmp: ...; publish()``.
+
+    Write everything under ``tmp``; call :meth:`publish` when it is complete and verified.
+    Leaving the block without publishing (an exception, or no call) deletes ``tmp``.
+    """
+
+    def __init__(self, target: Path, force: bool = False):
+        self.target = Path(target)
+        self.force = force
+        self.tmp: Path | None = None
+        self.published = False
+
+    def __enter__(self) -> Path:
+        check_output_target(self.target, self.force)
+        parent = self.target.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self.tmp.mkdir()
+        except OSError as exc:
+            raise Fp8ExportError(f"{parent}: cannot create the output folder there "
+                                 f"({exc.strerror or exc}). Check the path and permissions."
+                                 ) from exc
+        return self.tmp
+
+    def publish(self) -> Path:
+        assert self.tmp is not None, "publish() outside the with-block"  # programming error
+        check_output_target(self.target, self.force)  # it may have appeared meanwhile
+        fsync_dir(self.tmp)
+        old: Path | None = None
+        if self.target.exists():
+            old = self.target.parent / f".{self.target.name}.old-{secrets.token_hex(4)}"
+            os.rename(self.target, old)
+        try:
+            os.rename(self.tmp, self.target)
+        except OSError as exc:
+            if old is not None:
+                os.rename(old, self.target)
+            raise Fp8ExportError(f"{self.target}: cannot move the finished output into place "
+                                 f"({exc.strerror or exc}); the previous state is unchanged."
+                                 ) from exc
+        fsync_dir(self.target.parent)
+        self.published = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.target
+
+    def __exit__(self, *exc) -> None:
+        if not self.published and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)

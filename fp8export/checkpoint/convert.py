@@ -1,0 +1,245 @@
+"""``convert``: checkpoint → FP8 folder (DESIGN.md "Output formats", docs/fp8-folder.md).
+
+Steps: open the checkpoint; select the linear weights (``select.py``); optionally drop the
+layers an accuracy budget says to keep (``--accuracy-budget``); read every selected weight once
+for its amax (NaN/Inf offenders collected, all-zero weights kept in high precision, fused
+groups share the max); resolve activation ranges (``activation.py``); plan the shards; write
+them one tensor at a time into a hidden temporary sibling with config, tokenizer files and
+the manifest; read everything back (``readback.py``); and only then rename it into place.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8export import __version__
+from fp8export._progress import progress
+from fp8export.checkpoint.activation import resolve_activation_ranges
+from fp8export.checkpoint.atomic import AtomicDir, check_output_target
+from fp8export.checkpoint.formats import (
+    activation_scheme, extra_files, quantization_config, scale_shape,
+)
+from fp8export.checkpoint.manifest import (
+    FORMAT_VERSION, MANIFEST_NAME, file_sha256, finite_or_none, options_entry,
+    source_files_entry, write_json,
+)
+from fp8export.checkpoint.providers import provider
+from fp8export.checkpoint.readback import verify_output
+from fp8export.checkpoint.select import Selection, select_targets
+from fp8export.checkpoint.source import Checkpoint, open_checkpoint
+from fp8export.checkpoint.weights import scan_weights
+from fp8export.checkpoint.write import INDEX_NAME, index_json, plan_shards, write_shards
+from fp8export.config import ConvertConfig
+from fp8export.errors import Fp8ExportError
+from fp8export.numerics.fp8 import amax_to_scale
+
+_MAX_LISTED = 12
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What ``convert`` did (JSON-serialisable through :meth:`to_dict`)."""
+
+    output: str
+    format: str
+    activation_scheme: str  # "static" | "dynamic" | "mixed"
+    quantized: int
+    excluded: dict[str, str]  # tensor -> reason, every tensor left in source precision
+    dynamic_layers: list[str]  # quantized layers without a static input scale
+    layers: list[dict[str, Any]]  # per quantized layer: module, shape, scales, SQNR, sources
+    notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # output file names
+    bytes_out: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def excluded_by_reason(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for reason in self.excluded.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _check_not_source(checkpoint: Path, output: Path) -> None:
+    src, out = checkpoint.resolve(), output.resolve()
+    if src == out or out in src.parents or src in out.parents:
+        raise Fp8ExportError(f"{output}: the output folder would contain or replace the "
+                             f"checkpoint {checkpoint}. Choose an output path beside it, e.g. "
+                             f"{checkpoint.parent / (checkpoint.stem + '-fp8')}.")
+
+
+def _listed(items: list[str]) -> str:
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return ", ".join(items[:_MAX_LISTED]) + more
+
+
+def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[str]]:
+    """Keep in high precision the layers the sensitivity analysis picks for the KL budget."""
+    fn = provider("fp8export.verify.sensitivity", "exclusions_for_budget", "--accuracy-budget",
+                  "Leave it out, or exclude sensitive layers by hand with --exclude.")
+    keep, notes = fn(cfg, sel.modules)
+    keep = set(keep)
+    # vLLM refuses a partly quantized fused layer: a sensitive member takes its siblings along.
+    for members in sel.groups.values():
+        if keep & set(members):
+            keep |= set(members)
+    notes = list(notes)
+    if keep:
+        notes.append(f"--accuracy-budget {cfg.accuracy_budget}: {len(keep)} layer(s) kept in "
+                     f"high precision: {_listed(sorted(keep))}")
+    return sel.without(keep, f"kept in high precision for --accuracy-budget "
+                             f"{cfg.accuracy_budget}"), notes
+
+
+def _finish(ticks) -> None:
+    for _ in ticks:  # run the progress generator to its end so the bar closes
+        pass
+
+
+def _hash_sources(ckpt: Checkpoint) -> dict[Path, str]:
+    return {p: file_sha256(p) for p in ckpt.source_files}
+
+
+def convert(cfg: ConvertConfig) -> ConvertResult:
+    """Convert ``cfg.checkpoint`` to an FP8 folder at ``cfg.resolved_output``.
+
+    Raises Fp8ExportError (nothing written, an existing output untouched) on bad input.
+    """
+    out = cfg.resolved_output
+    check_output_target(out, cfg.force)  # fail before any heavy work
+    _check_not_source(cfg.checkpoint, out)
+    if cfg.weight_scales_from_history:
+        raise Fp8ExportError("weight scales from training history are not supported by convert "
+                             "yet; weight scales are computed from the final weights.")
+    with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
+        hashes = pool.submit(_hash_sources, ckpt)  # overlaps with the weight scan (I/O + C code)
+        result = _convert_open(cfg, ckpt, out, hashes)
+    return result
+
+
+def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> ConvertResult:
+    notes: list[str] = list(getattr(ckpt, "notes", []))
+    sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
+                         fuse_scales=cfg.fuse_scales)
+    notes.extend(sel.notes)
+    if cfg.accuracy_budget is not None:
+        sel, more = _apply_budget(cfg, sel)
+        notes.extend(more)
+    if not sel.targets:
+        raise Fp8ExportError(
+            f"{cfg.checkpoint}: no linear weights to quantize (family "
+            f"{sel.family or 'unknown'}; {len(sel.excluded)} tensors all excluded). Check "
+            "--exclude, or name the layers with --include GLOB.")
+
+    ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
+                          desc="scanning weights", unit="tensor"))
+    scan = scan_weights(sel.targets, ckpt.load, sel.groups, on_step=lambda: next(ticks, None))
+    _finish(ticks)
+    if scan.nonfinite:
+        raise Fp8ExportError(
+            f"{len(scan.nonfinite)} weight(s) hold NaN or Inf, which FP8 cannot represent: "
+            f"{_listed(scan.nonfinite)}. Fix the checkpoint (a diverged run?) or keep those "
+            "modules in high precision with --exclude GLOB.")
+    if scan.all_zero:
+        sel = sel.without(scan.all_zero, "all-zero weight (amax 0)")
+        notes.append(f"{len(scan.all_zero)} all-zero weight(s) kept in high precision: "
+                     f"{_listed(sorted(scan.all_zero))}")
+    modules = sel.modules
+    weight_scales = {m: scan.scale[m] for m in modules}
+
+    ranges, more = resolve_activation_ranges(cfg, ckpt, modules,
+                                             groups=sel.groups if cfg.fuse_scales else None)
+    notes.extend(more)
+    input_scales = {m: amax_to_scale(r.amax, f"{m} (input)") for m, r in ranges.items()}
+    static = sorted(input_scales)
+    dynamic = sorted(set(modules) - set(static))
+    scheme = activation_scheme(static, dynamic)
+    if scheme == "mixed":
+        notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
+                     f"activations (second config group): {_listed(dynamic)}")
+    qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
+                                  tool_version=__version__)
+    plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
+                        scale_shape(cfg.format))
+    if ckpt.config and "quantization_config" in ckpt.config:
+        notes.append("the source config.json had a quantization_config; it was replaced")
+
+    n_out = sum(len(p.entries) for p in plans)
+    ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
+    atomic = AtomicDir(out, cfg.force)
+    with atomic as tmp:
+        sqnr = write_shards(tmp, plans, ckpt, weight_scales, input_scales,
+                            on_tensor=lambda: next(ticks, None))
+        _finish(ticks)
+        index = index_json(plans)
+        if index is not None:
+            write_json(tmp / INDEX_NAME, index)
+        written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
+        if ckpt.config is not None:
+            write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
+        else:
+            notes.append("the source has no config.json; the quantization config is recorded "
+                         "in fp8export.json only")
+        for name, content in extra_files(cfg.format, ignore=sel.ignore,
+                                         tool_version=__version__).items():
+            write_json(tmp / name, content)
+            written.add(name)
+        for aux in sorted(ckpt.aux_files, key=lambda p: p.name):
+            if aux.name in written:
+                continue
+            shutil.copyfile(aux, tmp / aux.name)
+            written.add(aux.name)
+        layers = _layers(sel, scan, weight_scales, ranges, input_scales, sqnr, plans)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "tool": {"name": "fp8export", "version": __version__},
+            "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
+                       "files": source_files_entry(ckpt.path, ckpt.source_files,
+                                                   hashes.result())},
+            "options": options_entry(cfg.to_dict()),
+            "output_format": str(cfg.format),
+            "activation_scheme": scheme,
+            "dynamic_activation_layers": dynamic,
+            "quantization_config": qconfig,
+            "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
+                          for row in layers},
+            "excluded": dict(sorted(sel.excluded.items())),
+            "notes": notes,
+        }
+        write_json(tmp / MANIFEST_NAME, manifest)
+        verify_output(tmp, plans, ckpt, weight_scales, input_scales)
+        files = sorted(p.name for p in tmp.iterdir())
+        bytes_out = sum(p.stat().st_size for p in tmp.iterdir())
+        atomic.publish()  # nothing above touched `out`; this is the only step that does
+    return ConvertResult(
+        output=str(out), format=str(cfg.format), activation_scheme=scheme,
+        quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
+        dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out)
+
+
+def _layers(sel: Selection, scan, weight_scales, ranges, input_scales, sqnr, plans
+            ) -> list[dict[str, Any]]:
+    """The per-layer rows of the manifest and the result, in source order."""
+    shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
+    rows = []
+    for t in sel.targets:
+        r = ranges.get(t.module)
+        rows.append({
+            "module": t.module, "weight": t.weight, "file": shard_of[t.weight],
+            "shape": list(t.shape), "layout": t.layout, "source_dtype": t.dtype,
+            "fused_group": t.fused_group,
+            "weight_amax": scan.amax[t.module],
+            "weight_scale": float(weight_scales[t.module]),
+            "weight_scale_source": "weights",
+            "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
+            "input_amax": r.amax if r else None,
+            "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
+            "input_scale_source": str(r.source) if r else None,
+            "input_details": dict(r.details) if r and r.details else {},
+        })
+    return rows

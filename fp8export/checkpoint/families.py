@@ -1,0 +1,147 @@
+"""Module roles per model family: which weights are linear layers, which fuse, which are heads.
+
+A family is recognised from ``config.json`` (``model_type``, else ``architectures``). Its
+table names the leaf modules that are linear layers, the sibling projections that serving
+stacks fuse into one GEMM (q/k/v, gate/up: they share scales, DESIGN.md), the layers stored
+``[in, out]`` (GPT-2 ``Conv1D``), and the head modules that exist in the model even when their
+weight is tied and not stored (they must appear in a compressed-tensors ``ignore`` list, or a
+``"Linear"`` target would match them).
+
+Checkpoints of unknown families (or without a config) use the fallback rule documented in
+:func:`role_of`: every 2-D floating ``*.weight`` is a linear layer unless its module name says
+embedding, norm, head or router.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the selection needs to know about one model family."""
+
+    name: str
+    linear: frozenset[str]  # leaf module names of linear layers
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # group tag -> sibling leaves
+    in_out: frozenset[str] = frozenset()  # leaves stored [in, out] (Conv1D)
+    tied_heads: tuple[str, ...] = ()  # head modules that may be tied (absent from the weights)
+
+
+_LLAMA = Family(
+    name="llama-like",
+    linear=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                      # already-fused projections (Phi-3) and Mixtral experts
+                      "qkv_proj", "gate_up_proj", "w1", "w2", "w3"}),
+    fused={"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"),
+           "w1_w3": ("w1", "w3")},
+    tied_heads=("lm_head",),
+)
+_GPT2 = Family(
+    name="gpt2",
+    # c_attn is q/k/v already fused into one Conv1D; attn.c_proj and mlp.c_proj share a leaf name.
+    linear=frozenset({"c_attn", "c_proj", "c_fc", "q_attn"}),
+    in_out=frozenset({"c_attn", "c_proj", "c_fc", "q_attn"}),
+    tied_heads=("lm_head",),
+)
+_BERT = Family(
+    name="bert-like",
+    # attention.self.{query,key,value}, attention.output.dense, intermediate.dense, output.dense
+    linear=frozenset({"query", "key", "value", "dense"}),
+    fused={"qkv": ("query", "key", "value")},
+    tied_heads=("cls.predictions.decoder", "lm_head.decoder"),
+)
+_T5 = Family(
+    name="t5",
+    linear=frozenset({"q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1"}),
+    fused={"qkv": ("q", "k", "v"), "wi": ("wi_0", "wi_1")},
+    tied_heads=("lm_head",),
+)
+
+_BY_MODEL_TYPE = {
+    **{t: _LLAMA for t in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                           "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
+                           "olmo2", "granite", "starcoder2", "smollm3")},
+    "gpt2": _GPT2,
+    **{t: _BERT for t in ("bert", "roberta", "xlm-roberta", "camembert", "electra")},
+    **{t: _T5 for t in ("t5", "mt5", "umt5")},
+}
+_BY_ARCH_PREFIX = (("Llama", _LLAMA), ("Mistral", _LLAMA), ("Mixtral", _LLAMA), ("Qwen", _LLAMA),
+                   ("Gemma", _LLAMA), ("Phi3", _LLAMA), ("GPT2", _GPT2), ("Bert", _BERT),
+                   ("Roberta", _BERT), ("XLMRoberta", _BERT), ("T5", _T5), ("MT5", _T5))
+
+
+def family_of(config: dict[str, Any] | None) -> Family | None:
+    """The family table for ``config``, or None (then the fallback rule applies)."""
+    if not config:
+        return None
+    fam = _BY_MODEL_TYPE.get(str(config.get("model_type", "")).lower())
+    if fam is not None:
+        return fam
+    for arch in config.get("architectures") or []:
+        for prefix, f in _BY_ARCH_PREFIX:
+            if str(arch).startswith(prefix):
+                return f
+    return None
+
+
+# --------------------------------------------------------------------------- default exclusions
+# Matched against the full module name, lower-cased. Order matters: the first match names the
+# reason. "embed" catches embed_tokens, wte/wpe are GPT-2's, "shared" is T5's tied embedding.
+_EXCLUDE_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), reason) for p, reason in (
+        (r"(^|\.)(lm_head|output_layer|classifier|score|qa_outputs|pooler|cls|head)(\.|$)"
+         r"|^output$", "output head (kept in high precision by default)"),
+        (r"embed|(^|\.)(wte|wpe|shared|relative_attention_bias)(\.|$)",
+         "embedding (kept in high precision by default)"),
+        (r"norm|(^|\.)ln_|(^|\.)ln(_?f)?(\.|$)", "normalization (kept in high precision)"),
+        (r"(^|\.)(gate|router|shared_expert_gate)(\.|$)",
+         "MoE router/gate (kept in high precision by default)"),
+    ))
+
+
+def default_exclusion(module: str) -> str | None:
+    """The reason ``module`` is left in high precision by default, or None."""
+    low = module.lower()
+    for pattern, reason in _EXCLUDE_RULES:
+        if pattern.search(low):
+            return reason
+    return None
+
+
+def leaf(module: str) -> str:
+    return module.rsplit(".", 1)[-1]
+
+
+def parent(module: str) -> str:
+    return module.rsplit(".", 1)[0] if "." in module else ""
+
+
+def role_of(module: str, family: Family | None) -> tuple[str, str | None]:
+    """``("linear", None)`` or ``("other", reason)`` for the module owning a 2-D ``.weight``.
+
+    Known family: a linear layer is a module whose leaf name is in the family's table and that
+    no default exclusion names. Fallback (unknown family): any module no default exclusion
+    names — i.e. every 2-D floating ``*.weight`` that is not an embedding, norm, head or router.
+    """
+    reason = default_exclusion(module)
+    if reason is not None:
+        return "other", reason
+    if family is None or leaf(module) in family.linear:
+        return "linear", None
+    return "other", f"not a linear layer of the {family.name} family (use --include to quantize)"
+
+
+def fused_group_of(module: str, family: Family | None) -> tuple[str, tuple[str, ...]] | None:
+    """``(group name, sibling module names)`` when ``module`` is one of a fused set, else None."""
+    if family is None:
+        return None
+    name = leaf(module)
+    for tag, members in family.fused.items():
+        if name in members:
+            base = parent(module)
+            prefix = f"{base}." if base else ""
+            return f"{prefix}{tag}", tuple(f"{prefix}{m}" for m in members)
+    return None

@@ -1,0 +1,112 @@
+"""The ``quantization_config`` dialects an FP8 folder can declare (``convert --format``).
+
+Facts come from ``reference/fp8_checkpoint_formats.md``:
+- compressed-tensors (default): ``format: float-quantized``, ``quantization_status:
+  compressed``, per-tensor float8 weights, static per-tensor or dynamic activations, ``ignore``.
+  Loaded by vLLM (``CompressedTensorsW8A8Fp8``) and by transformers with compressed-tensors.
+- vllm: the native ``quant_method: fp8`` (AutoFP8 dialect): ``activation_scheme`` and
+  ``ignored_layers``; one activation scheme for the whole model.
+- modelopt: ``hf_quant_config.json`` (``quant_algo: FP8``, ``exclude_modules``) plus the same
+  content in config.json as ModelOpt's ``convert_hf_config.py`` writes it; ModelOpt FP8 is
+  static-only (vLLM's ModelOpt loader needs ``input_scale``) and scales are 0-dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp8export.config import OutputFormat
+from fp8export.errors import Fp8ExportError
+
+# Weight args of every group: per-tensor, symmetric, static float8 (compressed-tensors "FP8").
+_CT_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+               "dynamic": False}
+_CT_STATIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                    "dynamic": False}
+# Dynamic activations: compressed-tensors' FP8_DYNAMIC preset declares per-token dynamic input
+# args, and that is what vLLM runs for any dynamic input with per-tensor weights:
+# CompressedTensorsConfig._is_fp8_w8a8 returns True for any `input_quant.dynamic` once the
+# weights are float/symmetric/static/tensor-or-channel ("Dynamic quantization is always
+# supported if weights supported"), and CompressedTensorsW8A8Fp8 sets
+# act_q_group_shape = PER_TOKEN when the input scheme is not static
+# (vllm/model_executor/layers/quantization/compressed_tensors/{compressed_tensors.py,
+# schemes/compressed_tensors_w8a8_fp8.py}). Declaring "token" says what the server runs.
+_CT_DYNAMIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                     "dynamic": True}
+_MODELOPT_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
+
+
+def scale_shape(fmt: OutputFormat) -> tuple[int, ...]:
+    """Shape of every ``weight_scale`` / ``input_scale``: ``[1]``, or 0-dim for ModelOpt."""
+    return () if fmt is OutputFormat.MODELOPT else (1,)
+
+
+def activation_scheme(static: list[str], dynamic: list[str]) -> str:
+    if static and dynamic:
+        return "mixed"
+    return "static" if static else "dynamic"
+
+
+def _names(modules: list[str], limit: int = 5) -> str:
+    more = f" and {len(modules) - limit} more" if len(modules) > limit else ""
+    return ", ".join(modules[:limit]) + more
+
+
+def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str]) -> None:
+    """Raise when ``fmt`` cannot express this mix of static and dynamic layers."""
+    if fmt is OutputFormat.MODELOPT and dynamic:
+        raise Fp8ExportError(
+            f"--format modelopt needs a static input scale for every quantized layer (ModelOpt "
+            f"FP8 is static-only), but {len(dynamic)} layer(s) have no activation range: "
+            f"{_names(dynamic)}. Give calibration data (--calib-data) or a checkpoint with FP8 "
+            "training history, exclude those layers, or use --format compressed-tensors.")
+    if fmt is OutputFormat.VLLM and static and dynamic:
+        raise Fp8ExportError(
+            f"--format vllm has one activation_scheme for the whole model, but {len(dynamic)} "
+            f"layer(s) have no activation range ({_names(dynamic)}) while {len(static)} do. "
+            "Use --format compressed-tensors (it records both groups), exclude those layers, "
+            "or give calibration data that reaches them.")
+
+
+def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[str],
+                        ignore: list[str], tool_version: str) -> dict[str, Any]:
+    """The ``quantization_config`` object for config.json (sorted lists, no timestamps)."""
+    check_supported(fmt, static, dynamic)
+    ignore = sorted(ignore)
+    if fmt is OutputFormat.VLLM:
+        return {"quant_method": "fp8", "activation_scheme": activation_scheme(static, dynamic),
+                "ignored_layers": ignore}
+    if fmt is OutputFormat.MODELOPT:
+        return {"quant_method": "modelopt", "quant_algo": "FP8",
+                "config_groups": {"group_0": {"input_activations": dict(_MODELOPT_ARGS),
+                                              "weights": dict(_MODELOPT_ARGS),
+                                              "targets": ["Linear"]}},
+                "ignore": ignore, "producer": {"name": "fp8export", "version": tool_version}}
+    if static and dynamic:
+        # One group per activation scheme, each with explicit module names (never "Linear" in
+        # both: a module would match two groups). Fused siblings share an input scale, so they
+        # always land in the same group — vLLM's fused-layer matching needs that.
+        groups = {"group_0": _ct_group(sorted(static), _CT_STATIC_INPUT),
+                  "group_1": _ct_group(sorted(dynamic), _CT_DYNAMIC_INPUT)}
+    else:
+        groups = {"group_0": _ct_group(["Linear"], _CT_STATIC_INPUT if static
+                                       else _CT_DYNAMIC_INPUT)}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
+            "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+def _ct_group(targets: list[str], input_args: dict[str, Any]) -> dict[str, Any]:
+    return {"targets": targets, "weights": dict(_CT_WEIGHTS),
+            "input_activations": dict(input_args), "output_activations": None}
+
+
+def extra_files(fmt: OutputFormat, *, ignore: list[str], tool_version: str
+                ) -> dict[str, dict[str, Any]]:
+    """Files besides config.json that the format needs (ModelOpt's ``hf_quant_config.json``)."""
+    if fmt is not OutputFormat.MODELOPT:
+        return {}
+    return {"hf_quant_config.json": {
+        "producer": {"name": "fp8export", "version": tool_version},
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
+                         "exclude_modules": sorted(ignore)}}}

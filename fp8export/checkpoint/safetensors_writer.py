@@ -1,0 +1,102 @@
+"""A streaming ``.safetensors`` writer: header first, then one tensor at a time.
+
+Why not ``safetensors.torch.save_file``: it needs every tensor of a shard in memory at once,
+and Hugging Face shards are up to 5 GB (50 GB for some exports). Writing the simple format
+ourselves keeps peak memory at one tensor (the RSS target of issue 2: 1.5 GiB + 2x the largest
+tensor, whatever the shard size). The format is fixed and small: an 8-byte little-endian header
+length, a JSON header (``__metadata__`` plus ``{"dtype", "shape", "data_offsets"}`` per tensor,
+offsets relative to the data area, padded with spaces to a multiple of 8 as safetensors does),
+then the raw little-endian tensor bytes in offset order. Every file we write is read back with
+the real ``safetensors.safe_open`` before the output is published (``readback.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8export.errors import Fp8ExportError
+
+TORCH_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+            "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: str  # safetensors spelling
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ST_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def header_bytes(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length plus the padded JSON header for ``plan`` (tensors in data order)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or METADATA)}
+    offset = 0
+    for t in plan:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    if sys.byteorder != "little":  # safetensors is little-endian; torch bytes are native
+        raise Fp8ExportError("writing safetensors needs a little-endian machine.")
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
+                      produce: Callable[[PlannedTensor], torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return bytes written.
+
+    Each produced tensor must match its planned dtype and shape (the header is already on disk).
+    The file is fsynced before returning.
+    """
+    names = [t.name for t in plan]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise Fp8ExportError(f"{path.name}: tensor names repeat in the output plan: {dup[:5]}.")
+    total = 0
+    with open(path, "wb") as f:
+        head = header_bytes(plan, metadata)
+        f.write(head)
+        total += len(head)
+        for planned in plan:
+            tensor = produce(planned)
+            dtype = TORCH_TO_ST.get(tensor.dtype)
+            if dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+                raise RuntimeError(  # a bug in the plan, not user input
+                    f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "
+                    f"{planned.dtype} {planned.shape}")
+            if planned.nbytes:
+                f.write(_tensor_bytes(tensor))
+            total += planned.nbytes
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+    return total

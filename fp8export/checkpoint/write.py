@@ -1,0 +1,134 @@
+"""Lay out and write the FP8 folder's safetensors shards, one tensor in memory at a time.
+
+Output shards mirror the source's file grouping: each source weight file becomes one output
+file (``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` for several, plus
+``model.safetensors.index.json``). Inside a shard, tensors keep the source order; a quantized
+``<m>.weight`` (F8_E4M3, source layout) is followed by ``<m>.weight_scale`` and, with static
+activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp8export.checkpoint.safetensors_writer import (
+    TORCH_TO_ST, PlannedTensor, write_safetensors,
+)
+from fp8export.checkpoint.select import Target
+from fp8export.checkpoint.source import Checkpoint
+from fp8export.checkpoint.weights import quantize_weight
+from fp8export.errors import Fp8ExportError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One output tensor and where its data comes from."""
+
+    tensor: PlannedTensor
+    kind: str  # "copy" | "weight" | "weight_scale" | "input_scale"
+    source: str  # source tensor name ("weight"/"copy") or module name (scales)
+
+
+@dataclass
+class ShardPlan:
+    file_name: str
+    source_file: str
+    entries: list[Planned] = field(default_factory=list)
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dict[str, np.float32],
+                input_scales: dict[str, np.float32], scale_shape: tuple[int, ...]
+                ) -> list[ShardPlan]:
+    """The output files and their tensors, in order. ``targets`` is keyed by weight name."""
+    infos = {i.name: i for i in ckpt.tensors()}
+    groups = ckpt.shard_groups()
+    plans = [ShardPlan(name, src) for name, (src, _) in zip(shard_names(len(groups)), groups)]
+    clashes: list[str] = []
+    for plan, (_, names) in zip(plans, groups):
+        for name in names:
+            info = infos[name]
+            t = targets.get(name)
+            if t is None or t.module not in weight_scales:
+                plan.entries.append(Planned(PlannedTensor(name, info.dtype, tuple(info.shape)),
+                                            "copy", name))
+                continue
+            plan.entries.append(Planned(PlannedTensor(name, "F8_E4M3", tuple(info.shape)),
+                                        "weight", name))
+            extra = ["weight_scale"] + (["input_scale"] if t.module in input_scales else [])
+            for kind in extra:
+                scale_name = f"{t.module}.{kind}"
+                if scale_name in infos:
+                    clashes.append(scale_name)
+                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", scale_shape),
+                                            kind, t.module))
+    if clashes:
+        raise Fp8ExportError(
+            f"{ckpt.path}: already holds {', '.join(clashes[:5])}; it looks like a quantized "
+            "checkpoint. Convert the original bf16/fp16/fp32 checkpoint instead.")
+    return plans
+
+
+def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32).reshape(shape)
+
+
+def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
+                 weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
+                 *, on_tensor: Callable[[], None] | None = None) -> dict[str, float]:
+    """Write every shard (and the index when there are several); return weight SQNRs (dB)."""
+    sqnr: dict[str, float] = {}
+    weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
+    for p in plans:
+        for e in p.entries:
+            if e.kind == "weight_scale":
+                weight_module[f"{e.source}.weight"] = e.source
+
+    def produce(entry: Planned) -> torch.Tensor:
+        if on_tensor is not None:
+            on_tensor()
+        if entry.kind == "copy":
+            t = ckpt.load(entry.source)
+            st = TORCH_TO_ST.get(t.dtype)
+            if st != entry.tensor.dtype or tuple(t.shape) != entry.tensor.shape:
+                raise Fp8ExportError(
+                    f"{ckpt.path}: tensor {entry.source} loads as {st} {tuple(t.shape)} but the "
+                    f"file header says {entry.tensor.dtype} {entry.tensor.shape}; the file is "
+                    "corrupt or changed during conversion.")
+            return t
+        if entry.kind == "weight":
+            module = weight_module[entry.source]
+            w = ckpt.load(entry.source)
+            rt = quantize_weight(w, weight_scales[module])
+            del w
+            sqnr[module] = rt.sqnr_db
+            return rt.q
+        scales = weight_scales if entry.kind == "weight_scale" else input_scales
+        return scale_tensor(scales[entry.source], entry.tensor.shape)
+
+    for plan in plans:
+        by_name = {e.tensor.name: e for e in plan.entries}
+        write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
+                          lambda pt, by_name=by_name: produce(by_name[pt.name]))
+    return sqnr
+
+
+def index_json(plans: list[ShardPlan]) -> dict | None:
+    """``model.safetensors.index.json`` content when there are several shards, else None."""
+    if len(plans) < 2:
+        return None
+    weight_map = {e.tensor.name: p.file_name for p in plans for e in p.entries}
+    total = sum(e.tensor.nbytes for p in plans for e in p.entries)
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
