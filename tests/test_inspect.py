@@ -1,0 +1,254 @@
+"""``fp8export.inspect.inspect`` on real files: checkpoints (amax, would-be scale, round-trip
+SQNR checked against an independent ml_dtypes cast), FP8 folders built by hand from
+docs/fp8-folder.md, JSON output, plots, and ONNX delegation."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fp8export.errors import Fp8ExportError
+from fp8export.inspect import InspectResult, inspect
+from fp8export.numerics.fp8 import quantize_e4m3
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def independent_sqnr(w: torch.Tensor, scale: float) -> float:
+    """Quantize with ml_dtypes (not torch), dequantize, SQNR in float64."""
+    x = w.float().numpy().astype(np.float32)
+    q = np.clip(x / np.float32(scale), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    deq = q.astype(np.float32) * np.float32(scale)
+    ref = x.astype(np.float64)
+    return 10 * math.log10(float((ref ** 2).sum()) / float(((ref - deq) ** 2).sum()))
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    t = {
+        "model.embed_tokens.weight": torch.randn(32, 16, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(16, 16) * 0.5).bfloat16(),
+        "model.layers.0.self_attn.k_proj.weight": (torch.randn(8, 16) * 2.0).bfloat16(),
+        "model.layers.0.self_attn.v_proj.weight": (torch.randn(8, 16) * 0.1).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(16, 24) * 0.02).bfloat16(),
+        "model.layers.0.input_layernorm.weight": torch.ones(16, dtype=torch.bfloat16),
+        "model.layers.1.mlp.down_proj.weight": (torch.randn(16, 24) * 0.05).bfloat16(),
+        "position_ids": torch.arange(8),
+    }
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file(t, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama",
+                                               "architectures": ["LlamaForCausalLM"]}))
+    return d, t
+
+
+def rows_by_name(result: InspectResult):
+    return {r.name: r for r in result.tensors}
+
+
+def test_checkpoint_amax_scale_and_sqnr(checkpoint):
+    d, t = checkpoint
+    result = inspect(d)
+    assert result.kind == "checkpoint" and result.reader == "hf-folder"
+    rows = rows_by_name(result)
+    assert len(result.tensors) == len(t) and set(rows) == set(t)  # every tensor, once
+    name = "model.layers.0.mlp.down_proj.weight"
+    row = rows[name]
+    amax = float(t[name].float().abs().max())
+    assert row.role == "candidate" and row.amax == pytest.approx(amax, rel=0, abs=0)
+    assert row.scale == float(np.float32(amax / 448))
+    assert row.sqnr_db == pytest.approx(independent_sqnr(t[name], row.scale), abs=1e-6)
+    assert 25 < row.sqnr_db < 40  # E4M3 has 3 mantissa bits: ~30 dB on gaussian weights
+    norm = rows["model.layers.0.input_layernorm.weight"]
+    assert norm.role == "float" and norm.scale is None and norm.amax == 1.0
+    ids = rows["position_ids"]
+    assert ids.role == "other" and ids.amax is None and ids.dtype == "I64"
+    s = result.summary
+    assert s["tensors"] == len(t) and s["model_type"] == "llama"
+    assert s["by_dtype"]["BF16"]["tensors"] == 7 and s["by_dtype"]["I64"]["bytes"] == 64
+    assert s["sqnr_db_min"] == min(r.sqnr_db for r in result.tensors if r.sqnr_db is not None)
+
+
+def test_checkpoint_fused_qkv_share_the_largest_scale(checkpoint):
+    pytest.importorskip("fp8export.checkpoint.select")
+    d, t = checkpoint
+    rows = rows_by_name(inspect(d))
+    qkv = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    group_amax = max(float(t[n].float().abs().max()) for n in qkv)
+    for n in qkv:
+        assert rows[n].scale == float(np.float32(group_amax / 448)), n
+        assert rows[n].sqnr_db == pytest.approx(independent_sqnr(t[n], rows[n].scale), abs=1e-6)
+    # the embedding stays in high precision and says why
+    emb = rows["model.embed_tokens.weight"]
+    assert emb.role == "float" and emb.scale is None and emb.note
+
+
+def test_nan_weight_gets_no_scale_but_inspect_still_explains(tmp_path):
+    w = torch.ones(4, 4)
+    w[1, 2] = float("nan")
+    save_file({"fc.weight": w, "ok.weight": torch.full((2, 2), 0.5)}, tmp_path / "m.safetensors")
+    result = inspect(tmp_path / "m.safetensors")
+    rows = rows_by_name(result)
+    assert math.isnan(rows["fc.weight"].amax) and rows["fc.weight"].scale is None
+    assert "no scale possible" in rows["fc.weight"].note
+    # 0.5 with scale 0.5/448 maps to exactly 448: a lossless round trip
+    assert rows["ok.weight"].sqnr_db == math.inf
+    data = result.to_dict()
+    json.dumps(data, allow_nan=False)  # strict JSON: non-finite numbers are spelled as strings
+    by = {r["name"]: r for r in data["tensors"]}
+    assert by["fc.weight"]["amax"] == "nan" and by["ok.weight"]["sqnr_db"] == "inf"
+
+
+def test_torch_state_dict(tmp_path):
+    torch.save({"state_dict": {"fc.weight": torch.randn(4, 8, dtype=torch.float16)}},
+               tmp_path / "m.pt")
+    result = inspect(tmp_path / "m.pt")
+    assert result.reader == "torch"
+    assert result.tensors[0].dtype == "F16" and result.tensors[0].scale is not None
+    assert any("state_dict" in n for n in result.notes)
+
+
+# --------------------------------------------------------------------------- FP8 folder
+
+def make_fp8_folder(root: Path, *, manifest_scale_factor: float = 1.0, manifest: bool = True):
+    """An FP8 folder as docs/fp8-folder.md describes it (what convert writes)."""
+    torch.manual_seed(1)
+    d = root / "fp8"
+    d.mkdir()
+    w = torch.randn(8, 16) * 0.1
+    amax = float(w.abs().max())
+    scale = np.float32(amax / 448)
+    q = quantize_e4m3(w, scale)
+    in_scale = np.float32(3.0 / 448)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(32, 16, dtype=torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": q,
+        "model.layers.0.mlp.down_proj.weight_scale": torch.tensor([scale], dtype=torch.float32),
+        "model.layers.0.mlp.down_proj.input_scale": torch.tensor([in_scale], dtype=torch.float32),
+        "model.norm.weight": torch.ones(16, dtype=torch.bfloat16),
+    }
+    save_file(tensors, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "quantization_config": {"quant_method": "compressed-tensors",
+                                                       "format": "float-quantized"}}))
+    if manifest:
+        (d / "fp8export.json").write_text(json.dumps({
+            "format_version": 1, "tool": {"name": "fp8export", "version": "0.1.0"},
+            "source": {"name": "ckpt", "kind": "hf-folder", "files": []},
+            "options": {}, "output_format": "compressed-tensors", "activation_scheme": "static",
+            "quantized": {"model.layers.0.mlp.down_proj": {
+                "weight": "model.layers.0.mlp.down_proj.weight", "shape": [8, 16],
+                "layout": "out_in", "source_dtype": "F32", "fused_group": None,
+                "weight_amax": amax, "weight_scale": float(scale) * manifest_scale_factor,
+                "weight_scale_source": "weights", "weight_sqnr_db": 30.25,
+                "input_amax": 3.0, "input_scale": float(in_scale),
+                "input_scale_source": "calibration", "input_details": {}}},
+            "excluded": {"model.embed_tokens.weight": "embedding"},
+            "notes": ["activations calibrated on 4 samples"]}))
+    return d, q, float(scale), float(in_scale)
+
+
+def test_fp8_folder_reads_scales_and_manifest(tmp_path):
+    d, q, scale, in_scale = make_fp8_folder(tmp_path)
+    result = inspect(d)
+    assert result.kind == "fp8-folder"
+    rows = rows_by_name(result)
+    row = rows["model.layers.0.mlp.down_proj.weight"]
+    assert row.role == "quantized" and row.dtype == "F8_E4M3"
+    assert row.scale == scale and row.input_scale == in_scale
+    assert row.amax == pytest.approx(float(q.float().abs().max()) * scale, rel=1e-6)
+    assert row.sqnr_db == 30.25
+    assert (row.scale_source, row.input_scale_source) == ("weights", "calibration")
+    assert rows["model.layers.0.mlp.down_proj.weight_scale"].role == "scale"
+    assert rows["model.embed_tokens.weight"].note == "embedding"
+    s = result.summary
+    assert s["quantized"] == 1 and s["static_input_scales"] == 1
+    assert s["activation_scheme"] == "static" and s["quantization_config"] == "compressed-tensors"
+    assert s["by_dtype"]["F8_E4M3"]["bytes"] == 128
+    assert "activations calibrated on 4 samples" in result.notes
+    assert not any("modified" in n for n in result.notes)
+
+
+def test_fp8_folder_scale_disagreeing_with_manifest_is_noted(tmp_path):
+    d, *_ = make_fp8_folder(tmp_path, manifest_scale_factor=2.0)
+    assert any("modified after convert" in n for n in inspect(d).notes)
+
+
+def test_fp8_folder_without_manifest(tmp_path):
+    d, _, scale, _ = make_fp8_folder(tmp_path, manifest=False)
+    result = inspect(d)
+    assert result.kind == "fp8-folder"
+    row = rows_by_name(result)["model.layers.0.mlp.down_proj.weight"]
+    assert row.scale == scale and row.sqnr_db is None
+    assert any("no fp8export.json" in n for n in result.notes)
+
+
+def test_fp8_folder_with_broken_manifest(tmp_path):
+    d, *_ = make_fp8_folder(tmp_path)
+    (d / "fp8export.json").write_text("{oops")
+    with pytest.raises(Fp8ExportError, match="fp8export.json.*not valid JSON"):
+        inspect(d)
+
+
+# ---------------------------------------------------------------------------------- plot
+
+@pytest.mark.parametrize("kind", ["checkpoint", "fp8"])
+def test_plot_writes_a_png(tmp_path, checkpoint, kind):
+    d = checkpoint[0] if kind == "checkpoint" else make_fp8_folder(tmp_path)[0]
+    out = tmp_path / "scales.png"
+    result = inspect(d, plot=out)
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1024
+    assert result.plot == str(out)
+
+
+def test_plot_to_unwritable_path(tmp_path, checkpoint):
+    with pytest.raises(Fp8ExportError, match="cannot write the plot"):
+        inspect(checkpoint[0], plot=tmp_path / "no" / "such" / "dir" / "p.png")
+
+
+# ---------------------------------------------------------------------------------- ONNX
+
+def test_onnx_without_checker_module_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "m.onnx").write_bytes(b"\x08\x07")
+    monkeypatch.setitem(sys.modules, "fp8export.onnx.check", None)  # as if not installed
+    with pytest.raises(Fp8ExportError, match=r"m\.onnx.*fp8export\.onnx\.check"):
+        inspect(tmp_path / "m.onnx")
+
+
+def test_onnx_is_delegated_to_the_checker(tmp_path, monkeypatch):
+    seen = []
+
+    class Report:
+        ok = False
+
+        def to_text(self):
+            return "rule Q/DQ: FAILED"
+
+        def to_dict(self):
+            return {"ok": False}
+
+    def check_model(path):
+        seen.append(Path(path))
+        return Report()
+
+    monkeypatch.setitem(sys.modules, "fp8export.onnx.check",
+                        types.SimpleNamespace(check_model=check_model))
+    (tmp_path / "m.onnx").write_bytes(b"\x08\x07")
+    result = inspect(tmp_path / "m.onnx")
+    assert seen == [tmp_path / "m.onnx"]
+    assert result.kind == "onnx" and not result.ok and result.report == {"ok": False}
+    assert "rule Q/DQ: FAILED" in result.to_text()
+    with pytest.raises(Fp8ExportError, match="--plot"):
+        inspect(tmp_path / "m.onnx", plot=tmp_path / "p.png")
