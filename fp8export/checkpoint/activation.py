@@ -2,8 +2,8 @@
 
 - ``history``: the checkpoint's FP8 training state through the history policy
   (``fp8export.checkpoint.training.policy.ranges_from_history``; ``--amax-algo``, ``--margin``).
-- ``calibrate``: a saved ``amax.json`` (``--calib-amax``, from ``fp8export calibrate``) or a
-  calibration run over ``--calib-data`` (``fp8export.calibration.api.calibrate_ranges``).
+- ``calibrate``: ``fp8export.calibration.api.calibrate_ranges``, which reads a saved
+  ``amax.json`` (``--calib-amax``, from ``fp8export calibrate``) or calibrates on ``--calib-data``.
 - ``weights``: no activation ranges; activations are quantized dynamically at run time.
 - ``auto``: history when the checkpoint has training state, else calibration when data (or an
   amax file) is given, else weights only.
@@ -39,9 +39,8 @@ def _has_history(state: Any) -> bool:
     return state is not None and bool(getattr(state, "histories", None))
 
 
-def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, modules: list[str]
+def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, state: Any, modules: list[str]
                   ) -> tuple[dict[str, ActivationRange], list[str]]:
-    state = ckpt.training_state()
     if not _has_history(state):
         raise Fp8ExportError(
             f"{ckpt.path}: --scales history, but the checkpoint holds no FP8 training state "
@@ -52,19 +51,19 @@ def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, modules: list[str]
     return dict(ranges), [*getattr(state, "warnings", []), *notes]
 
 
-def _from_calibration(cfg: ConvertConfig, modules: list[str]
+def _from_calibration(cfg: ConvertConfig, modules: list[str],
+                      groups: dict[str, list[str]] | None
                       ) -> tuple[dict[str, ActivationRange], list[str]]:
-    if cfg.calib_amax is not None:
-        read = _provider("fp8export.calibration.amax_file", "read_amax_file", "calibrate")
-        ranges = dict(read(cfg.calib_amax))
-        return ranges, [f"activation ranges read from {cfg.calib_amax.name}"]
+    # calibrate_ranges reads --calib-amax itself when given, else runs the calibrators.
     run = _provider("fp8export.calibration.api", "calibrate_ranges", "calibrate")
-    ranges, summary = run(cfg, modules)
-    method = summary.get("method", str(cfg.calib_method)) if isinstance(summary, dict) else None
-    samples = summary.get("samples") if isinstance(summary, dict) else None
-    note = f"calibrated activation ranges ({method}"
-    note += f", {samples} samples)" if samples is not None else ")"
-    return dict(ranges), [note]
+    ranges, info = run(cfg, modules, groups=groups or None)
+    info = info if isinstance(info, dict) else {}
+    what = (f"activation ranges from {cfg.calib_amax.name}" if cfg.calib_amax is not None
+            else "calibrated activation ranges")
+    facts = [f"{k} {info[k]}" for k in ("method", "samples") if info.get(k) is not None]
+    notes = [what + (f" ({', '.join(facts)})" if facts else "")]
+    notes.extend(str(n) for n in info.get("notes") or [])
+    return dict(ranges), notes
 
 
 def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: list[str], *,
@@ -85,23 +84,25 @@ def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: lis
     """
     mode = cfg.scales
     notes: list[str] = []
+    state = ckpt.training_state() if mode in (ScalesMode.AUTO, ScalesMode.HISTORY) else None
     if mode is ScalesMode.AUTO:
-        if _has_history(ckpt.training_state()):
+        if _has_history(state):
             mode = ScalesMode.HISTORY
             notes.append("--scales auto: using the checkpoint's FP8 training history")
         elif cfg.calib_data is not None or cfg.calib_amax is not None:
             mode = ScalesMode.CALIBRATE
             notes.append("--scales auto: no training history; calibrating on the given data")
         else:
-            mode = ScalesMode.WEIGHTS
+            notes.append("weights only: activations are dynamic (no training history or "
+                         "calibration data)")
+            return {}, notes
     if mode is ScalesMode.WEIGHTS:
-        notes.append("weights only: activations are dynamic (no training history or "
-                     "calibration data)")
+        notes.append("weights only (--scales weights): activations are dynamic")
         return {}, notes
     if mode is ScalesMode.HISTORY:
-        ranges, more = _from_history(cfg, ckpt, modules)
+        ranges, more = _from_history(cfg, ckpt, state, modules)
     else:
-        ranges, more = _from_calibration(cfg, modules)
+        ranges, more = _from_calibration(cfg, modules, groups)
     notes.extend(more)
 
     wanted = set(modules)

@@ -1,0 +1,118 @@
+"""``fp8export convert``: checkpoint -> FP8 (E4M3) safetensors folder with per-tensor scales."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+_CHOICES = {"case_sensitive": False}
+
+
+@click.command("convert")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
+@click.option("--scales", type=click.Choice(["auto", "history", "calibrate", "weights"], **_CHOICES),
+              default="auto", show_default=True,
+              help="Where activation scales come from. auto: FP8 training history if the "
+                   "checkpoint has it, else calibration when --calib-data/--calib-amax is given, "
+                   "else weights only (dynamic activations).")
+@click.option("--calib-data", type=click.Path(path_type=Path),
+              help="Calibration samples: .txt (one per line), .jsonl (text field), or "
+                   ".npz/.safetensors with input_ids.")
+@click.option("--calib-amax", type=click.Path(path_type=Path),
+              help="amax.json written by `fp8export calibrate` (reuses a calibration run).")
+@click.option("--calib-method", type=click.Choice(["max", "percentile", "mse", "entropy"], **_CHOICES),
+              default="max", show_default=True, help="Calibrator for --calib-data.")
+@click.option("--percentile", type=float, help="Percentile for --calib-method percentile (default 99.99).")
+@click.option("--calib-samples", type=click.IntRange(min=1), help="Use at most N calibration samples.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Calibration batch size.")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Truncate calibration samples to N tokens.")
+@click.option("--amax-algo", type=click.Choice(["max", "most-recent"], **_CHOICES), default="max",
+              show_default=True, help="How a training amax history becomes one amax.")
+@click.option("--margin", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Extra headroom for history scales: amax * 2**N.")
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "vllm", "modelopt"], **_CHOICES),
+              default="compressed-tensors", show_default=True,
+              help="quantization_config dialect: compressed-tensors (vLLM, transformers), vllm "
+                   "(quant_method fp8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Keep modules matching GLOB (fnmatch on module names, e.g. "
+                   "'model.layers.0.*') in high precision. Wins over everything. Repeatable.")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Quantize modules matching GLOB even if excluded by default (e.g. lm_head "
+                   "or MoE routers); needs a 2-D float weight. Repeatable.")
+@click.option("--no-fuse-scales", is_flag=True,
+              help="Give q/k/v and gate/up projections their own scales (default: they share "
+                   "the group max, as vLLM and TensorRT-LLM run them).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], **_CHOICES), default="auto",
+              show_default=True, help="Device for calibration.")
+@click.option("--accuracy-budget", type=float, metavar="KL",
+              help="Keep the most sensitive layers in high precision until the estimated KL "
+                   "divergence to the bf16 model is within KL.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
+                                           "swapped in only when complete).")
+def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
+            calib_samples, batch_size, seq_len, amax_algo, margin, fmt, exclude, include,
+            no_fuse_scales, device, accuracy_budget, force):
+    """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
+
+    CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
+    weights become F8_E4M3 with an F32 weight_scale (scale = amax / 448); embeddings, norms,
+    output heads and MoE routers stay in their source precision. The folder also holds
+    config.json with the quantization_config, the tokenizer files, and fp8export.json (per
+    tensor: amax, scale, source, SQNR; excluded tensors with reasons). It is written to a
+    temporary sibling, read back and verified, then renamed into place.
+
+    Selection precedence: --exclude wins over everything; --include wins over the default
+    exclusions.
+    """
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+
+    cfg = ConvertConfig(
+        checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,
+        calib_amax=calib_amax, calib_method=calib_method, calib_samples=calib_samples,
+        batch_size=batch_size, seq_len=seq_len, percentile=percentile, amax_algo=amax_algo,
+        margin=margin, format=fmt, exclude=tuple(exclude), include=tuple(include),
+        fuse_scales=not no_fuse_scales, device=device, force=force,
+        accuracy_budget=accuracy_budget,
+    )
+    render(api.convert(cfg))
+
+
+def _activation_line(result) -> str:
+    if result.activation_scheme == "dynamic":
+        plain = next((n for n in result.notes if n.startswith("weights only")), None)
+        return (plain or "activations: dynamic") + " (per-token FP8 scales computed at run time)"
+    sources: dict[str, int] = {}
+    for row in result.layers:
+        if row["input_scale_source"]:
+            sources[row["input_scale_source"]] = sources.get(row["input_scale_source"], 0) + 1
+    where = ", ".join(f"{n} from {s}" for s, n in sorted(sources.items()))
+    line = f"activations: static per-tensor input scales ({where})"
+    if result.dynamic_layers:
+        line += f"; {len(result.dynamic_layers)} layer(s) without a range run dynamic"
+    return line
+
+
+def render(result) -> None:
+    """Print the short summary of a ConvertResult."""
+    sqnr = sorted(r["weight_sqnr_db"] for r in result.layers if r["weight_sqnr_db"] is not None)
+    stats = f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)" if sqnr else ""
+    click.echo(f"wrote {result.output}  [{result.format}]")
+    click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
+    click.echo(_activation_line(result))
+    kept = result.excluded_by_reason()
+    click.echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in result.excluded.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, count in kept.items():
+        names = by_reason[reason]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        click.echo(f"  {count:4d}  {reason}: {shown}")
+    for note in result.notes:
+        if not note.startswith("weights only"):  # already said on the activations line
+            click.echo(f"note: {note}")
