@@ -252,3 +252,24 @@ def test_onnx_is_delegated_to_the_checker(tmp_path, monkeypatch):
     assert "rule Q/DQ: FAILED" in result.to_text()
     with pytest.raises(Fp8ExportError, match="--plot"):
         inspect(tmp_path / "m.onnx", plot=tmp_path / "p.png")
+
+
+def test_checkpoint_prediction_matches_what_convert_writes(tmp_path, checkpoint):
+    """inspect on a checkpoint predicts the scale and SQNR that convert then records."""
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+
+    d, _ = checkpoint
+    out = tmp_path / "out-fp8"
+    api.convert(ConvertConfig(checkpoint=d, output=out))
+    before, after = rows_by_name(inspect(d)), rows_by_name(inspect(out))
+    quantized = [n for n, r in after.items() if r.role == "quantized"]
+    assert quantized and sorted(quantized) == sorted(n for n, r in before.items()
+                                                     if r.role == "candidate")
+    for name in quantized:
+        assert after[name].scale == before[name].scale, name
+        assert after[name].sqnr_db == pytest.approx(before[name].sqnr_db, abs=1e-3), name
+        # dequantized amax never exceeds 448 * scale, and the largest code hits it for
+        # the tensor that set its (group's) scale
+        assert after[name].amax <= 448 * after[name].scale * (1 + 1e-6)
+    assert inspect(out).summary["quantized"] == len(quantized)
