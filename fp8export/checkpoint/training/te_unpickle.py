@@ -178,7 +178,7 @@ def _load_storage_bytes(layer: str):
         # The bytes are a legacy-format torch.save of one storage (CUDA ones in TE 0.x/1.x, hence
         # map_location); torch's weights-only unpickler reads that format too.
         obj = torch.load(io.BytesIO(bytes(data)), weights_only=True, map_location="cpu")
-        if not isinstance(obj, (torch.TypedStorage, torch.UntypedStorage)):
+        if not isinstance(obj, torch.TypedStorage):
             raise TypeError(f"storage payload holds a {type(obj).__name__}, not a storage")
         return obj
 
@@ -189,18 +189,26 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
                     requires_grad: Any = False, backward_hooks: Any = None, metadata: Any = None):
     """``torch._utils._rebuild_tensor_v2`` with its arguments checked first.
 
-    Only a storage we rebuilt ourselves is accepted; hooks and metadata (which could carry
-    objects) must be empty; torch's ``set_`` checks that the view stays inside the storage.
+    Only a typed storage is accepted; hooks and metadata (which could carry objects) must be
+    empty; and the view must lie inside the storage — torch's rebuilder does not check that
+    (found by this module's tests), so a hostile size or stride would read past the buffer.
     """
     import torch
 
-    if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
-        raise TypeError(f"tensor rebuilt from a {type(storage).__name__}, not a storage")
-    ints = (storage_offset, *tuple(size), *tuple(stride))
+    if not isinstance(storage, torch.TypedStorage):
+        raise TypeError(f"tensor rebuilt from a {type(storage).__name__}, not a typed storage")
+    size, stride = tuple(size), tuple(stride)
+    ints = (storage_offset, *size, *stride)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
         raise TypeError("tensor offset, size and stride must be non-negative integers")
-    if len(tuple(size)) != len(tuple(stride)):
+    if len(size) != len(stride):
         raise TypeError("tensor size and stride differ in length")
+    if all(s > 0 for s in size):
+        last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
+        if last >= storage.size():
+            raise TypeError(f"tensor view (size {size}, stride {stride}, offset "
+                            f"{storage_offset}) reaches past its storage of {storage.size()} "
+                            "elements")
     if backward_hooks not in (None, {}) and not (isinstance(backward_hooks, dict)
                                                   and not backward_hooks):
         raise TypeError("tensor carries backward hooks")
@@ -244,27 +252,32 @@ class _ExtraStateUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not part of a TE extra state")
 
 
-def _check_unresolved(obj: Any, layer: str, *, field: str | None = None, depth: int = 0) -> None:
-    """Refuse unresolved globals anywhere except in a recipe's callable fields."""
-    if depth > 50:
-        raise Fp8ExportError(f"{layer}: the FP8 extra state is nested more than 50 levels deep; "
-                             "it is not a Transformer Engine state.")
-    if isinstance(obj, UnresolvedGlobal):
-        if field in CALLABLE_FIELDS:
-            return
-        raise obj.refusal()
-    if isinstance(obj, RecipeStandIn):
-        for key, value in getattr(obj, "fields", {}).items():
-            _check_unresolved(value, layer, field=key, depth=depth + 1)
-    elif isinstance(obj, FrozenParamsStandIn):
-        _check_unresolved(obj.fields, layer, depth=depth + 1)
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _check_unresolved(key, layer, depth=depth + 1)
-            _check_unresolved(value, layer, depth=depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for value in obj:
-            _check_unresolved(value, layer, depth=depth + 1)
+def _check_unresolved(obj: Any, layer: str) -> None:
+    """Refuse unresolved globals anywhere except in a recipe's callable fields.
+
+    Iterative, and each container is visited once: a hostile pickle can build cyclic or
+    exponentially shared structures through its memo.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Any, str | None]] = [(obj, None)]
+    while stack:
+        item, field = stack.pop()
+        if isinstance(item, UnresolvedGlobal):
+            if field in CALLABLE_FIELDS:
+                continue
+            raise item.refusal()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, RecipeStandIn):
+            stack.extend((v, k) for k, v in getattr(item, "fields", {}).items())
+        elif isinstance(item, FrozenParamsStandIn):
+            stack.append((getattr(item, "fields", {}), None))
+        elif isinstance(item, dict):
+            stack.extend((k, None) for k in item)
+            stack.extend((v, None) for v in item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((v, None) for v in item)
 
 
 def unpickle_extra_state(data: bytes, layer: str) -> Any:
