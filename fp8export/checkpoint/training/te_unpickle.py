@@ -205,9 +205,9 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
         raise TypeError("tensor size and stride differ in length")
     if all(s > 0 for s in size):
         last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
-        if last >= storage.size():
+        if last >= storage._size():  # _size: size() without the TypedStorage deprecation warning
             raise TypeError(f"tensor view (size {size}, stride {stride}, offset "
-                            f"{storage_offset}) reaches past its storage of {storage.size()} "
+                            f"{storage_offset}) reaches past its storage of {storage._size()} "
                             "elements")
     if backward_hooks not in (None, {}) and not (isinstance(backward_hooks, dict)
                                                   and not backward_hooks):
