@@ -255,23 +255,29 @@ class MseCalibrator(Calibrator):
 class EntropyCalibrator(Calibrator):
     """Minimise KL(P || Q) between the observed and the FP8-quantised histograms.
 
-    TensorRT's entropy calibrator (``_compute_amax_entropy``; the INT8 ``IInt8EntropyCalibrator2``
-    idea) for a threshold ``i``: P = the reference bins below ``i`` with all outlier mass
-    folded into the last bin; Q = those bins merged into 128 *uniform* INT8 levels, each
-    level's mass spread evenly over its non-empty bins; choose the threshold with the least
-    KL. Adapted to FP8:
+    TensorRT's entropy calibrator (pytorch-quantization ``_compute_amax_entropy``, the idea
+    of ``IInt8EntropyCalibrator2``), for a threshold ``i`` over a linear histogram: P = the
+    bins below ``i`` with all outlier mass folded into the last bin; Q = those bins merged into
+    128 *uniform* INT8 levels, each level's mass spread evenly over its non-empty bins; pick
+    the threshold with the least KL. Adapted to FP8:
 
     - the threshold is a candidate amax ``c`` and the levels are the **E4M3 grid** under the
       float32 scale ``c/448``: each histogram value is assigned to the code ``quantize_e4m3``
-      rounds it to (RNE, so level widths double every binade, subnormals have fixed width,
-      and tiny values share level 0 with the exact zeros: underflow is part of the loss);
-    - values above ``c`` go into one clip bin that belongs to the top level (448), so
-      clipping costs KL exactly where TensorRT's folded last bin does;
-    - TensorRT's ``bins[0] = bins[1]`` (ReLU zeros) is not copied: zeros are real values here
-      and quantize exactly.
+      rounds it to (RNE; level widths double every binade, subnormal levels have a fixed
+      width, and values below half the smallest subnormal share level 0: underflow);
+    - mass above ``c`` is folded into the last bf16 value ``<= c`` (TensorRT's last bin),
+      which lies in the top level (448);
+    - Q spreads each level's mass evenly over **all** bf16 values the level covers, not only
+      the observed ones. With exact-value bins (:mod:`observers`), spreading over observed bins
+      only makes Q == P whenever each bin holds one sample, so sparse data would show no loss
+      at all; spreading over the covered values makes KL = E[log K_level] - H(value | level):
+      the information the FP8 code throws away. A level that swallows many binades (underflow
+      to 0, subnormals) costs a lot, clipping costs the folded spike in the top level;
+    - exact zeros form their own level (zero round-trips exactly), instead of TensorRT's
+      ``bins[0] = bins[1]`` ReLU workaround.
 
-    KL weights values by count, not by magnitude (unlike mse), so rare outliers are cheap to
-    clip when the bulk would otherwise lose resolution to underflow.
+    KL weights values by count, not magnitude (unlike mse), so rare large outliers are cheap to
+    clip when the bulk would otherwise lose resolution to subnormals and underflow.
     """
 
     def amax_from(self, stats: FinalStats) -> AmaxResult:
@@ -280,36 +286,67 @@ class EntropyCalibrator(Calibrator):
         if stats.amax <= 0.0 or values.size == 0:
             return AmaxResult(stats.amax, {"observed_max": stats.amax})
         cands = candidate_amaxes(stats.amax)
-        v32 = torch.from_numpy(values.astype(np.float32))
         p_all = counts / float(counts.sum())
         kls = np.empty(len(cands), dtype=np.float64)
-        for s in range(0, len(cands), 64):
-            c = cands[s:s + 64]
-            codes = _quantized_codes(v32, _scales(c)).to(torch.int64).numpy()
-            kls[s:s + len(c)] = _kl_for_thresholds(values, p_all, codes, c)
+        for s in range(0, len(cands), 32):
+            c = cands[s:s + 32]
+            kls[s:s + len(c)] = _kl_for_thresholds(values, p_all, c)
         best = int(np.argmin(kls))
         return AmaxResult(float(cands[best]), {
             "observed_max": stats.amax, "kl": float(kls[best]), "kl_at_max": float(kls[0]),
             "candidates": len(cands)})
 
 
-def _kl_for_thresholds(values: np.ndarray, p_all: np.ndarray, codes: np.ndarray,
-                       cands: np.ndarray) -> np.ndarray:
-    """KL(P || Q) for each candidate ``cands[r]`` (codes[r] = E4M3 code of each value)."""
-    rows, n = codes.shape
+_ZERO_LEVEL = 0x7F  # E4M3 magnitude code 0x7F is NaN, never produced: reuse it for exact zeros
+
+
+def _levels(values: np.ndarray, scales: torch.Tensor) -> np.ndarray:
+    """``[C, N]`` level per value: its E4M3 magnitude code, or _ZERO_LEVEL for exact zeros."""
+    codes = _quantized_codes(torch.from_numpy(values.astype(np.float32)), scales)
+    lv = codes.to(torch.int64).numpy()
+    lv[:, values == 0.0] = _ZERO_LEVEL
+    return lv
+
+
+def _kl_for_thresholds(values: np.ndarray, p_all: np.ndarray, cands: np.ndarray) -> np.ndarray:
+    """KL(P || Q) for each candidate amax in ``cands`` (see :class:`EntropyCalibrator`)."""
+    from fp8export.calibration.observers import bin_values
+
+    rows, n = len(cands), values.size
+    scales = _scales(cands)
+    # K: how many bf16 values each level covers, counting only values <= c (above c is clipped).
+    # Values below c * 2**-20 round to code 0 for every candidate (448 * 2**-20 is under half
+    # the smallest subnormal, 2**-10): count them per row instead of quantizing them all.
+    allv = bin_values()
+    lo = cands * 2.0**-20
+    win = allv[(allv >= lo.min()) & (allv <= cands.max())]
+    lv_win = _levels(win, scales)
+    covered = (win[None, :] <= cands[:, None]) & (win[None, :] >= lo[:, None])
+    off = (128 * np.arange(rows))[:, None]
+    k = np.bincount((lv_win + off)[covered], minlength=128 * rows).astype(np.float64)
+    below = np.searchsorted(allv, lo, side="left") - 1  # nonzero bf16 values under c * 2**-20
+    k[128 * np.arange(rows)] += below
+
+    # P: observed mass <= c, with the mass above c folded into the last bf16 value <= c.
     inside = values[None, :] <= cands[:, None]
     p = np.where(inside, p_all[None, :], 0.0)
-    clip = (p_all[None, :] * ~inside).sum(axis=1)
-    # P over the in-range bins plus one clip bin (column n) on the top level (code 0x7E = 448).
-    p = np.concatenate([p, clip[:, None]], axis=1)
-    level = np.concatenate([codes, np.full((rows, 1), 0x7E, dtype=codes.dtype)], axis=1)
-    flat = (level + 128 * np.arange(rows)[:, None]).ravel()
+    clip = p_all.sum() - p.sum(axis=1)
+    c_bits = torch.from_numpy(cands.astype(np.float32)).view(torch.int32) >> 16
+    fold_val = c_bits.to(torch.int16).view(torch.bfloat16).to(torch.float64).numpy()
+    lv = _levels(values, scales)
+    j = np.searchsorted(values, fold_val, side="right") - 1
+    hit = (j >= 0) & (values[np.maximum(j, 0)] == fold_val)
+    p[np.arange(rows)[hit], j[hit]] += clip[hit]
+    extra_p = np.where(hit, 0.0, clip)
+    extra_lv = _levels(fold_val, scales).diagonal()  # level of each row's fold value
+    p = np.concatenate([p, extra_p[:, None]], axis=1)
+    lv = np.concatenate([lv, extra_lv[:, None]], axis=1)
+
+    flat = (lv + off).ravel()
     pf = p.ravel()
-    occupied = pf > 0.0
     mass = np.bincount(flat, weights=pf, minlength=128 * rows)
-    members = np.bincount(flat[occupied], minlength=128 * rows)
-    # Q: each FP8 level's mass spread evenly over its non-empty bins (TensorRT's expansion).
-    q = mass[flat] / np.maximum(members[flat], 1)
+    occ = pf > 0.0
+    # Q_i = level mass / values covered by the level, so KL term = P_i log(P_i K / mass).
     terms = np.zeros_like(pf)
-    terms[occupied] = pf[occupied] * np.log(pf[occupied] / q[occupied])
+    terms[occ] = pf[occ] * np.log(pf[occ] * np.maximum(k[flat[occ]], 1.0) / mass[flat[occ]])
     return terms.reshape(rows, n + 1).sum(axis=1)

@@ -1,0 +1,158 @@
+"""``amax.json``: calibration results on disk, reusable by ``convert --calib-amax amax.json``.
+
+The file is deterministic (sorted keys, amaxes as float32-exact decimal strings via ``repr``
+of Python floats, no timestamps or timings), so two runs on the same data and device give the
+same bytes, and it is written atomically (temporary sibling, fsync, rename). It records the
+checkpoint's weight-file hashes so a reader can tell which weights the ranges belong to.
+
+Schema (``format: fp8export-amax``, ``version: 1``)::
+
+    {"format": "fp8export-amax", "version": 1, "tool": "fp8export <v>",
+     "method": "percentile", "options": {"percentile": 99.99},
+     "samples": 512, "tokens": 81234, "device": "cpu", "dtype": "bfloat16",
+     "data": {"file": "calib.txt", "sha256": "..."},
+     "checkpoint": {"path": "...", "files": {"model.safetensors": "<sha256>"}},
+     "groups": {"model.layers.0.self_attn.qkv": ["...q_proj", "...k_proj", "...v_proj"]},
+     "missing": [], "notes": [],
+     "modules": {"model.layers.0.self_attn.q_proj": {"amax": 3.25, "observed_amax": 3.0,
+                 "scale": 0.0072544645}}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fp8export.config import ScaleSource
+from fp8export.errors import Fp8ExportError
+from fp8export.scales import ActivationRange
+
+if TYPE_CHECKING:
+    from fp8export.calibration.api import CalibrationResult
+
+FORMAT = "fp8export-amax"
+VERSION = 1
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_hashes(checkpoint: Path) -> dict[str, str]:
+    """sha256 of every weight file of the checkpoint, by name relative to it (sorted)."""
+    from fp8export.checkpoint.source import open_checkpoint
+
+    root = Path(checkpoint)
+    with open_checkpoint(root) as ckpt:
+        files = sorted(set(ckpt.source_files))
+    out = {}
+    for f in files:
+        rel = f.name if not root.is_dir() else str(Path(f).relative_to(root))
+        out[rel] = sha256_file(Path(f))
+    return dict(sorted(out.items()))
+
+
+def check_output(path: Path, force: bool) -> None:
+    """Refuse to replace an existing file without ``--force`` (checked before any work)."""
+    p = Path(path)
+    if p.is_dir():
+        raise Fp8ExportError(f"{p}: is a folder; -o/--output takes a file path like amax.json.")
+    if p.exists() and not force:
+        raise Fp8ExportError(f"{p}: already exists. Pass --force to replace it, or choose "
+                             "another -o/--output path.")
+    if not p.parent.exists():
+        raise Fp8ExportError(f"{p.parent}: the output folder does not exist; create it first.")
+
+
+def amax_document(result: CalibrationResult) -> dict[str, Any]:
+    """The JSON object written for ``result`` (deterministic content only)."""
+    from fp8export import __version__
+    from fp8export.numerics.fp8 import amax_to_scale
+
+    data = Path(result.data)
+    modules = {}
+    for m in sorted(result.amax):
+        a = float(result.amax[m])
+        entry = {"amax": a, "scale": float(amax_to_scale(a, m))}
+        obs = result.observed_amax.get(m)
+        if obs is not None and obs != a:
+            entry["observed_amax"] = float(obs)
+        modules[m] = entry
+    return {
+        "format": FORMAT, "version": VERSION, "tool": f"fp8export {__version__}",
+        "method": result.method, "options": dict(sorted(result.options.items())),
+        "samples": result.samples, "tokens": result.tokens, "device": result.device,
+        "dtype": result.dtype,
+        "data": {"file": data.name, "sha256": sha256_file(data) if data.is_file() else None},
+        "checkpoint": {"path": str(result.checkpoint), "files": dict(result.source_files)},
+        "groups": {g: list(ms) for g, ms in sorted(result.groups.items())},
+        "missing": list(result.missing), "notes": list(result.notes), "modules": modules,
+    }
+
+
+def write_amax_file(result: CalibrationResult, path: str | Path, *, force: bool = True) -> Path:
+    """Write ``result`` as ``amax.json`` atomically; same result -> same bytes."""
+    p = Path(path)
+    check_output(p, force)
+    text = json.dumps(amax_document(result), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return p
+
+
+def read_amax_file(path: str | Path) -> dict[str, ActivationRange]:
+    """Ranges from an ``amax.json`` (validated: every amax finite and > 0).
+
+    Raises Fp8ExportError naming the file and the module at fault.
+    """
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise Fp8ExportError(f"{p}: no such amax file. Write one with `fp8export calibrate "
+                             "CKPT --calib-data PATH -o amax.json`.") from exc
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise Fp8ExportError(f"{p}: not a readable JSON amax file ({exc}). Write one with "
+                             "`fp8export calibrate`.") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise Fp8ExportError(f"{p}: not an fp8export amax file (missing \"format\": "
+                             f"\"{FORMAT}\"). Write one with `fp8export calibrate`.")
+    if doc.get("version") != VERSION:
+        raise Fp8ExportError(f"{p}: amax file version {doc.get('version')!r} is not supported "
+                             f"(this fp8export reads version {VERSION}); re-run calibrate.")
+    modules = doc.get("modules")
+    if not isinstance(modules, dict) or not modules:
+        raise Fp8ExportError(f"{p}: holds no modules; re-run `fp8export calibrate`.")
+    details_common = {"method": doc.get("method"), **(doc.get("options") or {}),
+                      "samples": doc.get("samples"), "tokens": doc.get("tokens"),
+                      "amax_file": p.name}
+    out: dict[str, ActivationRange] = {}
+    for m, entry in modules.items():
+        a = entry.get("amax") if isinstance(entry, dict) else entry
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) \
+                or a <= 0:
+            raise Fp8ExportError(
+                f"{p}: module {m} has amax {a!r}; every amax must be a finite number > 0. "
+                "Re-run `fp8export calibrate`, or remove the entry to fall back.")
+        d = dict(details_common)
+        if isinstance(entry, dict) and "observed_amax" in entry:
+            d["observed_amax"] = entry["observed_amax"]
+        out[m] = ActivationRange(module=m, amax=float(a), source=ScaleSource.CALIBRATION,
+                                 details=d)
+    return out

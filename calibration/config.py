@@ -1,0 +1,93 @@
+"""``CalibrateConfig``: the options of ``fp8export calibrate`` (light: no torch import).
+
+Kept here (not in ``fp8export/config.py``) so calibration owns its options; it follows the
+same rules as the shared configs: frozen, validated in ``__post_init__``, Fp8ExportError.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from fp8export.config import CalibMethod, Device
+from fp8export.errors import Fp8ExportError
+
+DEFAULT_CALIB_SAMPLES = 512  # TensorRT / ModelOpt examples calibrate on a few hundred samples
+DEFAULT_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Options of ``fp8export calibrate`` (and of calibration inside ``convert``).
+
+    ``output``: where :func:`fp8export.calibration.api.calibrate` writes ``amax.json``; None
+    means "do not write" for library callers (the CLI always sets it, default
+    :attr:`resolved_output`). ``modules``: linears to observe; empty = what ``convert`` would
+    quantize (its selection, with ``include`` / ``exclude``).
+    """
+
+    checkpoint: Path
+    calib_data: Path
+    output: Path | None = None
+    calib_method: CalibMethod = CalibMethod.MAX
+    percentile: float | None = None
+    calib_samples: int | None = DEFAULT_CALIB_SAMPLES
+    batch_size: int | None = DEFAULT_BATCH_SIZE
+    seq_len: int | None = None  # default: the model's maximum positions
+    device: Device = Device.AUTO
+    modules: tuple[str, ...] = ()
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    fuse_scales: bool = True
+    force: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "checkpoint", Path(self.checkpoint))
+        object.__setattr__(self, "calib_data", Path(self.calib_data))
+        if self.output is not None:
+            object.__setattr__(self, "output", Path(self.output))
+        object.__setattr__(self, "calib_method",
+                           CalibMethod.parse(self.calib_method, "--calib-method"))
+        object.__setattr__(self, "device", Device.parse(self.device, "--device"))
+        for name in ("modules", "include", "exclude"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, flag in (("calib_samples", "--calib-samples"), ("batch_size", "--batch-size"),
+                           ("seq_len", "--seq-len")):
+            v = getattr(self, name)
+            if v is not None and (int(v) != v or v < 1):
+                raise Fp8ExportError(f"{flag} must be a positive integer, got {v}.")
+        if self.percentile is not None:
+            p = float(self.percentile)
+            if not math.isfinite(p) or not 0.0 < p <= 100.0:
+                raise Fp8ExportError(f"--percentile must be in (0, 100], got {self.percentile}.")
+            if self.calib_method is not CalibMethod.PERCENTILE:
+                raise Fp8ExportError(
+                    f"--percentile applies to --calib-method percentile, not "
+                    f"{self.calib_method}. Drop --percentile or choose percentile.")
+
+    @property
+    def resolved_output(self) -> Path:
+        """``-o`` or the sibling ``<checkpoint>-amax.json``."""
+        if self.output is not None:
+            return self.output
+        src = self.checkpoint
+        stem = src.name if src.is_dir() else src.stem
+        return src.parent / f"{stem}-amax.json"
+
+    def method_options(self) -> dict:
+        if self.calib_method is CalibMethod.PERCENTILE and self.percentile is not None:
+            return {"percentile": float(self.percentile)}
+        return {}
+
+    def to_dict(self) -> dict:
+        out = {}
+        for k in ("checkpoint", "calib_data", "output", "calib_method", "percentile",
+                  "calib_samples", "batch_size", "seq_len", "device", "modules", "include",
+                  "exclude", "fuse_scales", "force"):
+            v = getattr(self, k)
+            out[k] = str(v) if isinstance(v, (Path, Enum)) else (list(v) if isinstance(v, tuple)
+                                                                 else v)
+        return out
