@@ -204,6 +204,32 @@ def model_symlink_escape(tmp):
     return d, ["model.safetensors", "outside the checkpoint folder"]
 
 
+def index_shard_not_a_string(tmp):
+    d = tmp / "ck"
+    d.mkdir()
+    good(d / "model-00001-of-00001.safetensors")
+    _index(d, {"w": 5})
+    return d, ["model.safetensors.index.json", "not a non-empty string"]
+
+
+def tokenizer_symlink_escape(tmp):
+    d = tmp / "ck"
+    d.mkdir()
+    good(d / "model.safetensors")
+    (tmp / "secret.txt").write_text("token")
+    os.symlink(tmp / "secret.txt", d / "tokenizer.json")
+    return d, ["tokenizer.json", "outside the checkpoint folder"]
+
+
+def config_symlink_escape(tmp):
+    d = tmp / "ck"
+    d.mkdir()
+    good(d / "model.safetensors")
+    (tmp / "other.json").write_text("{}")
+    os.symlink(tmp / "other.json", d / "config.json")
+    return d, ["config.json", "outside the checkpoint folder"]
+
+
 def index_names_absent_tensor(tmp):
     d = tmp / "ck"
     d.mkdir()
@@ -290,6 +316,7 @@ CASES = [missing_folder, empty_folder, too_small, header_longer_than_file, huge_
          shape_length_mismatch, negative_dim, unknown_dtype, duplicate_in_header,
          duplicate_across_shards, index_malformed, index_without_weight_map, index_missing_shard,
          index_parent_path, index_absolute_path, index_symlink_escape, model_symlink_escape,
+         index_shard_not_a_string, tokenizer_symlink_escape, config_symlink_escape,
          index_names_absent_tensor, config_not_json, config_not_object, torch_garbage,
          torch_empty, torch_truncated_zip, torch_te_bytesio, torch_te_extra_state_tensor,
          torch_not_a_dict, torch_no_tensors, torch_complex_dtype, bin_index_missing_shard]
