@@ -64,6 +64,7 @@ class WeightFilesCheckpoint(Checkpoint):
         self._files: list[WeightFile] = []
         self._where: dict[str, WeightFile] = {}
         self._infos: list[TensorInfo] = []
+        self._by_name: dict[str, TensorInfo] = {}
         try:
             for file_path in files:
                 wf = open_weight_file(file_path)
@@ -76,6 +77,7 @@ class WeightFilesCheckpoint(Checkpoint):
                             f"{self._where[info.name].path.name}; shards must not repeat a name. "
                             "Remove the stray shard or regenerate the checkpoint.")
                     self._where[info.name] = wf
+                    self._by_name[info.name] = info
                     self._infos.append(info)
             if index is not None and index_map is not None:
                 self._check_index(index, index_map)
@@ -103,10 +105,10 @@ class WeightFilesCheckpoint(Checkpoint):
         return list(self._infos)
 
     def info(self, name: str) -> TensorInfo:
-        wf = self._where.get(name)
-        if wf is None:
+        info = self._by_name.get(name)
+        if info is None:
             raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
-        return next(i for i in wf.tensors if i.name == name)
+        return info
 
     def load(self, name: str) -> torch.Tensor:
         wf = self._where.get(name)

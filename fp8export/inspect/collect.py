@@ -110,7 +110,7 @@ def _checkpoint(ck: Checkpoint, infos: list[TensorInfo]) -> InspectResult:
         if group and row.amax is not None:
             group_amax[group] = max(group_amax.get(group, 0.0), row.amax)
     # Pass 2: the scale convert would use and the SQNR of the weight's FP8 round trip.
-    for row in result.tensors:
+    for row in progress(result.tensors, total=len(infos), desc="round trip", unit="tensor"):
         if row.role != "candidate" or row.amax is None:
             continue
         group = targets.get(row.name)
