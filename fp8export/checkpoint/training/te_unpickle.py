@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import warnings
 import zipfile
 from typing import Any
 
@@ -177,7 +178,9 @@ def _load_storage_bytes(layer: str):
             raise TypeError(f"storage payload is a {type(data).__name__}, not bytes")
         # The bytes are a legacy-format torch.save of one storage (CUDA ones in TE 0.x/1.x, hence
         # map_location); torch's weights-only unpickler reads that format too.
-        obj = torch.load(io.BytesIO(bytes(data)), weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # torch warns about odd protocols of corrupt input
+            warnings.simplefilter("ignore")
+            obj = torch.load(io.BytesIO(bytes(data)), weights_only=True, map_location="cpu")
         if not isinstance(obj, torch.TypedStorage):
             raise TypeError(f"storage payload holds a {type(obj).__name__}, not a storage")
         return obj
@@ -308,7 +311,9 @@ def _torch_load_inner(data: bytes, layer: str) -> Any:
     import torch
 
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # torch warns about odd protocols of corrupt input
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         raise Fp8ExportError(
             f"{layer}: FP8 extra state (a torch.save payload) holds Python objects other than "
