@@ -1,0 +1,127 @@
+"""End to end on a tiny trained Llama: pass, fail with exit 3, reports, per-layer, bad input."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from fp8_folders import DAMAGED
+
+from fp8export.errors import EXIT_BAD_INPUT, EXIT_VERIFY_FAILED
+
+
+def test_healthy_fp8_folder_passes_default(run_cli, tiny_llama, tiny_fp8, eval_npz, tmp_path):
+    rd = tmp_path / "rep"
+    r = run_cli("verify", tiny_llama, tiny_fp8, "--data", eval_npz, "--report-dir", rd)
+    assert r.exit_code == 0, r.output
+    rep = json.loads((rd / "report.json").read_text())
+    for key in ("passed", "backend", "samples", "metrics", "thresholds", "failures", "per_layer"):
+        assert key in rep
+    assert rep["passed"] is True and rep["failures"] == [] and rep["samples"] == 16
+    assert rep["backend"] == "torch-fp8"
+    for key in ("cosine_mean", "cosine_min", "rel_l2", "max_abs", "top1_agreement", "kl_mean",
+                "ppl_reference", "ppl_candidate"):
+        assert isinstance(rep["metrics"][key], float), key
+    assert rep["metrics"]["kl_mean"] < 0.005 and rep["metrics"]["top1_agreement"] > 0.95
+    suite = ET.parse(rd / "junit.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) == len(rep["thresholds"]) and suite.get("failures") == "0"
+    assert '<img alt=' in (rd / "report.html").read_text()
+    assert 'src="data:image/png;base64,' in (rd / "report.html").read_text()
+    assert "PASSED" in (rd / "report.md").read_text()
+
+
+def test_damaged_candidate_fails_with_exit_3_and_is_blamed(run_cli, tiny_llama, damaged_fp8,
+                                                           eval_npz, tmp_path):
+    rd = tmp_path / "rep"
+    r = run_cli("verify", tiny_llama, damaged_fp8, "--data", eval_npz, "--report-dir", rd,
+                "--per-layer")
+    assert r.exit_code == EXIT_VERIFY_FAILED, r.output
+    rep = json.loads((rd / "report.json").read_text())
+    assert rep["passed"] is False
+    failing = {f["metric"] for f in rep["failures"]}
+    assert {"kl_mean", "top1_agreement", "cosine_min"} <= failing
+    assert rep["per_layer"][0]["module"] == DAMAGED
+    assert rep["per_layer"][0]["sqnr_db"] < 0 < rep["per_layer"][1]["sqnr_db"] - 15
+    md = (rd / "report.md").read_text()
+    assert "FAILED" in md and "`kl_mean`" in md and DAMAGED in md
+    junit = ET.parse(rd / "junit.xml").getroot()
+    failed_cases = [c.get("name") for c in junit.iter("testcase") if c.find("failure") is not None]
+    assert any(n.startswith("kl_mean") for n in failed_cases)
+    html = (rd / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3  # per-layer, scatter, KL histogram
+
+
+def test_library_result_is_json_serialisable(tiny_llama, tiny_fp8, tmp_path):
+    from fp8export import api
+    from fp8export.verify.config import VerifyConfig
+
+    res = api.verify(VerifyConfig(reference=tiny_llama, candidate=tiny_fp8, samples=4,
+                                  report_dir=tmp_path / "r", write_reports=False))
+    d = res.to_dict()
+    json.dumps(d)
+    assert d["data"]["builtin"] is True and "No --data given" in d["notes"][0]
+    assert res.passed and res.reports == {}
+
+
+def test_same_model_passes_strict(run_cli, tiny_llama, eval_npz, tmp_path):
+    r = run_cli("verify", tiny_llama, tiny_llama, "--data", eval_npz, "--thresholds", "strict",
+                "--report-dir", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "report.json").read_text())["metrics"]["kl_max"] == 0.0
+
+
+# --- bad input: exit 1, never a failed comparison ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    from fp8_folders import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("other") / "m", vocab=128, train_steps=0)
+
+
+def _bad(r, *needles):
+    assert r.exit_code == EXIT_BAD_INPUT, r.output
+    for n in needles:
+        assert n in r.output, r.output
+
+
+def test_bad_inputs(run_cli, tiny_llama, tiny_fp8, other_model, eval_npz, tmp_path):
+    rd = ("--report-dir", tmp_path / "r")
+    _bad(run_cli("verify", other_model, tiny_fp8, *rd), "different models", "vocab_size")
+    weird = tmp_path / "model.bin2"
+    weird.write_text("x")
+    _bad(run_cli("verify", tiny_llama, weird, *rd), "unknown candidate kind")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _bad(run_cli("verify", tiny_llama, tiny_fp8, "--data", empty, *rd), "empty")
+    engine = tmp_path / "model.engine"
+    engine.write_bytes(b"\0" * 16)
+    _bad(run_cli("verify", tiny_llama, engine, *rd), "TensorRT is not installed")
+    bad_thr = tmp_path / "t.yaml"
+    bad_thr.write_text("kl_avg: 1\n")
+    _bad(run_cli("verify", tiny_llama, tiny_fp8, "--thresholds", bad_thr, *rd), "kl_mean")
+    _bad(run_cli("verify", tiny_llama, tiny_fp8, "--backend", "onnxruntime", *rd),
+         "--backend torch")
+    _bad(run_cli("verify", tiny_fp8, tiny_llama, *rd), "reference is an FP8 folder")
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_cuda_without_gpu_is_bad_input(run_cli, tiny_llama, tiny_fp8, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    _bad(run_cli("verify", tiny_llama, tiny_fp8, "--device", "cuda", "--report-dir", tmp_path),
+         "no CUDA GPU")
+
+
+@pytest.mark.gpu
+def test_scaled_mm_runtime_passes_on_gpu(run_cli, tiny_llama, tiny_fp8, eval_npz, tmp_path):
+    from fp8export.runners.fp8_linear import scaled_mm_available
+
+    if not scaled_mm_available("cuda"):
+        pytest.skip("needs compute capability >= 8.9")
+    r = run_cli("verify", tiny_llama, tiny_fp8, "--data", eval_npz, "--device", "cuda",
+                "--fp8-mode", "scaled_mm", "--per-layer", "--report-dir", tmp_path)
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["candidate"]["mode"] == "scaled_mm" and rep["candidate"]["fallbacks"] == {}
