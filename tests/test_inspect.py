@@ -273,3 +273,32 @@ def test_checkpoint_prediction_matches_what_convert_writes(tmp_path, checkpoint)
         # the tensor that set its (group's) scale
         assert after[name].amax <= 448 * after[name].scale * (1 + 1e-6)
     assert inspect(out).summary["quantized"] == len(quantized)
+
+
+def test_training_history_gives_input_scales(tmp_path, monkeypatch):
+    """A checkpoint with FP8 training state shows the input scales convert would take from it."""
+    from fp8export.checkpoint import source
+    from fp8export.checkpoint.hf_folder import WeightFilesCheckpoint
+    from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
+
+    save_file({"fc1.weight": torch.randn(8, 4), "fc2.weight": torch.randn(4, 8)},
+              tmp_path / "m.safetensors")
+    history = np.array([0.0, 3.0, 5.5, 2.0], dtype=np.float32)  # newest first
+
+    class WithHistory(WeightFilesCheckpoint):
+        def training_state(self):
+            return TrainingState("transformer-engine", "test", [
+                AmaxHistory("fc1", "input", history), AmaxHistory("fc1", "weight", history)])
+
+    reader = ("test-history", lambda p: p.suffix == ".safetensors",
+              lambda p: WithHistory(p, "safetensors", [p]))
+    monkeypatch.setattr(source, "_READERS", [reader])
+    result = inspect(tmp_path / "m.safetensors")
+    rows = rows_by_name(result)
+    assert rows["fc1.weight"].input_scale == float(np.float32(5.5 / 448))
+    assert rows["fc1.weight"].input_scale_source == "history"
+    assert rows["fc2.weight"].input_scale is None
+    assert result.summary["training_state"] == {"framework": "transformer-engine",
+                                                "version": "test", "histories": 2}
+    assert any("fc2" in n and "no FP8 input history" in n for n in result.notes)
+    assert "input scales from history" in result.to_text()

@@ -126,8 +126,50 @@ def _checkpoint(ck: Checkpoint, infos: list[TensorInfo]) -> InspectResult:
         t = ck.load(row.name)
         row.sqnr_db = sqnr_db(t, fake_quantize_e4m3(t.float(), row.scale))
         del t
+    _history_input_scales(ck, result, targets)
     result.summary = _summary(result.tensors, ck.config)
+    if result.training_state is not None:
+        result.summary["training_state"] = result.training_state
     return result
+
+
+def _history_input_scales(ck: Checkpoint, result: InspectResult,
+                          targets: dict[str, str | None]) -> None:
+    """Input scales that ``convert --scales history`` would take from FP8 training state."""
+    from fp8export.numerics.fp8 import E4M3_MAX
+
+    try:
+        state = ck.training_state()
+    except Fp8ExportError as exc:
+        result.notes.append(f"FP8 training state unreadable: {exc}")
+        return
+    if state is None:
+        return
+    result.training_state = {"framework": state.framework, "version": state.version,
+                             "histories": len(state.histories)}
+    result.notes.extend(state.warnings)
+    rows = {r.name.removesuffix(".weight"): r for r in result.tensors if r.role == "candidate"}
+    try:
+        from fp8export.checkpoint.training.policy import ranges_from_history
+
+        ranges, notes = ranges_from_history(state, list(rows))
+    except ImportError:
+        result.notes.append("the history policy is not installed: input scales not shown")
+        return
+    except Fp8ExportError as exc:
+        result.notes.append(f"convert --scales history would refuse this state: {exc}")
+        return
+    result.notes.extend(notes)
+    # fused groups share the largest input amax, as convert does
+    group_amax: dict[str, float] = {}
+    for module, r in ranges.items():
+        if group := targets.get(f"{module}.weight"):
+            group_amax[group] = max(group_amax.get(group, 0.0), r.amax)
+    for module, r in ranges.items():
+        group = targets.get(f"{module}.weight")
+        amax = group_amax[group] if group else r.amax
+        rows[module].input_scale = _f32(amax / E4M3_MAX)
+        rows[module].input_scale_source = "history"
 
 
 # ------------------------------------------------------------------------------ FP8 folder

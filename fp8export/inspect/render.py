@@ -69,6 +69,11 @@ def render_text(result: InspectResult) -> str:
     else:
         lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized (scale = amax / 448), "
                      f"{s['high_precision_weights']} 2-D weights stay in high precision")
+        if result.training_state:
+            ts = result.training_state
+            lines.append(f"  FP8 training  {ts['framework']} {ts['version'] or ''} "
+                         f"({ts['histories']} amax histories; {s['static_input_scales']} input "
+                         "scales from history)")
     if s.get("sqnr_db_min") is not None:
         lines.append(f"  SQNR          min {_g(s['sqnr_db_min'], '.1f')} dB ({s['sqnr_db_min_tensor']})")
     if s.get("weight_scale_min") is not None:

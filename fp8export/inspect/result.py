@@ -43,6 +43,7 @@ class InspectResult:
     summary: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     plot: str | None = None  # the PNG written, if any
+    training_state: dict[str, Any] | None = None  # framework, version, histories (checkpoints)
     ok: bool = True  # False when an ONNX check failed
     report_text: str | None = None  # the ONNX checker's own text, for kind == "onnx"
     report: Any = None  # the ONNX checker's JSON-safe dict, when it offers one
