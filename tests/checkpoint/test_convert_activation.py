@@ -1,0 +1,159 @@
+"""Activation scales: --scales modes, fused sharing, static/mixed outputs in every format."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import DictCheckpoint
+from safetensors import safe_open
+
+from fp8export.checkpoint.activation import resolve_activation_ranges
+from fp8export.checkpoint.convert import convert
+from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
+from fp8export.config import ConvertConfig, ScaleSource
+from fp8export.errors import Fp8ExportError
+
+QKV = [f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
+
+
+class HistoryCheckpoint(DictCheckpoint):
+    def __init__(self, state, **kw):
+        super().__init__({}, **kw)
+        self._state = state
+
+    def training_state(self):
+        return self._state
+
+
+def _state(amax: dict[str, list[float]]) -> TrainingState:
+    return TrainingState(framework="transformer-engine", version="test", histories=[
+        AmaxHistory(module=m, role="input", history=np.asarray(h, dtype=np.float32))
+        for m, h in amax.items()])
+
+
+def _cfg(**kw):
+    return ConvertConfig(checkpoint=Path("mem"), **kw)
+
+
+def test_auto_without_history_or_data_is_weights_only():
+    ranges, notes = resolve_activation_ranges(_cfg(), DictCheckpoint({}), QKV)
+    assert ranges == {}
+    assert notes == ["weights only: activations are dynamic (no training history or "
+                     "calibration data)"]
+
+
+def test_history_through_the_real_policy_with_fused_sharing():
+    state = _state({QKV[0]: [1.0, 3.0, 0.0], QKV[1]: [2.0], QKV[2]: [0.5, float("inf")]})
+    ranges, notes = resolve_activation_ranges(_cfg(), HistoryCheckpoint(state), QKV,
+                                              groups={"qkv": QKV})
+    assert any("training history" in n for n in notes)
+    assert {m: r.amax for m, r in ranges.items()} == {m: 3.0 for m in QKV}
+    assert all(r.source is ScaleSource.HISTORY for r in ranges.values())
+    assert ranges[QKV[1]].details["own_amax"] == 2.0
+    alone, _ = resolve_activation_ranges(_cfg(scales="history"), HistoryCheckpoint(state), QKV)
+    assert alone[QKV[1]].amax == 2.0 and alone[QKV[2]].amax == 0.5
+
+
+def test_history_mode_without_state_is_an_error():
+    with pytest.raises(Fp8ExportError, match="holds no FP8 training state"):
+        resolve_activation_ranges(_cfg(scales="history"), DictCheckpoint({}), QKV)
+
+
+def test_missing_provider_says_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "fp8export.calibration.api", None)
+    cfg = _cfg(scales="calibrate", calib_data=tmp_path / "x.txt")
+    with pytest.raises(Fp8ExportError, match="--scales calibrate is unavailable"):
+        resolve_activation_ranges(cfg, DictCheckpoint({}), QKV)
+
+
+def test_accuracy_budget_without_sensitivity_module_says_unavailable(tiny_llama, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setitem(sys.modules, "fp8export.verify.sensitivity", None)
+    with pytest.raises(Fp8ExportError, match="--accuracy-budget is unavailable"):
+        convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
+                              accuracy_budget=0.01))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _amax_file(path: Path, amax: dict[str, float]) -> Path:
+    """An amax.json in the schema of fp8export.calibration.amax_file (version 1)."""
+    path.write_text(json.dumps({
+        "format": "fp8export-amax", "version": 1, "method": "max", "samples": 4, "tokens": 40,
+        "modules": {m: {"amax": a} for m, a in amax.items()}}))
+    return path
+
+
+def _linear_modules(folder: Path) -> list[str]:
+    man = json.loads((folder / "fp8export.json").read_text())
+    return sorted(man["quantized"])
+
+
+@pytest.fixture(scope="module")
+def llama_modules(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mods") / "o"
+    convert(ConvertConfig(checkpoint=tiny_llama, output=out))
+    return _linear_modules(out)
+
+
+def test_static_scales_from_amax_file(tiny_llama, tmp_path, llama_modules):
+    amax = {m: 1.0 + i for i, m in enumerate(llama_modules)}
+    amax.update({QKV[0]: 1.0, QKV[1]: 5.0, QKV[2]: 2.0})
+    f = _amax_file(tmp_path / "amax.json", amax)
+    out = tmp_path / "o"
+    res = convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_amax=f))
+    assert res.activation_scheme == "static"
+    man = json.loads((out / "fp8export.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as st:
+        for m in llama_modules:
+            s = st.get_tensor(f"{m}.input_scale")
+            assert s.dtype == torch.float32 and s.shape == (1,)
+            base, leaf = m.rsplit(".", 1)
+            group = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj",
+                     "v_proj"), "v_proj": ("q_proj", "k_proj", "v_proj"),
+                     "gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj")
+                     }.get(leaf, (leaf,))
+            want = max(amax[f"{base}.{x}"] for x in group)  # fused siblings share the max
+            if m in QKV:
+                assert want == 5.0
+            assert float(s) == float(np.float32(want / 448))
+            assert man["quantized"][m]["input_scale_source"] == "calibration"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+
+
+def test_mixed_ranges_give_two_groups_and_refuse_vllm(tiny_llama, tmp_path, llama_modules):
+    layer0 = [m for m in llama_modules if ".layers.0." in m]
+    f = _amax_file(tmp_path / "amax.json", {m: 2.0 for m in layer0})
+    out = tmp_path / "o"
+    res = convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_amax=f))
+    assert res.activation_scheme == "mixed"
+    assert res.dynamic_layers == [m for m in llama_modules if ".layers.1." in m]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["targets"] == layer0
+    assert qc["config_groups"]["group_1"]["input_activations"]["dynamic"] is True
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    ct.QuantizationConfig.model_validate(qc)
+    with pytest.raises(Fp8ExportError, match="one activation_scheme"):
+        convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "v", calib_amax=f,
+                              format="vllm"))
+    assert not (tmp_path / "v").exists()
+
+
+def test_modelopt_static(tiny_llama, tmp_path, llama_modules):
+    f = _amax_file(tmp_path / "amax.json", {m: 3.0 for m in llama_modules})
+    out = tmp_path / "o"
+    convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_amax=f, format="modelopt"))
+    hf = json.loads((out / "hf_quant_config.json").read_text())
+    assert hf["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": None,
+                                  "exclude_modules": ["lm_head", "model.embed_tokens"]}
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "FP8"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as st:
+        assert st.get_tensor(f"{QKV[0]}.weight_scale").shape == ()
+        assert st.get_tensor(f"{QKV[0]}.input_scale").shape == ()
