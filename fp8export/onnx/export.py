@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import shutil
 import time
@@ -194,6 +195,9 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     arch = (folder.config.get("architectures") or [folder.config.get("model_type", "?")])[0]
     sink = io.StringIO()
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" chatter
     try:
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(sink):
             warnings.simplefilter("ignore")
@@ -207,6 +211,8 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
             f"{folder.path}: torch.onnx (dynamo) could not trace architecture {arch} with dynamic "
             f"batch/sequence: {first}. Use a transformers version that supports torch.export for "
             "this model, or serve the FP8 folder directly (vLLM / the torch FP8 runner).") from exc
+    finally:
+        quiet.setLevel(level)
     proto = program.model_proto
     if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
         proto.graph.output[0].name = output_name
@@ -289,6 +295,8 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     proto, output_name = torch_export(folder, cfg.dtype, opset)
     rewrite = rewrite_qdq(proto, folder.layers, dtype=cfg.dtype.value, opset=opset)
     strip_metadata(proto)
+    min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
+    proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11
     proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} ({cfg.dtype})"
 
     report_box: dict[str, Any] = {}
@@ -300,7 +308,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
             raise Fp8ExportError(
                 f"{folder.path}: the exported graph fails onnx.checker ({exc}); this is a bug in "
                 f"fp8export — try --opset {DEFAULT_OPSET} --dtype fp16 and report it.") from exc
-        report = check_model(path)
+        report = check_model(path, source=str(output))
         report_box["report"] = report
         if not report.ok:
             raise Fp8ExportError(

@@ -233,7 +233,9 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
     insert_before: dict[int, list] = {}
     act_dq: dict[tuple[str, float], str] = {}
 
-    for name in layers:  # manifest order: deterministic names and node order
+    position = {id(n): i for i, n in enumerate(graph.node)}
+    # graph order: a shared activation Q/DQ is created before its first consumer
+    for name in sorted(layers, key=lambda k: position[id(bindings[k].node)]):
         b = bindings[name]
         layer = layers[name]
         gemm = b.node
@@ -277,8 +279,7 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
             consumers[b.initializer] -= 1
         if consumers.get(b.initializer, 0) == 0 and b.initializer not in outputs:
             remove_inits.add(b.initializer)
-        idx = next(i for i, n in enumerate(graph.node) if n is gemm)
-        insert_before.setdefault(idx, []).extend(nodes)
+        insert_before.setdefault(position[id(gemm)], []).extend(nodes)
         result.bound[name] = b.how
 
     new_nodes = []

@@ -1,0 +1,53 @@
+"""``fp8export export-onnx``: FP8 folder -> standard ONNX Q/DQ graph (checked against TRT rules)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("export-onnx")
+@click.argument("fp8_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Output .onnx file (default: sibling FP8DIR.onnx).")
+@click.option("--dtype", type=click.Choice(["fp16", "fp32", "bf16"]), default="fp16",
+              show_default=True,
+              help="Activation dtype of the graph. onnxruntime runs fp16/fp32 only; bf16 is for "
+                   "TensorRT (opset 23, fp32 scales, TensorRT >= 10.13).")
+@click.option("--opset", type=int, help="ONNX opset, 21..23 (default 21; 23 for bf16).")
+@click.option("--force", is_flag=True, help="Replace an existing output file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def command(fp8_dir, output, dtype, opset, force, as_json):
+    """Export the FP8 folder FP8DIR (from `fp8export convert`) to an ONNX Q/DQ graph.
+
+    Every quantized linear gets an FLOAT8E4M3FN weight -> DequantizeLinear and, when its input
+    scale is static, QuantizeLinear -> DequantizeLinear on its input, with nothing between the
+    DQs and the MatMul. The graph is checked with onnx.checker and against TensorRT's FP8 rules
+    before it is written; a failing graph is never written.
+    """
+    from fp8export import api
+    from fp8export.onnx.export import ExportOnnxConfig
+
+    cfg = ExportOnnxConfig(fp8_dir=fp8_dir, output=output, dtype=dtype, opset=opset, force=force)
+    result = api.export_onnx(cfg)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    size = result.file_bytes / 2**20
+    click.echo(f"wrote {result.output} ({size:.1f} MiB, {result.dtype}, opset {result.opset}, "
+               f"IR {result.ir_version}, output '{result.output_name}', {result.seconds:.1f}s)")
+    if result.external_data:
+        click.echo(f"external data: {result.external_data}")
+    total = len(result.fp8_gemms) + len(result.sixteen_bit)
+    click.echo(f"FP8-eligible GEMMs (TensorRT): {len(result.fp8_gemms)} of {total} quantized")
+    if result.sixteen_bit:
+        click.secho(f"16-bit GEMMs: {len(result.sixteen_bit)} (TensorRT will run these in 16-bit)",
+                    fg="yellow", err=True)
+        for layer, reason in result.sixteen_bit.items():
+            click.echo(f"  {layer}: {reason}", err=True)
+    for note in result.notes:
+        if not note.startswith("TensorRT will run"):
+            click.echo(f"note: {note}", err=True)
