@@ -1,9 +1,11 @@
 """The reader of torch state dicts that carry FP8 training state (Transformer Engine, torchao).
 
 Registered on import as ``"transformer-engine"`` ahead of the generic readers. It opens
-``.pt`` / ``.pth`` / ``.bin`` files (and Hugging Face folders of ``pytorch_model*.bin``) whose
-pickle names a TE ``_extra_state`` or a torchao delayed-scaling buffer; ``can_open`` decides
-from the pickle's opcodes (``pickletools.genops`` over ``data.pkl``) without unpickling.
+``.pt`` / ``.pth`` / ``.bin`` files whose pickle names a TE ``_extra_state`` or a torchao
+delayed-scaling buffer — ``can_open`` decides from the pickle's opcodes (``pickletools.genops``
+over ``data.pkl``) without unpickling — and ``.safetensors`` files whose header lists such
+names (TE 2.x extra states are uint8 tensors, so ``save_pretrained`` can store them there);
+also Hugging Face folders and index files of either.
 
 Loading the outer file: TE 0.12–1.13 stores each ``_extra_state`` as an ``io.BytesIO``, which
 ``torch.load(weights_only=True)`` refuses. We keep torch's weights-only unpickler (it already
@@ -25,10 +27,12 @@ import io
 import pickle
 import pickletools
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.hf_folder import PT_INDEX, _aux_files, _config, weight_files
+from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, _aux_files, _config, weight_files
+from fp8export.checkpoint.safetensors_reader import SafetensorsFile, read_header
 from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
 from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name
 from fp8export.checkpoint.training.base import TrainingState
@@ -79,7 +83,13 @@ def _names_fp8_state(data: bytes) -> bool:
 
 
 def file_has_fp8_state(path: Path) -> bool:
-    """Cheap check of one torch file (no unpickling)."""
+    """Cheap check of one weight file (no unpickling; for safetensors, the header only)."""
+    if path.is_file() and path.suffix == ".safetensors":
+        try:
+            infos, _meta = read_header(path)
+        except Fp8ExportError:  # the generic reader reports a broken file
+            return False
+        return any(_is_state_name(i.name) for i in infos)
     if not (path.is_file() and path.suffix in TORCH_SUFFIXES and zipfile.is_zipfile(path)):
         return False
     data = _data_pkl(path)
@@ -88,15 +98,15 @@ def file_has_fp8_state(path: Path) -> bool:
 
 def can_open(path: Path) -> bool:
     if path.is_file():
-        if path.name == PT_INDEX:
+        if path.name in (PT_INDEX, ST_INDEX):
             return can_open(path.parent)
         return file_has_fp8_state(path)
     if path.is_dir():
         try:
-            fmt, files, _index, _map = weight_files(path)
+            _fmt, files, _index, _map = weight_files(path)
         except Fp8ExportError:
             return False
-        return fmt == "torch" and any(file_has_fp8_state(f) for f in files)
+        return any(file_has_fp8_state(f) for f in files)
     return False
 
 
@@ -147,8 +157,46 @@ def _unwrap(obj: Any, path: Path, notes: list[str]) -> dict[str, Any]:
     return obj
 
 
-class Fp8StateTorchCheckpoint(Checkpoint):
-    """Torch state dict(s) with TE ``_extra_state`` or torchao FP8 buffers (see module doc)."""
+class _TorchSource:
+    """One torch file, loaded (memory-mapped) once."""
+
+    def __init__(self, path: Path, notes: list[str]):
+        self.path = path
+        self.entries = _unwrap(_load(path), path, notes)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def value(self, name: str) -> Any:
+        return self.entries[name]
+
+    def close(self) -> None:
+        self.entries = {}
+
+
+class _SafetensorsSource:
+    """One safetensors file (TE 2.x extra states are uint8 tensors, so they can live there)."""
+
+    def __init__(self, path: Path, notes: list[str]):
+        self.path = path
+        self.file = SafetensorsFile(path)
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.file.tensors]
+
+    def value(self, name: str) -> Any:
+        return self.file.load(name)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _is_state_name(name: str) -> bool:
+    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE) or is_torchao_buffer(name)
+
+
+class Fp8StateCheckpoint(Checkpoint):
+    """State dict(s) with TE ``_extra_state`` or torchao FP8 buffers (see the module doc)."""
 
     def __init__(self, path: Path, files: list[Path], *, config: dict | None = None,
                  index: Path | None = None, aux_files: list[Path] | None = None):
@@ -156,35 +204,42 @@ class Fp8StateTorchCheckpoint(Checkpoint):
                          source_files=[*files, *([index] if index else [])],
                          aux_files=list(aux_files or []))
         self.notes: list[str] = []
-        entries: dict[str, Any] = {}
-        where: dict[str, Path] = {}
+        self._sources: list[_TorchSource | _SafetensorsSource] = []
+        try:
+            self._open(files)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, files: list[Path]) -> None:
+        where: dict[str, _TorchSource | _SafetensorsSource] = {}
         for file in files:
-            for name, value in _unwrap(_load(file), file, self.notes).items():
-                if name in entries:
-                    raise Fp8ExportError(f"{file}: {name!r} is also in {where[name].name}; shards "
-                                         "must not repeat a name.")
-                entries[name], where[name] = value, file
-        self._entries = entries
-        plans = plan_modules(entries)
+            src = (_SafetensorsSource if file.suffix == ".safetensors" else _TorchSource)(
+                file, self.notes)
+            self._sources.append(src)
+            for name in src.names():
+                if name in where:
+                    raise Fp8ExportError(f"{file}: {name!r} is also in {where[name].path.name}; "
+                                         "shards must not repeat a name.")
+                where[name] = src
+        self._where = where
+        plans = plan_modules(where)
         renames = {old: new for plan in plans.values() for old, new in plan.renames.items()}
+        # FP8 state entries are small: read them now; weights stay where they are until loaded.
+        state_entries = {n: src.value(n) for n, src in where.items() if _is_state_name(n)}
         self._stored: dict[str, str] = {}  # presented name → stored name
         self._infos: list[TensorInfo] = []
         ignored: list[str] = []
-        for name, value in entries.items():
-            if name == EXTRA_STATE or name.endswith("." + EXTRA_STATE) or is_torchao_buffer(name):
+        for name, src in where.items():
+            if _is_state_name(name):
                 continue
-            if not _tensor(value):
+            info = self._info(src, name)
+            if info is None:
                 ignored.append(name)
                 continue
-            dtype = _dtype_name(value.dtype)
-            if dtype is None or value.is_sparse or value.is_quantized:
-                raise Fp8ExportError(f"{where[name]}: tensor {name!r} is {value.dtype}"
-                                     f"{' (sparse/quantized)' if dtype else ''}, which fp8export "
-                                     "does not read; save it dense in bf16/fp16/fp32.")
             shown = renames.get(name, name)
             self._stored[shown] = name
-            self._infos.append(TensorInfo(name=shown, dtype=dtype, shape=tuple(value.shape),
-                                          file=where[name]))
+            self._infos.append(replace(info, name=shown))
         if ignored:
             self.notes.append(f"ignored non-tensor entries: {', '.join(ignored[:8])}"
                               + (f" and {len(ignored) - 8} more" if len(ignored) > 8 else ""))
@@ -195,9 +250,23 @@ class Fp8StateTorchCheckpoint(Checkpoint):
         # whatever --scales mode is used later.
         self._state: TrainingState | None
         if plans:
-            self._state = te_training_state(entries, plans)
+            self._state = te_training_state(state_entries, plans)
         else:
-            self._state = torchao_training_state(entries)
+            self._state = torchao_training_state(state_entries)
+
+    @staticmethod
+    def _info(src: _TorchSource | _SafetensorsSource, name: str) -> TensorInfo | None:
+        if isinstance(src, _SafetensorsSource):
+            return next(t for t in src.file.tensors if t.name == name)
+        value = src.entries[name]
+        if not _tensor(value):
+            return None
+        dtype = _dtype_name(value.dtype)
+        if dtype is None or value.is_sparse or value.is_quantized:
+            raise Fp8ExportError(f"{src.path}: tensor {name!r} is {value.dtype}"
+                                 f"{' (sparse/quantized)' if dtype else ''}, which fp8export "
+                                 "does not read; save it dense in bf16/fp16/fp32.")
+        return TensorInfo(name=name, dtype=dtype, shape=tuple(value.shape), file=src.path)
 
     def tensors(self) -> list[TensorInfo]:
         return list(self._infos)
@@ -206,13 +275,14 @@ class Fp8StateTorchCheckpoint(Checkpoint):
         stored = self._stored.get(name)
         if stored is None:
             raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
-        return self._entries[stored]
+        return self._where[stored].value(stored)
 
     def training_state(self) -> TrainingState | None:
         return self._state
 
     def close(self) -> None:
-        self._entries = {}
+        for src in self._sources:
+            src.close()
 
 
 def _tensor(value: Any) -> bool:
@@ -221,18 +291,15 @@ def _tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def open_fp8_state_checkpoint(path: Path) -> Fp8StateTorchCheckpoint:
-    """Open a TE/torchao torch file, its index, or a HF folder of ``pytorch_model*.bin``."""
-    if path.is_file() and path.name == PT_INDEX:
+def open_fp8_state_checkpoint(path: Path) -> Fp8StateCheckpoint:
+    """Open a TE/torchao torch or safetensors file, its index, or a HF folder of them."""
+    if path.is_file() and path.name in (PT_INDEX, ST_INDEX):
         path = path.parent
     if path.is_dir():
-        fmt, files, index, _weight_map = weight_files(path)
-        if fmt != "torch":
-            raise Fp8ExportError(f"{path}: holds safetensors weights; the Transformer Engine "
-                                 "reader reads torch state dicts only.")
-        return Fp8StateTorchCheckpoint(path, files, config=_config(path), index=index,
-                                       aux_files=_aux_files(path))
-    return Fp8StateTorchCheckpoint(path, [path], config=_config(path.parent))
+        _fmt, files, index, _weight_map = weight_files(path)
+        return Fp8StateCheckpoint(path, files, config=_config(path), index=index,
+                                  aux_files=_aux_files(path))
+    return Fp8StateCheckpoint(path, [path], config=_config(path.parent))
 
 
 register_reader(READER_NAME, can_open, open_fp8_state_checkpoint, first=True)

@@ -140,3 +140,26 @@ def test_bytesio_outer_entries_need_the_te_reader(fx):
         torch.load(paths["te1_layer"], weights_only=True)
     assert isinstance(te_reader._load(paths["te1_layer"])["layers.0.self_attention.proj._extra_state"],
                       io.BytesIO)
+
+
+def test_te2_extra_states_in_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = mf.te_layer_state_dict("2.x").state_dict
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    assert te_reader.can_open(tmp_path / "model.safetensors") and te_reader.can_open(tmp_path)
+    with open_ckpt(tmp_path) as ck:
+        assert ck.kind == "transformer-engine"
+        assert "layers.0.layernorm_mlp.fc2.weight" in {t.name for t in ck.tensors()}
+        assert torch.equal(ck.load("layers.0.experts.1.weight"), sd["layers.0.experts.weight1"])
+        assert len(ck.training_state().for_role("input")) == 8
+
+
+def test_plain_safetensors_is_left_to_the_generic_reader(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(2, 2)}, tmp_path / "x.safetensors")
+    assert not te_reader.can_open(tmp_path / "x.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    assert not te_reader.can_open(tmp_path / "bad.safetensors")
