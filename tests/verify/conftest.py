@@ -7,8 +7,7 @@ import shutil
 import pytest
 
 from fp8_folders import damage_scale, make_fp8_folder, make_tiny_llama
-
-from fp8_folders import DAMAGED  # noqa: E402,F401  (re-exported for tests)
+from fp8_folders import DAMAGED
 
 
 @pytest.fixture(scope="session", autouse=True)

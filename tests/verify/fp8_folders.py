@@ -1,8 +1,9 @@
 """Test-only builders: a tiny Llama HF folder, and FP8 folders made from it.
 
-``make_fp8_folder`` uses the real ``fp8export.api.convert`` when it is available and falls
-back to a small independent writer that follows docs/fp8-folder.md (per-tensor E4M3 weights,
-static input scales from calibration on random tokens, fused q/k/v and gate/up scales).
+``make_fp8_folder`` uses the real ``fp8export.api.convert``; ``write_fp8_folder`` is a small
+independent writer that follows docs/fp8-folder.md (per-tensor E4M3 weights, static input
+scales, fused q/k/v and gate/up scales) and keeps the folder contract honest from the
+reader's side.
 ``damage_scale`` multiplies one layer's weight_scale (the issue's "damaged candidate").
 """
 
@@ -141,14 +142,29 @@ def write_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
 
 
 def make_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
-    return write_fp8_folder(src, out, static=static)
+    """The real ``fp8export convert`` (static input scales calibrated on Markov-chain text)."""
+    import numpy as np
+
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+
+    calib = None
+    if static:
+        calib = out.parent / "calib.npz"
+        np.savez(calib, input_ids=markov_tokens(256, 16, 32, seed=5).numpy())
+    api.convert(ConvertConfig(checkpoint=src, output=out, calib_data=calib))
+    return out
 
 
 def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
     """Multiply ``<module>.weight_scale`` by ``factor`` in place (manifest kept as is)."""
     from safetensors.torch import load_file, save_file
 
-    f = fp8_dir / "model.safetensors"
-    tensors = load_file(str(f))
-    tensors[f"{module}.weight_scale"] = tensors[f"{module}.weight_scale"] * factor
-    save_file(tensors, str(f))
+    key = f"{module}.weight_scale"
+    for f in sorted(fp8_dir.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        if key in tensors:
+            tensors[key] = tensors[key] * factor
+            save_file(tensors, str(f))
+            return
+    raise KeyError(key)

@@ -125,3 +125,21 @@ def test_scaled_mm_runtime_passes_on_gpu(run_cli, tiny_llama, tiny_fp8, eval_npz
     assert r.exit_code == 0, r.output
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["candidate"]["mode"] == "scaled_mm" and rep["candidate"]["fallbacks"] == {}
+
+
+def test_independently_written_folder_and_dynamic_activations(tiny_llama, eval_npz, tmp_path):
+    """A folder written from docs/fp8-folder.md alone, and a weights-only (dynamic) convert."""
+    from fp8_folders import make_fp8_folder, write_fp8_folder
+
+    from fp8export.verify.config import VerifyConfig
+    from fp8export.verify.run import verify
+
+    for cand in (write_fp8_folder(tiny_llama, tmp_path / "indep"),
+                 make_fp8_folder(tiny_llama, tmp_path / "dyn", static=False)):
+        res = verify(VerifyConfig(reference=tiny_llama, candidate=cand, data=eval_npz,
+                                  write_reports=False))
+        assert res.passed, (cand, res.failures)
+    import json as _json
+
+    assert _json.loads((tmp_path / "dyn" / "fp8export.json").read_text())[
+        "activation_scheme"] == "dynamic"
