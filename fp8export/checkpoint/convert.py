@@ -21,11 +21,19 @@ from fp8export._progress import progress
 from fp8export.checkpoint.activation import resolve_activation_ranges
 from fp8export.checkpoint.atomic import AtomicDir, check_output_target
 from fp8export.checkpoint.formats import (
-    activation_scheme, extra_files, quantization_config, scale_shape,
+    activation_scheme,
+    extra_files,
+    quantization_config,
+    scale_shape,
 )
 from fp8export.checkpoint.manifest import (
-    FORMAT_VERSION, MANIFEST_NAME, file_sha256, finite_or_none, options_entry,
-    source_files_entry, write_json,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    file_sha256,
+    finite_or_none,
+    options_entry,
+    source_files_entry,
+    write_json,
 )
 from fp8export.checkpoint.providers import provider
 from fp8export.checkpoint.readback import verify_output

@@ -72,7 +72,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                       produce: Callable[[PlannedTensor], torch.Tensor],
                       metadata: dict[str, str] | None = None) -> int:
-    """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return bytes written.
+    """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return its size.
 
     Each produced tensor must match its planned dtype and shape (the header is already on disk).
     The file is fsynced before returning.

@@ -39,7 +39,7 @@ class Target:
     dtype: str  # source dtype, safetensors spelling
     layout: str  # "out_in" (nn.Linear) or "in_out" (Conv1D, Keras kernels)
     file: str  # source file name (for shard mirroring)
-    fused_group: str | None = None  # siblings that share scales, e.g. "model.layers.0.self_attn.qkv"
+    fused_group: str | None = None  # siblings sharing scales: "model.layers.0.self_attn.qkv"
 
 
 @dataclass

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from fp8export.checkpoint.safetensors_writer import (
-    TORCH_TO_ST, PlannedTensor, write_safetensors,
+    TORCH_TO_ST,
+    PlannedTensor,
+    write_safetensors,
 )
 from fp8export.checkpoint.select import Target
 from fp8export.checkpoint.source import Checkpoint

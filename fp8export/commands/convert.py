@@ -6,14 +6,16 @@ from pathlib import Path
 
 import click
 
-_CHOICES = {"case_sensitive": False}
+
+def _choice(*values: str) -> click.Choice:
+    return click.Choice(values, case_sensitive=False)
 
 
 @click.command("convert")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
-@click.option("--scales", type=click.Choice(["auto", "history", "calibrate", "weights"], **_CHOICES),
+@click.option("--scales", type=_choice("auto", "history", "calibrate", "weights"),
               default="auto", show_default=True,
               help="Where activation scales come from. auto: FP8 training history if the "
                    "checkpoint has it, else calibration when --calib-data/--calib-amax is given, "
@@ -23,20 +25,24 @@ _CHOICES = {"case_sensitive": False}
                    ".npz/.safetensors with input_ids.")
 @click.option("--calib-amax", type=click.Path(path_type=Path),
               help="amax.json written by `fp8export calibrate` (reuses a calibration run).")
-@click.option("--calib-method", type=click.Choice(["max", "percentile", "mse", "entropy"], **_CHOICES),
+@click.option("--calib-method", type=_choice("max", "percentile", "mse", "entropy"),
               default="max", show_default=True, help="Calibrator for --calib-data.")
-@click.option("--percentile", type=float, help="Percentile for --calib-method percentile (default 99.99).")
-@click.option("--calib-samples", type=click.IntRange(min=1), help="Use at most N calibration samples.")
+@click.option("--percentile", type=float,
+              help="Percentile for --calib-method percentile (default 99.99).")
+@click.option("--calib-samples", type=click.IntRange(min=1),
+              help="Use at most N calibration samples.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Calibration batch size.")
-@click.option("--seq-len", type=click.IntRange(min=1), help="Truncate calibration samples to N tokens.")
-@click.option("--amax-algo", type=click.Choice(["max", "most-recent"], **_CHOICES), default="max",
+@click.option("--seq-len", type=click.IntRange(min=1),
+              help="Truncate calibration samples to N tokens.")
+@click.option("--amax-algo", type=_choice("max", "most-recent"), default="max",
               show_default=True, help="How a training amax history becomes one amax.")
 @click.option("--margin", type=click.IntRange(min=0), default=0, show_default=True,
               help="Extra headroom for history scales: amax * 2**N.")
-@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "vllm", "modelopt"], **_CHOICES),
+@click.option("--format", "fmt", type=_choice("compressed-tensors", "vllm", "modelopt"),
               default="compressed-tensors", show_default=True,
-              help="quantization_config dialect: compressed-tensors (vLLM, transformers), vllm "
-                   "(quant_method fp8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
+              help="quantization_config dialect: compressed-tensors (vLLM, transformers), "
+                   "vllm (quant_method fp8), modelopt (hf_quant_config.json, TensorRT-LLM; "
+                   "static only).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Keep modules matching GLOB (fnmatch on module names, e.g. "
                    "'model.layers.0.*') in high precision. Wins over everything. Repeatable.")
@@ -46,7 +52,7 @@ _CHOICES = {"case_sensitive": False}
 @click.option("--no-fuse-scales", is_flag=True,
               help="Give q/k/v and gate/up projections their own scales (default: they share "
                    "the group max, as vLLM and TensorRT-LLM run them).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], **_CHOICES), default="auto",
+@click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
               help="Keep the most sensitive layers in high precision until the estimated KL "
@@ -85,7 +91,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
 def _activation_line(result) -> str:
     if result.activation_scheme == "dynamic":
         plain = next((n for n in result.notes if n.startswith("weights only")), None)
-        return (plain or "activations: dynamic") + " (per-token FP8 scales computed at run time)"
+        return (plain or "activations: dynamic") + "; per-token FP8 scales are computed at run time"
     sources: dict[str, int] = {}
     for row in result.layers:
         if row["input_scale_source"]:
@@ -100,7 +106,8 @@ def _activation_line(result) -> str:
 def render(result) -> None:
     """Print the short summary of a ConvertResult."""
     sqnr = sorted(r["weight_sqnr_db"] for r in result.layers if r["weight_sqnr_db"] is not None)
-    stats = f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)" if sqnr else ""
+    stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
+             if sqnr else "")
     click.echo(f"wrote {result.output}  [{result.format}]")
     click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     click.echo(_activation_line(result))
