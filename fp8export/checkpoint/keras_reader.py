@@ -307,8 +307,7 @@ class KerasCheckpoint(Checkpoint):
 
     def _layer_tensors(self, layer: _Layer, prefix: str) -> list[_Tensor]:
         n_plain = len(layer.datasets) - 6 if layer.float8 else len(layer.datasets)
-        cls = layer.class_name or ("Dense" if layer.float8 and len(layer.shapes[0]) == 2
-                                   else "EinsumDense" if layer.float8 else None)
+        cls = layer.class_name or _implied_class(layer)
         names = _var_names(cls, layer, n_plain)
         out = []
         kernel_2d = self._kernel_2d(layer, cls) if cls in ("Dense", "EinsumDense") else None
@@ -390,6 +389,16 @@ class KerasCheckpoint(Checkpoint):
 
 
 # ---- helpers -------------------------------------------------------------------------------
+def _implied_class(layer: _Layer) -> str | None:
+    """Class of a layer config.json does not describe, where its weights make it certain."""
+    attr = layer.h5_path.rsplit("/", 1)[-1].lstrip("_")
+    if attr in _MHA_PROJECTIONS and len(layer.shapes[0]) >= 2:
+        return "EinsumDense"  # MultiHeadAttention's projections
+    if layer.float8:  # only Dense and EinsumDense have float8 variables
+        return "Dense" if len(layer.shapes[0]) == 2 else "EinsumDense"
+    return None
+
+
 def _var_names(cls: str | None, layer: _Layer, n: int) -> list[str]:
     cfg = layer.layer_config
     if cls in ("Dense", "EinsumDense"):
