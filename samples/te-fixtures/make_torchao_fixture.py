@@ -1,4 +1,5 @@
-"""Write ``torchao09_delayed.pt``: a real torchao 0.9 delayed-scaling training checkpoint.
+"""Write real torchao 0.9 training checkpoints: ``torchao09_delayed.pt`` (delayed scaling) and
+``torchao09_dynamic_fsdp.pt`` (dynamic scaling with float8 FSDP weight wrappers).
 
 Unlike the Transformer Engine fixtures this one is produced by the real library: torchao 0.9.0
 (the last release with delayed scaling) runs on CPU with ``emulate=True``. It is committed
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 OUT = Path(__file__).with_name("torchao09_delayed.pt")
+OUT_DYNAMIC = Path(__file__).with_name("torchao09_dynamic_fsdp.pt")
 
 
 def main() -> int:
@@ -42,6 +44,15 @@ def main() -> int:
         opt.zero_grad()
     torch.save(model.state_dict(), OUT)
     print(f"torchao {torchao.__version__}: wrote {OUT} ({OUT.stat().st_size} bytes)")
+
+    # dynamic scaling (torchao's default): no FP8 state; with enable_fsdp_float8_all_gather the
+    # weights are saved as WeightWithDynamicFloat8CastTensor wrappers
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    convert_to_float8_training(model, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True, emulate=True))
+    torch.save(model.state_dict(), OUT_DYNAMIC)
+    print(f"wrote {OUT_DYNAMIC} ({OUT_DYNAMIC.stat().st_size} bytes)")
     return 0
 
 

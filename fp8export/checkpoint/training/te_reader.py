@@ -7,6 +7,10 @@ over ``data.pkl``) without unpickling — and ``.safetensors`` files whose heade
 names (TE 2.x extra states are uint8 tensors, so ``save_pretrained`` can store them there);
 also Hugging Face folders and index files of either.
 
+torchao checkpoints whose weights are torchao's float8 FSDP wrappers (dynamic scaling) are
+opened too: the wrappers are rebuilt as inert stand-ins, unwrapped to their high-precision
+tensors, and a note says there is no FP8 state to reuse (:mod:`.torchao`).
+
 Loading the outer file: TE 0.12–1.13 stores each ``_extra_state`` as an ``io.BytesIO``, which
 ``torch.load(weights_only=True)`` refuses. We keep torch's weights-only unpickler (it already
 refuses every other callable and checks tensor rebuilding) and allow exactly one more type,
@@ -37,8 +41,9 @@ from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
 from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name
 from fp8export.checkpoint.training.base import TrainingState
 from fp8export.checkpoint.training.te import EXTRA_STATE, plan_modules, te_training_state
+from fp8export.checkpoint.training import torchao
 from fp8export.checkpoint.training.torchao import (
-    has_delayed_state, is_torchao_buffer, torchao_training_state,
+    has_delayed_state, is_torchao_buffer, names_torchao_float8, torchao_training_state,
 )
 from fp8export.errors import Fp8ExportError
 
@@ -50,7 +55,7 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # data.pkl holds names and storage references only (no tensor data): a few MB for the largest
 # models. Larger ones are not scanned (the generic reader then opens or refuses the file).
 MAX_SCAN_BYTES = 256 * 1024 * 1024
-_MARKERS = (b"_extra_state", b"fp8_amax_history_")
+_MARKERS = (b"_extra_state", b"fp8_amax_history_", b"torchao.float8")
 
 
 # ----------------------------------------------------------------------------- detection
@@ -75,7 +80,8 @@ def _names_fp8_state(data: bytes) -> bool:
     try:
         for op, arg, _pos in pickletools.genops(data):
             if isinstance(arg, str) and (arg == EXTRA_STATE or arg.endswith("." + EXTRA_STATE)
-                                         or has_delayed_state([arg])):
+                                         or has_delayed_state([arg])
+                                         or names_torchao_float8(arg)):
                 return True
     except Exception:  # malformed pickle: not ours to open; the generic reader reports it
         return False
@@ -116,7 +122,7 @@ def _load(path: Path) -> Any:
     import torch
 
     try:
-        with torch.serialization.safe_globals([io.BytesIO]):
+        with torch.serialization.safe_globals([io.BytesIO, *torchao.safe_globals()]):
             return torch.load(path, weights_only=True, map_location="cpu",
                               mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
@@ -163,6 +169,7 @@ class _TorchSource:
     def __init__(self, path: Path, notes: list[str]):
         self.path = path
         self.entries = _unwrap(_load(path), path, notes)
+        self.wrapped = torchao.unwrap_weights(self.entries)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -253,6 +260,9 @@ class Fp8StateCheckpoint(Checkpoint):
             self._state = te_training_state(state_entries, plans)
         else:
             self._state = torchao_training_state(state_entries)
+        if self._state is None and any(getattr(s, "wrapped", None) for s in self._sources):
+            self.notes.append(torchao.DYNAMIC_NOTE)
+        self.kind = "transformer-engine" if plans else "torchao"
 
     @staticmethod
     def _info(src: _TorchSource | _SafetensorsSource, name: str) -> TensorInfo | None:

@@ -40,10 +40,82 @@ _ROLES = {"input": "input", "weight": "weight", "grad_output": "grad_output",  #
 _BUFFER = re.compile(r"^(?:(?P<prefix>.*)\.)?fp8_(?P<what>amax_history|amax|scale|static_scale)_"
                      r"(?P<role>input|weight|grad_output|x|w|dL_dY)$")
 
-DYNAMIC_NOTE = ("no torchao delayed-scaling buffers (fp8_amax_history_*): torchao dynamic "
-                "scaling (the default, and the only mode since torchao 0.10) and the "
-                "float8nocompile prototype save no FP8 state, so there is no history to reuse; "
-                "activation scales fall back to calibration or dynamic quantization.")
+DYNAMIC_NOTE = ("torchao float8 training with dynamic scaling (weights saved in torchao's float8 "
+                "FSDP wrappers, no fp8_amax_history_* buffers): dynamic scaling (the default, "
+                "and the only mode since torchao 0.10) and the float8nocompile prototype save no "
+                "FP8 state, so there is no history to reuse; weights were read from the wrapped "
+                "high-precision tensors and activation scales fall back to calibration or "
+                "dynamic quantization.")
+
+
+# ------------------------------------------------------------ FSDP float8 weight wrappers
+#
+# With ``enable_fsdp_float8_all_gather`` torchao wraps each Float8Linear weight in a tensor
+# subclass (``torchao/float8/fsdp_utils.py``), and ``torch.save(model.state_dict())`` pickles the
+# wrapper: ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, WeightWith…Float8CastTensor, …)``
+# with state ``{_tensor, _linear_mm_config, _dtype, _precomputed_scale}`` (seen with torchao
+# 0.9.0). torch's weights-only unpickler rebuilds it once the three torchao names map to the
+# inert stand-ins below (torchao is never imported); the reader then keeps only ``_tensor``, the
+# high-precision weight.
+
+WRAPPER_CLASSES = ("WeightWithDynamicFloat8CastTensor", "WeightWithDelayedFloat8CastTensor",
+                   "WeightWithStaticFloat8CastTensor")
+
+
+def _wrapper_stand_in():
+    import torch
+
+    class Float8WeightWrapperStandIn(torch.Tensor):
+        """Holds the unpickled attributes of a torchao weight wrapper; computes nothing."""
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise Fp8ExportError("a torchao float8 weight wrapper was used before unwrapping "
+                                 "(fp8export bug).")
+
+    return Float8WeightWrapperStandIn
+
+
+class MMConfigStandIn(tuple):
+    """``LinearMMConfig`` / ``ScaledMMConfig`` (NamedTuples of flags): a plain tuple."""
+
+    def __new__(cls, *args: Any):
+        return super().__new__(cls, args)
+
+
+_STAND_INS: list | None = None
+
+
+def safe_globals() -> list:
+    """``(stand-in, "module.name")`` pairs for ``torch.serialization.safe_globals``."""
+    global _STAND_INS
+    if _STAND_INS is None:
+        wrapper = _wrapper_stand_in()
+        _STAND_INS = [(wrapper, f"torchao.float8.fsdp_utils.{name}") for name in WRAPPER_CLASSES]
+        _STAND_INS += [(MMConfigStandIn, f"torchao.float8.float8_tensor.{name}")
+                       for name in ("LinearMMConfig", "ScaledMMConfig")]
+    return _STAND_INS
+
+
+def unwrap_weights(entries: dict[str, Any]) -> list[str]:
+    """Replace torchao weight wrappers in ``entries`` by their high-precision tensors (in place);
+    return the names that were wrapped."""
+    import torch
+
+    wrapper = safe_globals()[0][0]
+    wrapped = [name for name, value in entries.items() if isinstance(value, wrapper)]
+    for name in wrapped:
+        inner = entries[name].__dict__.get("_tensor")
+        if not isinstance(inner, torch.Tensor) or isinstance(inner, wrapper):
+            raise Fp8ExportError(f"{name}: torchao float8 weight wrapper without a plain "
+                                 "'_tensor' inside; the checkpoint is corrupt.")
+        entries[name] = inner.detach().as_subclass(torch.Tensor)
+    return wrapped
+
+
+def names_torchao_float8(arg: str) -> bool:
+    """Whether a pickle string names a torchao float8 global (for detection without loading)."""
+    return arg.startswith("torchao.float8")
 
 
 def is_torchao_buffer(name: str) -> bool:

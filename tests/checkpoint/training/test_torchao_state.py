@@ -113,3 +113,23 @@ def test_real_torchao_09_checkpoint():
             assert ranges[m].amax == pytest.approx(448.0 / float(raw[f"{m}.fp8_scale_input"]),
                                                    rel=1e-6)
             assert ranges[m].details["stored_vs_history"] == pytest.approx(1.0, rel=1e-6)
+
+
+DYNAMIC = REPO / "samples" / "te-fixtures" / "torchao09_dynamic_fsdp.pt"
+
+
+@pytest.mark.skipif(not DYNAMIC.is_file(), reason="torchao fixture not generated")
+def test_real_torchao_dynamic_fsdp_wrappers_say_there_is_no_state():
+    """torchao 0.9 dynamic scaling with float8 FSDP all-gather: the weights are saved as
+    WeightWithDynamicFloat8CastTensor; they are unwrapped without importing torchao."""
+    with pytest.raises(Exception):  # the generic safe load refuses the torchao classes
+        torch.load(DYNAMIC, weights_only=True)
+    assert te_reader.can_open(DYNAMIC)
+    with open_ckpt(DYNAMIC) as ck:
+        assert ck.kind == "torchao" and ck.training_state() is None
+        assert any("dynamic scaling" in n and "no history to reuse" in n for n in ck.notes)
+        assert {t.name: t.shape for t in ck.tensors()} == {
+            "0.weight": (32, 32), "0.bias": (32,), "1.weight": (16, 32), "1.bias": (16,)}
+        w = ck.load("0.weight")
+        assert type(w) is torch.Tensor and w.dtype == torch.float32 and torch.isfinite(w).all()
+        assert float(w.abs().max()) < 1.0  # a Linear(32, 32) init, not garbage
