@@ -46,7 +46,7 @@ def command(checkpoint, calib_data, output, calib_method, percentile, calib_samp
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
 
-    cfg = CalibrateConfig(checkpoint=checkpoint, calib_data=calib_data, output=None,
+    cfg = CalibrateConfig(checkpoint=checkpoint, calib_data=calib_data, output=output,
                           calib_method=calib_method, percentile=percentile,
                           calib_samples=calib_samples, batch_size=batch_size, seq_len=seq_len,
                           device=device, include=include, exclude=exclude, force=force)
