@@ -13,8 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8export.checkpoint.hf_folder import open_torch_file
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.errors import Fp8ExportError
+
+from fp8export.checkpoint import source as _source
+
+# Stopgap: open_checkpoint loads the built-in readers only while its registry is empty, so a
+# reader registered earlier (importing the Transformer Engine reader does) hides them. Loading
+# them here keeps these tests independent of collection order until source.py uses a flag.
+_source._load_builtin_readers()
 
 
 def raw_safetensors(path: Path, header, data: bytes = b"", *, header_bytes: bytes | None = None):
@@ -322,11 +330,17 @@ CASES = [missing_folder, empty_folder, too_small, header_longer_than_file, huge_
          torch_not_a_dict, torch_no_tensors, torch_complex_dtype, bin_index_missing_shard]
 
 
+# The Transformer Engine reader (registered ahead of ours when installed) opens these; our torch
+# reader's job is only to refuse them clearly when it meets them, so they are tested against it.
+TORCH_READER_ONLY = (torch_te_bytesio, torch_te_extra_state_tensor)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_bad_input_names_file_and_problem(tmp_path, case):
     path, expected = case(tmp_path)
+    opener = open_torch_file if case in TORCH_READER_ONLY else open_checkpoint
     with pytest.raises(Fp8ExportError) as err:
-        with open_checkpoint(path) as ck:
+        with opener(path) as ck:
             for info in ck.tensors():
                 ck.load(info.name)
     message = str(err.value)
@@ -334,7 +348,8 @@ def test_bad_input_names_file_and_problem(tmp_path, case):
         assert part in message, (part, message)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in TORCH_READER_ONLY],
+                         ids=lambda c: c.__name__)
 def test_bad_input_through_cli_exits_1_without_traceback(tmp_path, case, run_cli):
     path, expected = case(tmp_path)
     result = run_cli("inspect", path)
