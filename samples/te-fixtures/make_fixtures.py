@@ -139,7 +139,8 @@ def simulate(amaxes: np.ndarray, length: int, algo: str = "max", margin: int = 0
 def _fwd_bwd(num_gemms: int, length: int, steps: int, rng: np.random.Generator, *,
              algo: str = "max", margin: int = 0, partial: bool = False) -> tuple[dict, Simulated]:
     n = 3 * num_gemms
-    amaxes = (rng.uniform(0.5, 8.0, size=(steps, n)) * rng.uniform(0.5, 2.0, size=n)).astype(np.float32)
+    amaxes = rng.uniform(0.5, 8.0, size=(steps, n)) * rng.uniform(0.5, 2.0, size=n)
+    amaxes = amaxes.astype(np.float32)
     amaxes[:, 2::3] = 0  # GEMM output slots are unused without fp8_mha
     part = amaxes[-1] * 1.5 if partial else None
     fwd = simulate(amaxes, length, algo, margin, partial=part)
@@ -194,7 +195,8 @@ def serialize_06(tensors: dict, num_gemms: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- model layouts
 
 def _w(rng: np.random.Generator, *shape: int) -> torch.Tensor:
-    return torch.from_numpy((rng.standard_normal(shape) * 0.05).astype(np.float32)).to(torch.bfloat16)
+    values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    return torch.from_numpy(values).to(torch.bfloat16)
 
 
 @dataclasses.dataclass

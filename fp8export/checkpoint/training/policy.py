@@ -1,4 +1,4 @@
-"""From recorded amax histories to static scales: the history policy (``--amax-algo``, ``--margin``).
+"""From recorded amax histories to static scales: the history policy (--amax-algo, --margin).
 
 Histories arrive newest first (each reader normalises its framework's order). Zeros are
 unfilled slots or steps where a layer did not run; non-finite entries are overflowed steps
@@ -87,7 +87,10 @@ def amax_from_history(h: AmaxHistory, *, amax_algo: AmaxAlgo = AmaxAlgo.MAX, mar
     if filled:
         first = int(np.argmax(usable))  # newest usable entry
         details["staleness"] = first  # newest entries that recorded nothing
-        amax = float(values[first]) if amax_algo is AmaxAlgo.MOST_RECENT else float(values[usable].max())
+        if amax_algo is AmaxAlgo.MOST_RECENT:
+            amax = float(values[first])
+        else:
+            amax = float(values[usable].max())
         details["derived_from"] = "history"
         if h.stored_scale is not None:
             details["stored_scale"] = float(h.stored_scale)

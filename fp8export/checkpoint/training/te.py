@@ -160,8 +160,9 @@ def _float_array(value: Any, layer: str, key: str, ndim: int) -> np.ndarray:
                              "extra state is corrupt.")
     if not value.dtype.is_floating_point or value.dim() != ndim:
         raise Fp8ExportError(
-            f"{layer}: '{key}' is a {value.dtype} tensor of shape {tuple(value.shape)}; Transformer "
-            f"Engine stores a {ndim}-D float32 tensor. The FP8 extra state is corrupt.")
+            f"{layer}: '{key}' is a {value.dtype} tensor of shape {tuple(value.shape)}; "
+            f"Transformer Engine stores a {ndim}-D float32 tensor. The FP8 extra state is "
+            "corrupt.")
     return value.detach().to(torch.float32).cpu().numpy().copy()
 
 

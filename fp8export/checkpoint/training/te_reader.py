@@ -39,11 +39,14 @@ from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, _aux_files, _conf
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile, read_header
 from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
 from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name
+from fp8export.checkpoint.training import torchao
 from fp8export.checkpoint.training.base import TrainingState
 from fp8export.checkpoint.training.te import EXTRA_STATE, plan_modules, te_training_state
-from fp8export.checkpoint.training import torchao
 from fp8export.checkpoint.training.torchao import (
-    has_delayed_state, is_torchao_buffer, names_torchao_float8, torchao_training_state,
+    has_delayed_state,
+    is_torchao_buffer,
+    names_torchao_float8,
+    torchao_training_state,
 )
 from fp8export.errors import Fp8ExportError
 
@@ -54,7 +57,7 @@ READER_NAME = "transformer-engine"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # data.pkl holds names and storage references only (no tensor data): a few MB for the largest
 # models. Larger ones are not scanned (the generic reader then opens or refuses the file).
-MAX_SCAN_BYTES = 256 * 1024 * 1024
+MAX_SCAN_BYTES = 64 * 1024 * 1024
 _MARKERS = (b"_extra_state", b"fp8_amax_history_", b"torchao.float8")
 
 

@@ -349,7 +349,8 @@ def decode_extra_state(value: Any, layer: str) -> tuple[Any, str]:
     if isinstance(value, io.BytesIO):
         data = value.getvalue()
         if len(data) > MAX_EXTRA_STATE_BYTES:
-            raise Fp8ExportError(f"{layer}: FP8 extra state is {len(data)} bytes; refused as corrupt.")
+            raise Fp8ExportError(f"{layer}: FP8 extra state is {len(data)} bytes; refused as "
+                                 "corrupt.")
         if not data:
             return None, "empty"
         return _torch_load_inner(data, layer), "te-1.x-bytesio"
@@ -369,5 +370,6 @@ def decode_extra_state(value: Any, layer: str) -> tuple[Any, str]:
             return _torch_load_inner(data, layer), "te-uint8-torch-save"
         return unpickle_extra_state(data, layer), "te-uint8-pickle"
     raise Fp8ExportError(
-        f"{layer}: FP8 extra state is a {type(value).__name__}; Transformer Engine stores a uint8 "
-        "tensor, an io.BytesIO or a dict. The checkpoint is corrupt or not from Transformer Engine.")
+        f"{layer}: FP8 extra state is a {type(value).__name__}; Transformer Engine stores a "
+        "uint8 tensor, an io.BytesIO or a dict. The checkpoint is corrupt or not from Transformer "
+        "Engine.")

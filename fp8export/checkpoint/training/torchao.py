@@ -1,7 +1,8 @@
 """torchao float8 training state → :class:`TrainingState` (delayed scaling, torchao 0.4–0.9).
 
 Facts (``reference/training_amax_formats.md`` §4; ``torchao/float8/float8_linear.py`` and
-``stateful_float8_linear.py`` ≤ v0.9, ``float8_linear_utils.py::sync_float8_amax_and_scale_history``):
+``stateful_float8_linear.py`` ≤ v0.9,
+``float8_linear_utils.py::sync_float8_amax_and_scale_history``):
 
 * delayed scaling keeps persistent float32 buffers per ``Float8Linear`` for
   ``x ∈ {input, weight, grad_output}``: ``fp8_amax_x [1]`` (init: the format's max),
@@ -131,8 +132,9 @@ def _array(value: Any, name: str) -> np.ndarray:
     import torch
 
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-        raise Fp8ExportError(f"{name}: torchao FP8 buffer is a {getattr(value, 'dtype', type(value).__name__)}"
-                             ", not a float tensor; the checkpoint is corrupt.")
+        what = getattr(value, "dtype", type(value).__name__)
+        raise Fp8ExportError(f"{name}: torchao FP8 buffer is a {what}, not a float tensor; the "
+                             "checkpoint is corrupt.")
     return value.detach().to(torch.float32).cpu().numpy().reshape(-1).copy()
 
 

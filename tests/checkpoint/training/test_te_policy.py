@@ -10,7 +10,10 @@ from te_helpers import fixtures_module
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.checkpoint.training.policy import (
-    amax_from_history, history_vs_calibration, ranges_from_history, weight_scales_from_history,
+    amax_from_history,
+    history_vs_calibration,
+    ranges_from_history,
+    weight_scales_from_history,
 )
 from fp8export.checkpoint.training.te import te_training_state
 from fp8export.config import AmaxAlgo, ScaleSource

@@ -138,8 +138,8 @@ def test_bytesio_outer_entries_need_the_te_reader(fx):
     paths, _ = fx
     with pytest.raises(Exception):
         torch.load(paths["te1_layer"], weights_only=True)
-    assert isinstance(te_reader._load(paths["te1_layer"])["layers.0.self_attention.proj._extra_state"],
-                      io.BytesIO)
+    loaded = te_reader._load(paths["te1_layer"])
+    assert isinstance(loaded["layers.0.self_attention.proj._extra_state"], io.BytesIO)
 
 
 def test_te2_extra_states_in_safetensors(tmp_path):

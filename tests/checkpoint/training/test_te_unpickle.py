@@ -12,7 +12,11 @@ import torch
 from te_helpers import fixtures_module
 
 from fp8export.checkpoint.training.te_unpickle import (
-    FormatStandIn, RecipeStandIn, UnresolvedGlobal, decode_extra_state, unpickle_extra_state,
+    FormatStandIn,
+    RecipeStandIn,
+    UnresolvedGlobal,
+    decode_extra_state,
+    unpickle_extra_state,
 )
 from fp8export.errors import Fp8ExportError
 
