@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8export.checkpoint._paths import read_json
+from fp8export.checkpoint.safetensors_reader import DTYPE_BYTES as BYTES
+from fp8export.checkpoint.safetensors_reader import FLOAT_DTYPES as FLOAT
+from fp8export.checkpoint.safetensors_reader import FP8_DTYPES as FP8
 from fp8export.errors import Fp8ExportError
 from fp8export.inspect.result import InspectResult, TensorRow
 
@@ -21,10 +24,6 @@ if TYPE_CHECKING:
     from fp8export.checkpoint.source import Checkpoint, TensorInfo
 
 MANIFEST = "fp8export.json"
-FLOAT = frozenset({"F64", "F32", "F16", "BF16"})
-FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
-BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-         "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 
 def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = False) -> InspectResult:
