@@ -16,16 +16,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8export.errors import Fp8ExportError
-
 from fp8export.checkpoint import source as _source
+from fp8export.errors import Fp8ExportError
+from fp8export.inspect import InspectResult, inspect
+from fp8export.numerics.fp8 import quantize_e4m3
 
 # Stopgap: open_checkpoint loads the built-in readers only while its registry is empty, so a
 # reader registered earlier (importing the Transformer Engine reader does) hides them. Loading
 # them here keeps these tests independent of collection order until source.py uses a flag.
 _source._load_builtin_readers()
-from fp8export.inspect import InspectResult, inspect
-from fp8export.numerics.fp8 import quantize_e4m3
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

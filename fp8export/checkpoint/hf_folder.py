@@ -1,4 +1,4 @@
-"""Checkpoints made of weight files: Hugging Face folders, single safetensors files, torch state dicts.
+"""Checkpoints made of weight files: Hugging Face folders, one safetensors file, torch state dicts.
 
 A Hugging Face folder holds, in the order we look for them:
 ``model.safetensors.index.json`` + shards, ``model.safetensors``, ``model-*.safetensors``

@@ -9,8 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8export.checkpoint.hf_folder import (
-    PT_INDEX, ST_INDEX, TORCH_SUFFIXES, has_weights, open_hf_folder, open_index_file,
-    open_safetensors_file, open_torch_file,
+    PT_INDEX,
+    ST_INDEX,
+    TORCH_SUFFIXES,
+    has_weights,
+    open_hf_folder,
+    open_index_file,
+    open_safetensors_file,
+    open_torch_file,
 )
 from fp8export.checkpoint.source import register_reader
 

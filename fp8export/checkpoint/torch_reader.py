@@ -82,7 +82,7 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any], ignored: list[str]) -> 
 
 
 def unwrap(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors of a (possibly wrapped, possibly nested) state dict, and notes on what was skipped."""
+    """The tensors of a (possibly wrapped or nested) state dict, and notes on what was skipped."""
     import torch
 
     notes: list[str] = []
@@ -99,7 +99,8 @@ def unwrap(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
     ignored: list[str] = []
     _flatten(obj, "", tensors, ignored)
     if ignored:
-        shown = ", ".join(ignored[:8]) + (f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
+        more = f" and {len(ignored) - 8} more" if len(ignored) > 8 else ""
+        shown = ", ".join(ignored[:8]) + more
         notes.append(f"{path.name}: ignored non-tensor entries: {shown}")
     if not tensors:
         raise Fp8ExportError(f"{path}: contains no tensors (keys: "

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 MANIFEST = "fp8export.json"
 
 
-def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = False) -> InspectResult:
+def inspect(path: str | Path, plot: str | Path | None = None,
+            as_json: bool = False) -> InspectResult:
     """Describe a checkpoint, an FP8 folder (``convert`` output) or an ONNX graph.
 
     Args:
@@ -293,7 +294,8 @@ def _inspect_onnx(p: Path) -> InspectResult:
         raise Fp8ExportError(
             f"{p}: inspecting ONNX graphs needs fp8export.onnx.check"
             f"{' and the onnx package' if exc.name == 'onnx' else ''}, which this installation "
-            "lacks. Install fp8export with its onnx extra (pip install 'fp8export[onnx]').") from exc
+            "lacks. Install fp8export with its onnx extra (pip install 'fp8export[onnx]')."
+        ) from exc
     report = check.check_model(p)
     result = InspectResult(path=str(p), kind="onnx", ok=bool(report.ok),
                            report_text=report.to_text())
@@ -331,7 +333,8 @@ def _summary(rows: list[TensorRow], config: dict[str, Any] | None) -> dict[str, 
         d["bytes"] += r.nbytes
     weights = [r for r in rows if r.name.endswith(".weight") and len(r.shape) == 2]
     quant = [r for r in rows if r.role in ("quantized", "candidate")]
-    sqnrs = [(r.sqnr_db, r.name) for r in quant if r.sqnr_db is not None and not math.isnan(r.sqnr_db)]
+    sqnrs = [(r.sqnr_db, r.name) for r in quant
+             if r.sqnr_db is not None and not math.isnan(r.sqnr_db)]
     scales = [r.scale for r in quant if r.scale is not None]
     summary: dict[str, Any] = {
         "tensors": len(rows),
@@ -340,7 +343,8 @@ def _summary(rows: list[TensorRow], config: dict[str, Any] | None) -> dict[str, 
         "by_dtype": dict(sorted(by_dtype.items())),
         "quantized": len([r for r in quant if r.role == "quantized"]),
         "fp8_candidates": len([r for r in quant if r.role == "candidate"]),
-        "high_precision_weights": len([r for r in weights if r.role not in ("quantized", "candidate")]),
+        "high_precision_weights": len([r for r in weights
+                                       if r.role not in ("quantized", "candidate")]),
         "static_input_scales": len([r for r in quant if r.input_scale is not None]),
         "sqnr_db_min": min(sqnrs)[0] if sqnrs else None,
         "sqnr_db_min_tensor": min(sqnrs)[1] if sqnrs else None,

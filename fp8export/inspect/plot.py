@@ -54,8 +54,8 @@ def write_plot(result: InspectResult, path: Path) -> None:
         if drawn and log:
             ax.set_yscale("log")
         if not drawn:
-            ax.text(0.5, 0.5, f"no {label}" + (" (no static activation scales)"
-                                              if attr == "input_scale" else ""), ha="center", va="center",
+            why = " (no static activation scales)" if attr == "input_scale" else ""
+            ax.text(0.5, 0.5, f"no {label}{why}", ha="center", va="center",
                     transform=ax.transAxes, color="gray")
     from matplotlib.ticker import MaxNLocator
 

@@ -67,7 +67,8 @@ def render_text(result: InspectResult) -> str:
         if s.get("output_format"):
             lines.append(f"  format        {s['output_format']}")
     else:
-        lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized (scale = amax / 448), "
+        lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized "
+                     "(scale = amax / 448), "
                      f"{s['high_precision_weights']} 2-D weights stay in high precision")
         if result.training_state:
             ts = result.training_state
@@ -75,7 +76,8 @@ def render_text(result: InspectResult) -> str:
                          f"({ts['histories']} amax histories; {s['static_input_scales']} input "
                          "scales from history)")
     if s.get("sqnr_db_min") is not None:
-        lines.append(f"  SQNR          min {_g(s['sqnr_db_min'], '.1f')} dB ({s['sqnr_db_min_tensor']})")
+        lines.append(f"  SQNR          min {_g(s['sqnr_db_min'], '.1f')} dB "
+                     f"({s['sqnr_db_min_tensor']})")
     if s.get("weight_scale_min") is not None:
         lines.append(f"  weight scale  {_g(s['weight_scale_min'])} .. {_g(s['weight_scale_max'])}")
     if result.notes:

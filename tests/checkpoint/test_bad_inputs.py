@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8export.checkpoint import source as _source
 from fp8export.checkpoint.hf_folder import open_torch_file
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.errors import Fp8ExportError
-
-from fp8export.checkpoint import source as _source
 
 # Stopgap: open_checkpoint loads the built-in readers only while its registry is empty, so a
 # reader registered earlier (importing the Transformer Engine reader does) hides them. Loading
 # them here keeps these tests independent of collection order until source.py uses a flag.
 _source._load_builtin_readers()
+
 
 
 def raw_safetensors(path: Path, header, data: bytes = b"", *, header_bytes: bytes | None = None):
@@ -242,7 +242,8 @@ def index_names_absent_tensor(tmp):
     d = tmp / "ck"
     d.mkdir()
     good(d / "model-00001-of-00001.safetensors")
-    _index(d, {"w": "model-00001-of-00001.safetensors", "ghost": "model-00001-of-00001.safetensors"})
+    shard = "model-00001-of-00001.safetensors"
+    _index(d, {"w": shard, "ghost": shard})
     return d, ["model.safetensors.index.json", "'ghost'"]
 
 
@@ -287,7 +288,8 @@ def torch_te_bytesio(tmp):
 
 def torch_te_extra_state_tensor(tmp):
     p = tmp / "te.pt"
-    torch.save({"fc.weight": torch.ones(2, 2), "fc._extra_state": torch.zeros(8, dtype=torch.uint8)}, p)
+    torch.save({"fc.weight": torch.ones(2, 2),
+                "fc._extra_state": torch.zeros(8, dtype=torch.uint8)}, p)
     return p, ["te.pt", "'fc._extra_state'", "Transformer Engine"]
 
 

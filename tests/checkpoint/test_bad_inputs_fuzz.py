@@ -63,7 +63,8 @@ def safetensors_accepts(path) -> bool:
         return False
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(blob=files())
 def test_header_check_agrees_with_safetensors(tmp_path, blob):
     path = tmp_path / "f.safetensors"
@@ -83,7 +84,8 @@ def test_header_check_agrees_with_safetensors(tmp_path, blob):
     assert ours == theirs, blob[:200]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(blob=st.binary(max_size=64))
 def test_random_bytes_never_crash(tmp_path, blob):
     path = tmp_path / "r.safetensors"

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8export.checkpoint import source as _source
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.errors import Fp8ExportError
-
-from fp8export.checkpoint import source as _source
 
 # Stopgap: open_checkpoint loads the built-in readers only while its registry is empty, so a
 # reader registered earlier (importing the Transformer Engine reader does) hides them. Loading
 # them here keeps these tests independent of collection order until source.py uses a flag.
 _source._load_builtin_readers()
+
 
 AUX = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
        "merges.txt", "chat_template.jinja")
@@ -132,7 +131,8 @@ def test_torch_nested_and_non_tensor_leaves(tmp_path):
     torch.save({"enc": {"proj": {"weight": torch.ones(2, 3, dtype=torch.float16)}},
                 "step": 7, "name": "x"}, path)
     with open_checkpoint(path) as ck:
-        assert [(t.name, t.dtype, t.shape) for t in ck.tensors()] == [("enc.proj.weight", "F16", (2, 3))]
+        got = [(t.name, t.dtype, t.shape) for t in ck.tensors()]
+        assert got == [("enc.proj.weight", "F16", (2, 3))]
         assert any("step" in n and "name" in n for n in ck.notes)
 
 

@@ -17,6 +17,7 @@ from fp8export.checkpoint import source as _source
 _source._load_builtin_readers()
 
 
+
 def _ckpt(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -64,7 +65,8 @@ def test_fp8_folder(tmp_path, run_cli):
     d.mkdir()
     w = torch.randn(8, 4) * 0.1
     scale = float(w.abs().max()) / 448
-    save_file({"model.layers.0.mlp.up_proj.weight": (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn),
+    q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    save_file({"model.layers.0.mlp.up_proj.weight": q,
                "model.layers.0.mlp.up_proj.weight_scale": torch.tensor([scale]),
                "model.layers.0.mlp.up_proj.input_scale": torch.tensor([0.01])},
               d / "model.safetensors")
