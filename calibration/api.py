@@ -269,24 +269,27 @@ def share_groups(amax: dict[str, float], groups: dict[str, list[str]]) -> dict[s
 def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "max",
             groups: dict[str, list[str]] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
             input_device=None, forward: Callable | None = None,
-            batches: Iterable[Batch] | None = None, show_progress: bool = True) -> Observation:
+            batches: Iterable[Batch] | None = None, show_progress: bool = True,
+            hist_rows: int | None = -1) -> Observation:
     """One pass over ``samples`` with observers on ``modules``; statistics per module.
 
     ``method`` decides which statistics are kept (a histogram for everything but ``max``).
     The only host syncs are at the end (:meth:`ActivationObserver.finalize`).
+    ``hist_rows``: histogram row cap per call (-1: the default, None: every row).
     """
     import torch
 
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.calibration.data import iter_batches, num_batches
-    from fp8export.calibration.observers import ActivationObserver
+    from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
 
     calibrator_class(method)  # unknown names fail before any work
     if input_device is None:
         input_device = next(model.parameters()).device
     forward = forward or forward_fn(model, modules)
     obs = ActivationObserver(model, modules, lambda: get_calibrator(method),
-                             groups=list((groups or {}).values()))
+                             groups=list((groups or {}).values()),
+                             hist_rows=DEFAULT_HIST_ROWS if hist_rows == -1 else hist_rows)
     n_batches = num_batches(samples, batch_size)
     bar = None
     if show_progress and progress_enabled():
@@ -332,11 +335,15 @@ def amaxes_from_stats(stats: dict[str, FinalStats], method: str,
 
     cal = get_calibrator(method, **options)
     out = {}
+    done: dict[int, AmaxResult] = {}  # fused members observed once share one stats object
     for m in sorted(stats):
-        try:
-            out[m] = cal.amax_from(stats[m])
-        except Fp8ExportError as exc:
-            raise Fp8ExportError(f"{m}: {exc}") from exc
+        key = id(stats[m])
+        if key not in done:
+            try:
+                done[key] = cal.amax_from(stats[m])
+            except Fp8ExportError as exc:
+                raise Fp8ExportError(f"{m}: {exc}") from exc
+        out[m] = done[key]
     return out
 
 
