@@ -18,6 +18,8 @@ K and N must be multiples of 16: a layer that is not falls back to emulation and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -28,12 +30,18 @@ MODES = ("auto", "emulate", "scaled_mm")
 
 def scaled_mm_available(device: torch.device | str | None = None) -> bool:
     """True when ``torch._scaled_mm`` can run E4M3 GEMMs on ``device`` (CUDA, CC >= 8.9)."""
-    if not torch.cuda.is_available():
-        return False
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(dev) >= (8, 9) and hasattr(torch, "_scaled_mm")
+    return _cuda_fp8_ok(dev.index if dev.index is not None else -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_fp8_ok(index: int) -> bool:  # cached: forward() asks on every call
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    dev = torch.device("cuda", index if index >= 0 else torch.cuda.current_device())
+    return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
 def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
