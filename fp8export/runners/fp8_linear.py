@@ -36,7 +36,7 @@ def scaled_mm_available(device: torch.device | str | None = None) -> bool:
     return _cuda_fp8_ok(dev.index if dev.index is not None else -1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_fp8_ok(index: int) -> bool:  # cached: forward() asks on every call
     if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False

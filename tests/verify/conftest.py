@@ -5,9 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from fp8_folders import damage_scale, make_fp8_folder, make_tiny_llama
-from fp8_folders import DAMAGED
+from fp8_folders import DAMAGED, damage_scale, make_fp8_folder, make_tiny_llama
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +42,6 @@ def damaged_fp8(tiny_fp8, tmp_path_factory):
 def eval_npz(tmp_path_factory):
     """16 held-out sequences of 48 tokens from the tiny Llama's own Markov chain."""
     import numpy as np
-
     from fp8_folders import markov_tokens
 
     path = tmp_path_factory.mktemp("data") / "eval.npz"

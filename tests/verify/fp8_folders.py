@@ -22,7 +22,7 @@ GROUPS = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_pro
 
 
 def markov_tokens(vocab: int, n: int, length: int, seed: int) -> torch.Tensor:
-    """Token sequences from a sparse Markov chain (each token has 4 successors, 0.55/0.25/0.12/0.08)."""
+    """Sequences from a sparse Markov chain: 4 successors a token, p = .55/.25/.12/.08."""
     g = torch.Generator().manual_seed(1234)  # the chain itself is fixed
     succ = torch.randint(0, vocab, (vocab, 4), generator=g)
     probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
