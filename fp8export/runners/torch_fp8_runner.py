@@ -10,14 +10,15 @@ from fp8export.runners.torch_runner import TorchModelRunner
 class TorchFp8Runner(TorchModelRunner):
     """Runs an FP8 folder. ``mode``: "auto" | "emulate" | "scaled_mm" (see fp8_linear.py).
 
-    ``compile=True`` wraps the model in ``torch.compile`` (useful on a GPU for speed; the
-    numerics are the same).
+    ``compile``: False, True (``torch.compile`` default mode) or a ``torch.compile`` mode name;
+    ``"reduce-overhead"`` captures CUDA graphs (fixed shapes pay off; each new shape recompiles).
+    Numerics match up to float rounding (fusion reorders bf16 operations).
     """
 
     backend = "torch-fp8"
 
     def __init__(self, path, *, dtype: str = "bf16", device: str = "auto", mode: str = "auto",
-                 compile: bool = False, name: str | None = None):
+                 compile: bool | str = False, name: str | None = None):
         super().__init__(path, dtype=dtype, device=device, name=name)
         self.mode = mode
         self.compile = compile
@@ -32,7 +33,8 @@ class TorchFp8Runner(TorchModelRunner):
         model, config, self.manifest, self.info = load_fp8_model(
             self.path, device=self.device, dtype=self.dtype, mode=self.mode)
         if self.compile:
-            model = torch.compile(model)
+            mode = self.compile if isinstance(self.compile, str) else None
+            model = torch.compile(model, mode=mode)
         return model, config
 
     def describe(self) -> dict[str, Any]:
