@@ -52,7 +52,9 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx):
         start = time.perf_counter()
-        name = ctx.protected_args[0] if ctx.protected_args else ""
+        # click 8.2 deprecates ctx.protected_args; read the private field where it exists.
+        args = [*(getattr(ctx, "_protected_args", None) or []), *ctx.args]
+        name = args[0] if args else ""
         try:
             result = super().invoke(ctx)
         except Fp8ExportError as exc:

@@ -106,11 +106,20 @@ def register_reader(name: str, can_open: Callable[[Path], bool],
         _READERS.append(entry)
 
 
+_BUILTINS_LOADED = False
+
+
 def _load_builtin_readers() -> None:
-    # Importing a reader module registers it. Keep the list here so the order is explicit.
+    # Importing a reader module registers it. Keep the list here so the order is explicit:
+    # readers registered with first=True (Keras, Transformer Engine) go ahead of the generic ones.
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
     import importlib
 
-    for mod in ("fp8export.checkpoint.readers", "fp8export.checkpoint.keras_reader"):
+    for mod in ("fp8export.checkpoint.readers", "fp8export.checkpoint.keras_reader",
+                "fp8export.checkpoint.training.te_reader"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:
@@ -124,8 +133,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such file or folder. Give a Hugging Face folder, a "
                              ".safetensors file, a .pt/.pth/.bin state dict or a .keras file.")
-    if not _READERS:
-        _load_builtin_readers()
+    _load_builtin_readers()
     for _name, can_open, open_fn in _READERS:
         if can_open(p):
             return open_fn(p)
