@@ -22,9 +22,10 @@ Methods (TensorRT's pytorch-quantization ``calib/histogram.py`` and ModelOpt's
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -202,6 +203,22 @@ def candidate_amaxes(amax: float, extra: tuple[float, ...] = ()) -> np.ndarray:
     return np.unique(cands.astype(np.float32).astype(np.float64))[::-1]
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the amax search on one intra-op thread.
+
+    Its tensors are small ([32..64, <=32K]); on a busy 2-core machine OpenMP hand-offs made
+    them 100x slower than single-threaded, and a fixed thread count also keeps float64
+    reductions in one order, so the amax is bit-for-bit the same on every machine.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _scales(cands: np.ndarray) -> torch.Tensor:
     """float32 dequantization scales ``amax / 448`` exactly as ``amax_to_scale`` rounds them."""
     return torch.from_numpy((cands / E4M3_MAX).astype(np.float32))
@@ -229,6 +246,10 @@ class MseCalibrator(Calibrator):
     chunk = 64  # candidates per vectorised step: [64, N] float32 stays small
 
     def amax_from(self, stats: FinalStats) -> AmaxResult:
+        with _one_thread():
+            return self._amax_from(stats)
+
+    def _amax_from(self, stats: FinalStats) -> AmaxResult:
         check_finite(stats, self.name)
         values, counts = stats.nonzero()
         if stats.amax <= 0.0 or values.size == 0:
@@ -281,6 +302,10 @@ class EntropyCalibrator(Calibrator):
     """
 
     def amax_from(self, stats: FinalStats) -> AmaxResult:
+        with _one_thread():
+            return self._amax_from(stats)
+
+    def _amax_from(self, stats: FinalStats) -> AmaxResult:
         check_finite(stats, self.name)
         values, counts = stats.nonzero()
         if stats.amax <= 0.0 or values.size == 0:

@@ -21,3 +21,14 @@ def calib_txt(tmp_path) -> Path:
     p = tmp_path / "calib.txt"
     p.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return p
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads; on a loaded CI box they cost a lot."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
