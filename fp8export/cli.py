@@ -53,7 +53,8 @@ class LazyGroup(click.Group):
     def invoke(self, ctx):
         start = time.perf_counter()
         # click 8.2 deprecates ctx.protected_args; read the private field where it exists.
-        args = [*(getattr(ctx, "_protected_args", None) or []), *ctx.args]
+        protected = ctx._protected_args if hasattr(ctx, "_protected_args") else ctx.protected_args
+        args = [*protected, *ctx.args]
         name = args[0] if args else ""
         try:
             result = super().invoke(ctx)
