@@ -136,10 +136,7 @@ class ActivationStats:
         if idx.device.type == "cpu":
             self.hist += torch.bincount(idx, minlength=HIST_BINS)
         else:
-            # bincount on CUDA reads max() back to the host; index_add_ does not. Integer
-            # atomics are exact and order-free, so the counts stay deterministic.
-            ones = torch.ones(1, dtype=torch.int64, device=x.device).expand(idx.numel())
-            self.hist.index_add_(0, idx, ones)
+            add_counts(self.hist, idx)
 
     def merge(self, other: ActivationStats) -> None:
         """Fold ``other`` into this one (same stream semantics as having seen both inputs)."""
@@ -166,6 +163,17 @@ class ActivationStats:
         h = self.hist.cpu().numpy()
         return FinalStats(amax=amax, elements=self.elements, counts=h[:FINITE_BINS].copy(),
                           nonfinite=int(h[FINITE_BINS:].sum()))
+
+
+def add_counts(hist: torch.Tensor, idx: torch.Tensor) -> None:
+    """``hist[i] += (idx == i).sum()`` without a host sync (the accelerator path).
+
+    ``torch.bincount`` on CUDA reads ``idx.max()`` back to the host to size its output;
+    ``index_add_`` into the fixed-size histogram does not. Integer atomics are exact and
+    order-free, so the counts stay deterministic.
+    """
+    ones = torch.ones(1, dtype=torch.int64, device=idx.device).expand(idx.numel())
+    hist.index_add_(0, idx, ones)
 
 
 # --------------------------------------------------------------------------------------------

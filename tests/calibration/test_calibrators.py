@@ -162,3 +162,14 @@ def test_histogram_memory_is_fixed(gen):
         st.update(torch.randn(100_000, generator=gen).to(torch.bfloat16) * 1e4)
     assert st.hist.numel() == size == 1 << 15
     assert int(st.hist.sum()) == 1000 + 5 * 100_000
+
+
+def test_device_histogram_path_matches_bincount(gen):
+    """The sync-free index_add_ path used on GPUs gives bincount's counts (run here on CPU)."""
+    from fp8export.calibration.observers import HIST_BINS, add_counts
+
+    x = (torch.randn(50_000, generator=gen) * 10).to(torch.bfloat16)
+    idx = (x.view(torch.int16) & 0x7FFF).to(torch.int32)
+    h = torch.zeros(HIST_BINS, dtype=torch.int64)
+    add_counts(h, idx)
+    assert torch.equal(h, torch.bincount(idx, minlength=HIST_BINS))
