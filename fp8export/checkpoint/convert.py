@@ -109,6 +109,18 @@ def _finish(ticks) -> None:
         pass
 
 
+def _check_json_files(folder: Path) -> None:
+    """Every JSON file we wrote parses back (config, index, manifest, format files)."""
+    import json
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise Fp8ExportError(f"read-back of {path.name} failed ({exc}); nothing was "
+                                 "written. This is a bug or a failing disk.") from exc
+
+
 def _hash_sources(ckpt: Checkpoint) -> dict[Path, str]:
     return {p: file_sha256(p) for p in ckpt.source_files}
 
@@ -181,8 +193,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
     atomic = AtomicDir(out, cfg.force)
     with atomic as tmp:
-        sqnr = write_shards(tmp, plans, ckpt, weight_scales, input_scales,
-                            on_tensor=lambda: next(ticks, None))
+        write_shards(tmp, plans, ckpt, weight_scales, input_scales,
+                     on_tensor=lambda: next(ticks, None))
         _finish(ticks)
         index = index_json(plans)
         if index is not None:
@@ -202,6 +214,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 continue
             shutil.copyfile(aux, tmp / aux.name)
             written.add(aux.name)
+        # Read-back first: the manifest records the SQNR of the weights as they are on disk.
+        sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)
         layers = _layers(sel, scan, weight_scales, ranges, input_scales, sqnr, plans)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -220,7 +234,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             "notes": notes,
         }
         write_json(tmp / MANIFEST_NAME, manifest)
-        verify_output(tmp, plans, ckpt, weight_scales, input_scales)
+        _check_json_files(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         bytes_out = sum(p.stat().st_size for p in tmp.iterdir())
         atomic.publish()  # nothing above touched `out`; this is the only step that does

@@ -91,7 +91,9 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         raise Fp8ExportError(
             f"read-back verification of the FP8 output failed, so nothing was written: {shown}"
             f"{more}. A weight with low SQNR has outliers FP8 cannot hold per-tensor: leave it "
-            "in high precision with --exclude; any other failure is a bug or a failing disk.")
+            "in high precision with --exclude (or, for a q/k/v or gate/up member whose siblings "
+            "are much larger, give it its own scale with --no-fuse-scales); any other failure "
+            "is a bug or a failing disk.")
     return sqnr
 
 

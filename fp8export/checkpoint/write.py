@@ -89,9 +89,8 @@ def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                 *, on_tensor: Callable[[], None] | None = None) -> dict[str, float]:
-    """Write every shard (and the index when there are several); return weight SQNRs (dB)."""
-    sqnr: dict[str, float] = {}
+                 *, on_tensor: Callable[[], None] | None = None) -> None:
+    """Write every shard, one tensor in memory at a time (SQNR is measured on read-back)."""
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
     for p in plans:
         for e in p.entries:
@@ -113,10 +112,9 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if entry.kind == "weight":
             module = weight_module[entry.source]
             w = ckpt.load(entry.source)
-            rt = quantize_weight(w, weight_scales[module])
+            q = quantize_weight(w, weight_scales[module])
             del w
-            sqnr[module] = rt.sqnr_db
-            return rt.q
+            return q
         scales = weight_scales if entry.kind == "weight_scale" else input_scales
         return scale_tensor(scales[entry.source], entry.tensor.shape)
 
@@ -124,7 +122,6 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         by_name = {e.tensor.name: e for e in plan.entries}
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
                           lambda pt, by_name=by_name: produce(by_name[pt.name]))
-    return sqnr
 
 
 def index_json(plans: list[ShardPlan]) -> dict | None:

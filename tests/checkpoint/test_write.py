@@ -18,10 +18,11 @@ from fp8export.checkpoint.formats import quantization_config, scale_shape
 from fp8export.checkpoint.readback import verify_output
 from fp8export.checkpoint.safetensors_writer import PlannedTensor, header_bytes, write_safetensors
 from fp8export.checkpoint.select import select_targets
-from fp8export.checkpoint.weights import quantize_weight, scan_weights
+from fp8export.checkpoint.weights import CHUNK, quantize_weight, roundtrip_sqnr, scan_weights
 from fp8export.checkpoint.write import plan_shards, write_shards
 from fp8export.config import ConvertConfig, OutputFormat
 from fp8export.errors import Fp8ExportError
+from fp8export.numerics.fp8 import quantize_e4m3
 from fp8export.numerics.metrics import sqnr_db
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -102,13 +103,21 @@ def test_golden_header_bytes(tmp_path):
 
 def test_quantize_weight_matches_reference_sqnr():
     torch.manual_seed(0)
-    w = torch.randn(300, 200).to(torch.bfloat16)
+    w = torch.randn(3000, 2000).to(torch.bfloat16)
+    assert w.numel() > CHUNK  # several chunks
     scale = np.float32(float(w.float().abs().max()) / 448)
-    rt = quantize_weight(w, scale)
-    assert rt.q.dtype == torch.float8_e4m3fn and rt.q.shape == w.shape
-    ref = sqnr_db(w.float(), rt.q.float() * float(scale))
-    assert abs(rt.sqnr_db - ref) < 1e-6
-    assert 28.0 < rt.sqnr_db < 36.0  # per-tensor E4M3 of a Gaussian: ~31 dB
+    q = quantize_weight(w, scale)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert torch.equal(q.view(torch.uint8), quantize_e4m3(w, scale).view(torch.uint8))
+    ref = sqnr_db(w.float(), q.float() * float(scale))  # float64 reference implementation
+    got = roundtrip_sqnr(w, q, float(scale))
+    assert abs(got - ref) < 1e-3
+    assert 28.0 < got < 36.0  # per-tensor E4M3 of a Gaussian: ~31 dB
+    # values beyond the scale's range saturate at ±448 (clamp before cast), never NaN
+    small = quantize_weight(w, np.float32(float(scale) / 8)).float()
+    assert not small.isnan().any() and small.abs().max() == 448.0
+    assert torch.equal(quantize_weight(w, np.float32(float(scale) / 8)).view(torch.uint8),
+                       quantize_e4m3(w, np.float32(float(scale) / 8)).view(torch.uint8))
 
 
 def _static_ct_config(static, dynamic, ignore=("lm_head",)):
