@@ -1,1 +1,14 @@
-"""Activation calibration (installed as ``fp8export.calibration``): observers and calibrators."""
+"""Activation calibration (installed as ``fp8export.calibration``): observers and calibrators.
+
+Modules (heavy imports stay inside functions, so importing a module here is cheap):
+
+- :mod:`.data`: sample files (.txt / .jsonl / .npz / .safetensors) -> tokens -> padded batches.
+- :mod:`.observers`: forward pre-hooks and streaming statistics (absmax, bf16-exact histogram).
+- :mod:`.calibrators`: ``max`` / ``percentile`` / ``mse`` / ``entropy`` behind one interface
+  and a registry (``register_calibrator``, ``get_calibrator``).
+- :mod:`.api`: ``calibrate(CalibrateConfig)``, ``calibrate_ranges`` (for ``convert``),
+  ``observe`` / ``amaxes_from_stats`` (one pass, any calibrator).
+- :mod:`.amax_file`: ``write_amax_file`` / ``read_amax_file`` (``amax.json``).
+- :mod:`.evaluate`: FP8 fake-quant accuracy comparison of the calibrators.
+- :mod:`.config`: ``CalibrateConfig``.
+"""

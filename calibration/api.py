@@ -391,8 +391,8 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
                            seq_len=cfg.seq_len, max_positions=max_positions(config))
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
-        notes.append(f"{cfg.calib_data} has {len(samples)} samples (asked for "
-                     f"{cfg.calib_samples}); all were used")
+        notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
+                     f"--calib-samples {cfg.calib_samples})")
     ob = observe(model, samples, modules, method=method, groups=groups,
                  batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE, input_device=input_device)
     t0 = time.perf_counter()
