@@ -168,24 +168,20 @@ class UnresolvedGlobal:
 
 # ------------------------------------------------------------------------- torch rebuilders
 
-def _load_storage_bytes(layer: str):
+def _load_storage(data: Any):
     """Replacement for ``torch.storage._load_from_bytes`` (which uses weights_only=False)."""
+    import torch
 
-    def load_from_bytes(data: Any):
-        import torch
-
-        if not isinstance(data, (bytes, bytearray)):
-            raise TypeError(f"storage payload is a {type(data).__name__}, not bytes")
-        # The bytes are a legacy-format torch.save of one storage (CUDA ones in TE 0.x/1.x, hence
-        # map_location); torch's weights-only unpickler reads that format too.
-        with warnings.catch_warnings():  # torch warns about odd protocols of corrupt input
-            warnings.simplefilter("ignore")
-            obj = torch.load(io.BytesIO(bytes(data)), weights_only=True, map_location="cpu")
-        if not isinstance(obj, torch.TypedStorage):
-            raise TypeError(f"storage payload holds a {type(obj).__name__}, not a storage")
-        return obj
-
-    return load_from_bytes
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"storage payload is a {type(data).__name__}, not bytes")
+    # The bytes are a legacy-format torch.save of one storage (CUDA ones in TE 0.x/1.x, hence
+    # map_location); torch's weights-only unpickler reads that format too.
+    with warnings.catch_warnings():  # torch warns about odd protocols of corrupt input
+        warnings.simplefilter("ignore")
+        obj = torch.load(io.BytesIO(bytes(data)), weights_only=True, map_location="cpu")
+    if not isinstance(obj, torch.TypedStorage):
+        raise TypeError(f"storage payload holds a {type(obj).__name__}, not a storage")
+    return obj
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
@@ -212,11 +208,9 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
             raise TypeError(f"tensor view (size {size}, stride {stride}, offset "
                             f"{storage_offset}) reaches past its storage of {storage._size()} "
                             "elements")
-    if backward_hooks not in (None, {}) and not (isinstance(backward_hooks, dict)
-                                                  and not backward_hooks):
-        raise TypeError("tensor carries backward hooks")
-    if metadata not in (None, {}):
-        raise TypeError("tensor carries extra metadata")
+    for what, value in (("backward hooks", backward_hooks), ("extra metadata", metadata)):
+        if value is not None and not (isinstance(value, dict) and not value):
+            raise TypeError(f"tensor carries {what}")
     return torch._utils._rebuild_tensor_v2(storage, storage_offset, tuple(size), tuple(stride),
                                            bool(requires_grad), collections.OrderedDict())
 
@@ -244,7 +238,7 @@ class _ExtraStateUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor
         if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _load_storage_bytes(self.layer)
+            return _load_storage
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict  # the (empty) backward-hooks argument of a tensor
         ref = UnresolvedGlobal(str(module), str(name), self.layer)
