@@ -111,3 +111,27 @@ def test_calibrate_ranges_for_convert(tiny_llama, calib_txt, tmp_path):
     ranges2, info2 = calibrate_ranges(cfg2, mods + ["lm_head"])
     assert sorted(ranges2) == sorted(mods) and info2["missing"] == ["lm_head"]
     assert ranges2[mods[2]].amax == res.amax[mods[2]]
+
+
+def test_command_module_imports_only_click(python_exe):
+    import subprocess
+
+    code = ("import sys, fp8export.commands.calibrate as c; "
+            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
+            "assert not heavy, heavy; assert c.command.name == 'calibrate'")
+    subprocess.run([python_exe, "-c", code], check=True)
+
+
+def test_multi_gpu_loader_uses_accelerate_device_map(tiny_llama):
+    """accelerate's device_map="auto" path (CPU-only here: places everything on the CPU)."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("optional dependency accelerate not installed")
+    from fp8export.calibration.api import _load_dispatched
+
+    import torch
+
+    model, config = _load_dispatched(tiny_llama)
+    assert config["model_type"] == "llama"
+    assert next(model.parameters()).dtype == torch.bfloat16
