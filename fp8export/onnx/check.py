@@ -4,6 +4,8 @@
 docs/onnx.md and ``shared/reference/tensorrt_fp8_onnx.md`` sections 1, 2, 5):
 
 ``opset``            default-domain opset >= 19 (FP8 Q/DQ types, ONNX Changelog); 21 is the profile.
+``ir-version``       IR version <= 13, the newest onnxruntime 1.31 loads (export writes 10, or 11
+                     at opset 23).
 ``custom-domain``    no custom-domain ops: TensorRT would need a plugin (onnx-tensorrt importer).
 ``axis``             every Q/DQ writes ``axis`` (TRT 10.1 parser defaulted a missing axis to 0).
 ``scale``            scales are constant initializers, positive and finite, FP32/FP16/BF16
@@ -41,6 +43,7 @@ _FP8_TYPES = {17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "F
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 _GEMMS = {"MatMul", "Gemm"}
 _STANDARD_DOMAINS = {"", "ai.onnx"}
+ORT_MAX_IR = 13  # onnxruntime 1.31: "Unsupported model IR version: 14, max supported IR version: 13"
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,10 @@ def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
     if opset < 19:
         issues.append(Issue("error", "opset", "model", f"opset {opset}: FP8 Q/DQ needs >= 19 "
                             "(the profile uses 21). Re-export with --opset 21."))
+    if model.ir_version > ORT_MAX_IR:
+        issues.append(Issue("error", "ir-version", "model", f"IR version {model.ir_version}: "
+                            f"onnxruntime 1.31 loads IR <= {ORT_MAX_IR}. Set model.ir_version to "
+                            "the minimum its opset needs (onnx.helper.find_min_ir_version_for)."))
     for o in model.opset_import:
         if o.domain not in _STANDARD_DOMAINS:
             issues.append(Issue("error", "custom-domain", "model", f"opset import of custom "

@@ -43,8 +43,15 @@ class Binding:
     weight_input: int  # 1 (B) for MatMul/Gemm
     initializer: str  # name of the float weight initializer now feeding it
     transpose_node: object | None  # a Transpose(initializer) between, to remove
-    orientation: str  # "in_out" ([K, N]) or "out_in" ([N, K]) as the GEMM reads it
+    orientation: str  # the float initializer's layout: "in_out" ([K, N]) or "out_in" ([N, K])
     how: str  # "provenance" | "content"
+
+    @property
+    def read_as(self) -> str:
+        """The layout the GEMM reads B in (the FP8 initializer is stored so, no Transpose)."""
+        if self.transpose_node is None:
+            return self.orientation
+        return "out_in" if self.orientation == "in_out" else "in_out"
 
 
 @dataclass
@@ -103,7 +110,7 @@ def _weight_source(node, inits: Mapping, producers: Mapping):
 
 
 def _orientation(node, transposed: bool) -> str:
-    """How the GEMM reads B: "in_out" ([K, N]) or "out_in" ([N, K])."""
+    """Layout of the initializer behind B: "in_out" ([K, N]) or "out_in" ([N, K])."""
     trans_b = 0
     if node.op_type == "Gemm":
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
@@ -163,11 +170,12 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
         if layer.name in bindings:
             continue
         hits = []
+        out_f, in_f = layer.weight_out_in.shape
         for i, (node, init, tnode, orient) in enumerate(candidates):
-            if i in used:
+            shape = (in_f, out_f) if orient == "in_out" else (out_f, in_f)
+            if i in used or tuple(inits[init].dims) != shape:
                 continue
-            exp = _expected(layer, orient, dtype)
-            if tuple(inits[init].dims) == exp.shape and _matches(value(init), exp):
+            if _matches(value(init), _expected(layer, orient, dtype)):
                 hits.append(i)
         if not hits:
             raise Fp8ExportError(
@@ -241,12 +249,12 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         gemm = b.node
         q = layer.weight_out_in.contiguous()  # [out, in] float8
         raw = q.view(torch.uint8).numpy()
-        raw = raw.T if b.orientation == "in_out" else raw
+        raw = raw.T if b.read_as == "in_out" else raw
         w8 = np.ascontiguousarray(raw).view(ml_dtypes.float8_e4m3fn)
         w_name, s_name = f"{name}.weight", f"{name}.weight_scale"
         new_inits.append(numpy_helper.from_array(w8, w_name))
         new_inits.append(_scale_tensor(s_name, layer.weight_scale, sdtype, name, result))
-        axis = 1 if b.orientation == "in_out" else 0  # output-channel axis of the stored weight
+        axis = 1 if b.read_as == "in_out" else 0  # output-channel axis of the stored weight
         nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, ZERO_POINT],
                                   [f"{name}.weight_dq"], name=f"{name}/weight_dq", axis=axis,
                                   **out_dtype_attr)]
