@@ -72,3 +72,25 @@ def test_malicious_checkpoint_converts_nothing(tmp_path):
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fx"]  # no temporary sibling left
     assert not marker.exists()
+
+
+def test_cli_convert_history_and_refusal(tmp_path, run_cli):
+    """Through the real CLI: exit 0 with input scales; exit 1, one message, nothing run."""
+    marker = tmp_path / "PWNED"
+    paths = mf.write_fixtures(tmp_path / "fx", marker)
+    open_ckpt(paths["te2_layer"]).close()  # registers the TE reader (until source.py lists it)
+    out = tmp_path / "ok"
+    result = run_cli("convert", paths["te2_layer"], "-o", out, "--scales", "history",
+                     "--amax-algo", "most-recent", "--margin", "1",
+                     *[a for g in INCLUDE for a in ("--include", g)])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(out / "model.safetensors")
+    with open_ckpt(paths["te2_layer"]) as ck:
+        h = ck.training_state().for_role("input")["layers.0.self_attention.proj"].history
+    newest = float(h[h > 0][0])
+    assert tensors["layers.0.self_attention.proj.input_scale"].item() == pytest.approx(
+        newest * 2 / 448.0, rel=1e-7)
+    bad = run_cli("convert", paths["te2_malicious"], "-o", tmp_path / "bad", "--scales", "history")
+    assert bad.exit_code == 1
+    assert "fc._extra_state" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "bad").exists() and not marker.exists()
