@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Calibration overhead: observed forward passes vs plain bf16 forward passes, same batches, same run.
+"""Calibration overhead: observed vs plain bf16 forward passes, same batches, same run.
 
     # GPU, Llama-shaped random model (~1.1 B parameters), what the issue's target is about:
     python bench/calibrate.py --device cuda --model llama-1b
@@ -40,7 +40,6 @@ LLAMA_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hi
 def build(args):
     """(model, samples, modules, groups)."""
     import torch
-
     from fp8export.calibration.api import groups_by_name, max_positions
     from fp8export.calibration.data import as_samples, load_samples
     from fp8export.calibration.observers import is_linear_like
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="sample",
                     help="sample | llama-1b | llama-tiny | PATH to a checkpoint folder")
-    ap.add_argument("--data", help="calibration data for a checkpoint (default: its data/calib.txt)")
+    ap.add_argument("--data", help="calibration data (default: <checkpoint>/../data/calib.txt)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch-size", type=int, default=None, help="default: 8 (cuda) / 16 (cpu)")
     ap.add_argument("--seq-len", type=int, default=None, help="default: 1024 (cuda) / 128 (cpu)")
@@ -94,7 +93,6 @@ def main(argv=None) -> int:
     args.samples = args.samples or (128 if cuda else 256)
 
     import torch
-
     from fp8export.calibration.api import amaxes_from_stats, forward_fn, observe
     from fp8export.calibration.data import iter_batches
 

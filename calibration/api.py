@@ -15,18 +15,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export._progress import info, progress_enabled
 from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
-from fp8export.config import CalibMethod, Device, ScaleSource
+
+from fp8export._progress import info, progress_enabled
+from fp8export.config import Device, ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales import ActivationRange
 
 if TYPE_CHECKING:
-    import torch
 
     from fp8export.calibration.calibrators import AmaxResult
     from fp8export.calibration.data import Batch, Samples
     from fp8export.calibration.observers import FinalStats
+
     from fp8export.config import ConvertConfig
 
 
@@ -150,8 +151,9 @@ def _load_dispatched(path: Path):
         raise Fp8ExportError(
             f"{path}: the model does not fit one GPU; spreading it over several needs the "
             "optional 'accelerate' package (pip install accelerate), or use --device cpu.")
-    from fp8export.models import task_of
     import transformers
+
+    from fp8export.models import task_of
 
     p = Path(path)
     if not p.is_dir() or not any(p.glob("*.safetensors")):
@@ -278,9 +280,8 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     ``hist_rows``: histogram row cap per call (-1: the default, None: every row).
     """
     import torch
-
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
-    from fp8export.calibration.data import iter_batches, num_batches
+    from fp8export.calibration.data import iter_batches
     from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
 
     calibrator_class(method)  # unknown names fail before any work
@@ -290,7 +291,6 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     obs = ActivationObserver(model, modules, lambda: get_calibrator(method),
                              groups=list((groups or {}).values()),
                              hist_rows=DEFAULT_HIST_ROWS if hist_rows == -1 else hist_rows)
-    n_batches = num_batches(samples, batch_size)
     bar = None
     if show_progress and progress_enabled():
         from tqdm import tqdm
@@ -323,7 +323,6 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     if unmasked:
         notes.append(f"{len(unmasked)} modules received inputs whose shape does not match the "
                      f"attention mask, so padding could not be excluded there: {unmasked[:5]}")
-    del n_batches
     return Observation(stats=stats, samples=n_samples, tokens=n_tokens, batches=n_done,
                        seconds=seconds, missing=missing, notes=notes)
 
@@ -366,6 +365,8 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.calibration.data import load_samples
 
+    from fp8export.numerics.fp8 import amax_to_scale
+
     if cfg.output is not None:
         check_output(cfg.output, cfg.force)
     method = str(cfg.calib_method)
@@ -405,8 +406,6 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     observed = {m: r.amax for m, r in results.items()}
     amax = share_groups(observed, groups)
     for m, a in amax.items():
-        from fp8export.numerics.fp8 import amax_to_scale
-
         amax_to_scale(a, f"{m} (input, {method} calibration)")  # never an invalid scale
     if ob.missing:
         info(f"Note: {len(ob.missing)} layers received no input during calibration and get no "

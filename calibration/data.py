@@ -357,7 +357,8 @@ def _read_tokens(p: Path, suffix: str, max_samples: int | None):
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise Fp8ExportError(f"{p}: 'input_ids' has shape {ids.shape}; expected [N, T] with N, T > 0.")
+        raise Fp8ExportError(
+            f"{p}: 'input_ids' has shape {ids.shape}; expected [N, T] with N, T > 0.")
     if not np.issubdtype(ids.dtype, np.integer):
         raise Fp8ExportError(f"{p}: 'input_ids' has dtype {ids.dtype}; token ids must be integers.")
     mask = arrays.get("attention_mask")

@@ -14,7 +14,8 @@ comes from the weights alone. One observation pass (histogram kept) serves all c
 so they are compared on identical statistics.
 
     python -m fp8export.calibration.evaluate samples/tiny-llama/model \\
-        --calib-data samples/tiny-llama/data/calib.txt --eval-data samples/tiny-llama/data/eval.txt \\
+        --calib-data samples/tiny-llama/data/calib.txt \\
+        --eval-data samples/tiny-llama/data/eval.txt \\
         --json bench/results/calibrators.json --md bench/results/calibrators.md
 """
 
@@ -104,12 +105,20 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
                         methods=METHODS, calib_samples: int = 512, eval_samples: int | None = None,
                         batch_size: int = 8, seq_len: int | None = None,
                         percentile: float = 99.99) -> dict[str, Any]:
-    """Calibrate once (histogram kept), then fake-quantise with each method's scales; see module doc."""
-    import torch
+    """Calibrate once (histogram kept), then fake-quantise with each method's scales.
 
-    from fp8export.calibration.api import (amaxes_from_stats, default_modules, max_positions,
-                                           observe, share_groups)
+    See the module docstring; returns a JSON-serialisable dict (``results``, ``amax``, ...).
+    """
+    import torch
+    from fp8export.calibration.api import (
+        amaxes_from_stats,
+        default_modules,
+        max_positions,
+        observe,
+        share_groups,
+    )
     from fp8export.calibration.data import iter_batches, load_samples
+
     from fp8export.models import load_model, task_of
     from fp8export.numerics.fp8 import amax_to_scale
 

@@ -16,7 +16,8 @@ _CHOICES = {"case_sensitive": False}
                    ".npz/.safetensors with input_ids (and optionally attention_mask).")
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="amax file to write (default: a sibling <CHECKPOINT>-amax.json).")
-@click.option("--calib-method", type=click.Choice(["max", "percentile", "mse", "entropy"], **_CHOICES),
+@click.option("--calib-method",
+              type=click.Choice(["max", "percentile", "mse", "entropy"], **_CHOICES),
               default="max", show_default=True,
               help="max: largest |x|. percentile: clip the top (100-P)%. mse: least FP8 "
                    "round-trip error. entropy: least KL between observed and FP8 histograms.")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from calib_fixtures import WORDS, build_tiny_llama
 
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fp8export.calibration.amax_file import read_amax_file
+
 from fp8export.errors import Fp8ExportError
 
 
@@ -89,6 +89,7 @@ def test_read_amax_file_validates(tmp_path):
 
 def test_calibrate_ranges_for_convert(tiny_llama, calib_txt, tmp_path):
     from fp8export.calibration.api import calibrate_ranges
+
     from fp8export.config import ConvertConfig
 
     mods = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
@@ -128,9 +129,8 @@ def test_multi_gpu_loader_uses_accelerate_device_map(tiny_llama):
 
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("optional dependency accelerate not installed")
-    from fp8export.calibration.api import _load_dispatched
-
     import torch
+    from fp8export.calibration.api import _load_dispatched
 
     model, config = _load_dispatched(tiny_llama)
     assert config["model_type"] == "llama"

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from fp8export.calibration.data import iter_batches, load_samples
+
 from fp8export.errors import Fp8ExportError
 
 

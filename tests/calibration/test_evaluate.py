@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fp8export.calibration.evaluate import compare_calibrators, to_markdown
 
 
