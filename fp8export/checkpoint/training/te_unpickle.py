@@ -48,7 +48,18 @@ CALLABLE_FIELDS = frozenset({"amax_compute_algo", "scaling_factor_compute_algo",
 
 # --------------------------------------------------------------------------- inert stand-ins
 
-class RecipeStandIn:
+class _ReadOnlyClass(type):
+    """Metaclass of the stand-ins: a pickle's BUILD opcode applied to a *class* it got from
+    ``find_class`` would otherwise ``setattr`` on it and change it for every later load."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise TypeError(f"{cls.__name__} is a read-only stand-in")
+
+    def __delattr__(cls, name: str) -> None:
+        raise TypeError(f"{cls.__name__} is a read-only stand-in")
+
+
+class RecipeStandIn(metaclass=_ReadOnlyClass):
     """Inert copy of a TE recipe dataclass (DelayedScaling, Float8CurrentScaling, ...).
 
     TE's recipes are (pydantic) dataclasses, pickled as NEWOBJ(cls) + BUILD(__dict__). We keep
@@ -72,7 +83,7 @@ class RecipeStandIn:
 
 
 def _recipe_class(name: str) -> type[RecipeStandIn]:
-    return type(name, (RecipeStandIn,), {"recipe_name": name, "__module__": __name__})
+    return _ReadOnlyClass(name, (RecipeStandIn,), {"recipe_name": name, "__module__": __name__})
 
 
 # Every recipe class TE has shipped (v0.x DelayedScaling … v2.x NVFP4BlockScaling, CustomRecipe,
@@ -83,7 +94,7 @@ RECIPE_CLASSES = {name: _recipe_class(name) for name in (
 )}
 
 
-class FormatHelperStandIn(tuple):
+class FormatHelperStandIn(tuple, metaclass=_ReadOnlyClass):
     """``_FormatHelper(max_fwd, max_bwd)``: a NamedTuple, rebuilt through NEWOBJ(cls, *args)."""
 
     def __new__(cls, *args: Any):
@@ -100,14 +111,14 @@ class FormatHelperStandIn(tuple):
         return float(self[1])
 
 
-class NamedTupleStandIn(tuple):
+class NamedTupleStandIn(tuple, metaclass=_ReadOnlyClass):
     """Other TE NamedTuples (``_OverrideLinearPrecision``): a plain tuple of their values."""
 
     def __new__(cls, *args: Any):
         return super().__new__(cls, args)
 
 
-class FormatStandIn:
+class FormatStandIn(metaclass=_ReadOnlyClass):
     """``Format`` (an Enum) pickles as REDUCE(Format, (value,)): we keep the value's maxima."""
 
     _NAMES = {(448.0, 448.0): "E4M3", (57344.0, 57344.0): "E5M2", (448.0, 57344.0): "HYBRID",
@@ -123,7 +134,7 @@ class FormatStandIn:
         return f"Format.{self.name}"
 
 
-class FrozenParamsStandIn:
+class FrozenParamsStandIn(metaclass=_ReadOnlyClass):
     """``QParams`` / ``MMParams``: frozen dataclasses; their fields are kept as data."""
 
     def __setstate__(self, state: Any) -> None:

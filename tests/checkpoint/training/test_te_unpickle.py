@@ -198,3 +198,20 @@ def test_cyclic_structure_with_unresolved_global_terminates():
     data = pickle.dumps({"deep": inner, "evil": np.float64})
     with pytest.raises(Fp8ExportError, match="numpy"):
         unpickle_extra_state(data, LAYER)
+
+
+@pytest.mark.parametrize("cls", ["Format", "_FormatHelper", "DelayedScaling", "QParams"])
+def test_build_on_a_stand_in_class_cannot_modify_it(cls):
+    # GLOBAL <stand-in class>; BUILD (None, {"__init__": OrderedDict}) would setattr on the class
+    from fp8export.checkpoint.training import te_unpickle
+
+    # the BUILD state is (None, {"__init__": OrderedDict}): slot state, applied with setattr
+    data = (b"\x80\x02" + pickle.GLOBAL + f"transformer_engine.common.recipe\n{cls}\n".encode()
+            + pickle.NONE + pickle.EMPTY_DICT + pickle.BINUNICODE + (8).to_bytes(4, "little")
+            + b"__init__" + pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.SETITEM
+            + pickle.TUPLE2 + pickle.BUILD + pickle.STOP)
+    before = {k: dict(vars(c)) for k, c in vars(te_unpickle).items() if isinstance(c, type)}
+    with pytest.raises(Fp8ExportError):
+        unpickle_extra_state(data, LAYER)
+    after = {k: dict(vars(c)) for k, c in vars(te_unpickle).items() if isinstance(c, type)}
+    assert before == after
