@@ -88,25 +88,36 @@ def family_of(config: dict[str, Any] | None) -> Family | None:
 
 
 # --------------------------------------------------------------------------- default exclusions
-# Matched against the full module name, lower-cased. Order matters: the first match names the
-# reason. "embed" catches embed_tokens, wte/wpe are GPT-2's, "shared" is T5's tied embedding.
-_EXCLUDE_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+# Heads and routers match any component of the module name (``cls.predictions.transform.dense``
+# is part of the MLM head); embeddings and norms match the leaf only, because containers such as
+# Transformer Engine's ``layernorm_mlp.fc1`` or ``embeddings.projection`` hold real linears.
+# Lower-cased; the first match names the reason.
+_COMPONENT_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), reason) for p, reason in (
         (r"(^|\.)(lm_head|output_layer|classifier|score|qa_outputs|pooler|cls|head)(\.|$)"
          r"|^output$", "output head (kept in high precision by default)"),
-        (r"embed|(^|\.)(wte|wpe|shared|relative_attention_bias)(\.|$)",
-         "embedding (kept in high precision by default)"),
-        (r"norm|(^|\.)ln_|(^|\.)ln(_?f)?(\.|$)", "normalization (kept in high precision)"),
         (r"(^|\.)(gate|router|shared_expert_gate)(\.|$)",
          "MoE router/gate (kept in high precision by default)"),
+    ))
+_LEAF_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), reason) for p, reason in (
+        (r"embed|^(wte|wpe|shared|relative_attention_bias)$",
+         "embedding (kept in high precision by default)"),
+        # whole-leaf match: TE's ``layernorm_qkv`` / ``layernorm_mlp`` are linears, not norms
+        (r"^(.*_)?(layer_?norm|rms_?norm|norm|ln(_?f|_\d+)?)$",
+         "normalization (kept in high precision)"),
     ))
 
 
 def default_exclusion(module: str) -> str | None:
     """The reason ``module`` is left in high precision by default, or None."""
     low = module.lower()
-    for pattern, reason in _EXCLUDE_RULES:
+    for pattern, reason in _COMPONENT_RULES:
         if pattern.search(low):
+            return reason
+    low_leaf = leaf(low)
+    for pattern, reason in _LEAF_RULES:
+        if pattern.search(low_leaf):
             return reason
     return None
 

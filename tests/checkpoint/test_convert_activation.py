@@ -157,3 +157,26 @@ def test_modelopt_static(tiny_llama, tmp_path, llama_modules):
     with safe_open(str(out / "model.safetensors"), framework="pt") as st:
         assert st.get_tensor(f"{QKV[0]}.weight_scale").shape == ()
         assert st.get_tensor(f"{QKV[0]}.input_scale").shape == ()
+
+
+def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monkeypatch):
+    import types
+
+    seen = {}
+
+    def exclusions_for_budget(cfg, modules):  # the sensitivity hook's interface
+        seen["budget"], seen["modules"] = cfg.accuracy_budget, list(modules)
+        return ["model.layers.0.self_attn.v_proj"], ["sensitivity ran"]
+
+    fake = types.ModuleType("fp8export.verify.sensitivity")
+    fake.exclusions_for_budget = exclusions_for_budget
+    monkeypatch.setitem(sys.modules, "fp8export.verify.sensitivity", fake)
+    res = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
+                                accuracy_budget=0.01))
+    assert seen["budget"] == 0.01 and len(seen["modules"]) == 14
+    assert res.quantized == 11  # v_proj took q_proj and k_proj along (vLLM fuses them)
+    for m in QKV:
+        assert res.excluded[f"{m}.weight"] == "kept in high precision for --accuracy-budget 0.01"
+    qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert set(QKV) <= set(qc["ignore"])
+    assert "sensitivity ran" in res.notes

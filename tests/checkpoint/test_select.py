@@ -124,3 +124,40 @@ def test_integer_and_fp8_weights_are_one_error_naming_each():
     msg = str(err.value)
     assert "2 tensor(s)" in msg and "a.q_proj.weight" in msg and "I32" in msg
     assert "b.q_proj.weight" in msg and "already F8_E4M3" in msg and "--exclude" in msg
+
+
+def test_te_layernorm_linears_are_linears_not_norms():
+    # Transformer Engine's LayerNormLinear/LayerNormMLP hold real GEMM weights under
+    # "layernorm_*" containers; only whole-leaf norm names are norms.
+    t = {"layers.0.self_attention.layernorm_qkv.weight": torch.ones(12, 4),
+         "layers.0.self_attention.layernorm_qkv.layer_norm_weight": torch.ones(4),
+         "layers.0.layernorm_mlp.fc1.weight": torch.ones(16, 4),
+         "layers.0.layernorm_mlp.fc2.weight": torch.ones(4, 16),
+         "layers.0.final_layer_norm.weight": torch.ones(4, 4)}
+    sel = select_targets(DictCheckpoint(t).tensors(), None)
+    assert [x.module for x in sel.targets] == ["layers.0.self_attention.layernorm_qkv",
+                                               "layers.0.layernorm_mlp.fc1",
+                                               "layers.0.layernorm_mlp.fc2"]
+    assert "normalization" in sel.excluded["layers.0.final_layer_norm.weight"]
+
+
+def test_t5_family_table():
+    names = ["shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight",
+             "encoder.block.0.layer.0.SelfAttention.k.weight",
+             "encoder.block.0.layer.0.SelfAttention.v.weight",
+             "encoder.block.0.layer.0.SelfAttention.o.weight",
+             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+             "encoder.block.0.layer.1.DenseReluDense.wi_0.weight",
+             "encoder.block.0.layer.1.DenseReluDense.wi_1.weight",
+             "encoder.block.0.layer.1.DenseReluDense.wo.weight",
+             "encoder.final_layer_norm.weight", "lm_head.weight"]
+    t = {n: torch.ones(8) if n.endswith("norm.weight") else torch.ones(8, 8) for n in names}
+    sel = select_targets(DictCheckpoint(t, config={"model_type": "t5"}).tensors(),
+                         {"model_type": "t5"})
+    assert sel.family == "t5"
+    assert len(sel.targets) == 7
+    assert sorted(sel.groups) == ["encoder.block.0.layer.0.SelfAttention.qkv",
+                                  "encoder.block.0.layer.1.DenseReluDense.wi"]
+    assert "embedding" in sel.excluded[
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+    assert "embedding" in sel.excluded["shared.weight"]
