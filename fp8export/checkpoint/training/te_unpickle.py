@@ -123,6 +123,7 @@ class FormatStandIn(metaclass=_ReadOnlyClass):
 
     _NAMES = {(448.0, 448.0): "E4M3", (57344.0, 57344.0): "E5M2", (448.0, 57344.0): "HYBRID",
               (6.0, 6.0): "E2M1"}
+    BY_NAME = {name: pair for pair, name in _NAMES.items()}
 
     def __init__(self, value: Any):
         if not isinstance(value, tuple) or len(value) != 2:
@@ -240,6 +241,9 @@ class _ExtraStateUnpickler(pickle.Unpickler):
                 return RECIPE_CLASSES[name]
             if name == "Format":
                 return FormatStandIn
+            if name.startswith("Format.") and name[7:] in FormatStandIn.BY_NAME:
+                # an Enum member pickled by qualified name (enum.pickle_by_global_name)
+                return FormatStandIn(FormatStandIn.BY_NAME[name[7:]])
             if name == "_FormatHelper":
                 return FormatHelperStandIn
             if name == "_OverrideLinearPrecision":

@@ -215,3 +215,14 @@ def test_build_on_a_stand_in_class_cannot_modify_it(cls):
         unpickle_extra_state(data, LAYER)
     after = {k: dict(vars(c)) for k, c in vars(te_unpickle).items() if isinstance(c, type)}
     assert before == after
+
+
+def test_format_member_pickled_by_name():
+    data = (b"\x80\x04" + pickle.GLOBAL + b"transformer_engine.common.recipe\nFormat.E4M3\n"
+            + pickle.STOP)
+    fmt = unpickle_extra_state(data, LAYER)
+    assert isinstance(fmt, FormatStandIn) and fmt.name == "E4M3" and fmt.max_fwd == 448.0
+    with pytest.raises(Fp8ExportError, match="refused"):
+        unpickle_extra_state(b"\x80\x04" + pickle.GLOBAL
+                             + b"transformer_engine.common.recipe\nFormat.__class__\n"
+                             + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP, LAYER)
