@@ -100,6 +100,8 @@ class CheckReport:
         return {"source": self.source, "ok": self.ok, "opset": self.opset,
                 "ir_version": self.ir_version, "issues": [i.to_dict() for i in self.issues],
                 "gemms": [g.to_dict() for g in self.gemms],
+                "fp8_gemms": [g.node for g in self.fp8_gemms],  # ONNX node names (engine build)
+                "sixteen_bit_gemms": [g.to_dict() for g in self.sixteen_bit_gemms],
                 "fp8_gemm_count": len(self.fp8_gemms),
                 "sixteen_bit_gemm_count": len(self.sixteen_bit_gemms),
                 "float_gemm_count": self.float_gemms}

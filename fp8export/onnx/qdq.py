@@ -287,6 +287,7 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
             consumers[b.initializer] -= 1
         if consumers.get(b.initializer, 0) == 0 and b.initializer not in outputs:
             remove_inits.add(b.initializer)
+        gemm.name = f"{name}/{gemm.op_type}"  # readable TensorRT layer names
         insert_before.setdefault(position[id(gemm)], []).extend(nodes)
         result.bound[name] = b.how
 

@@ -43,7 +43,7 @@ def test_good_graph_passes_with_one_fp8_gemm(model):
     assert report.ok and report.issues == []
     assert [(g.layer, g.fp8) for g in report.gemms] == [("lin", True)]
     d = report.to_dict()
-    assert d["ok"] and d["fp8_gemm_count"] == 1
+    assert d["ok"] and d["fp8_gemm_count"] == 1 and d["fp8_gemms"] == ["lin/MatMul"]
     assert "FP8-eligible GEMMs (TensorRT): 1" in report.to_text()
 
 
