@@ -146,13 +146,23 @@ def test_config_history_length_must_match(tiny, tmp_path):
         open_checkpoint(h5)
 
 
-def test_non_finite_history_in_file_names_the_layer(tiny, tmp_path):
-    h5 = copy_pair(tiny, tmp_path)
+def test_all_non_finite_history_in_file_names_the_layer(tiny, tmp_path, capsys):
+    """A layer whose every recorded step overflowed: convert exits 1 naming it, writes nothing."""
+    from fp8export.cli import main
+
+    h5 = copy_pair(tiny, tmp_path / "pair")
     with h5py.File(h5, "r+") as f:
-        f["layers/dense_1/vars/2"][5] = np.nan  # "head" (no bias): inputs_amax_history is 2
-    with open_checkpoint(h5) as ckpt:
-        with pytest.raises(Fp8ExportError, match=r"layer 'head'.*NaN/Inf"):
-            ckpt.training_state()
+        # "hidden" (kernel, bias, inputs_scale, inputs_amax_history, ...); "head" would be
+        # kept in high precision as an output head and never asked for its history.
+        assert f["layers/dense/vars"].attrs["name"] == "hidden"
+        hist = f["layers/dense/vars/3"]
+        hist[...] = np.where(hist[...] > 0, np.nan, 0).astype(np.float32)
+    out = tmp_path / "out"
+    code = main(["convert", str(h5), "-o", str(out), "--scales", "history"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "hidden" in err and "NaN/Inf" in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "out" in p.name]
 
 
 def test_links_out_of_the_file_are_refused(tiny, tmp_path):

@@ -60,14 +60,10 @@ def _check(layer: Float8Layer, prefix: str) -> tuple[np.ndarray, float]:
             f"{layer.where}: {prefix}_amax_history has shape {hist.shape} and {prefix}_scale "
             f"{scale.shape}; Keras float8 layers store a 1-D history and a scalar scale. The "
             "file is corrupt or not a Keras float8 checkpoint.")
-    bad = ~np.isfinite(hist)
-    if bad.any():
-        raise Fp8ExportError(
-            f"{layer.where}: {prefix}_amax_history holds {int(bad.sum())} NaN/Inf value(s) of "
-            f"{hist.size}: the layer saw non-finite {prefix} during training, so its history "
-            "cannot give a trustworthy range. Re-train from a clean step, use --scales calibrate, "
-            f"or exclude the layer (--exclude '{layer.module}').")
-    if (hist < 0).any():
+    # NaN/Inf entries are steps whose inputs overflowed; Keras keeps the old scale on them
+    # (compute_float8_scale). They stay in the history: the shared policy skips them and
+    # refuses a history with nothing else (fp8export.checkpoint.training.policy).
+    if (hist[np.isfinite(hist)] < 0).any():
         raise Fp8ExportError(
             f"{layer.where}: {prefix}_amax_history holds negative values; an amax is max|x| "
             "and never negative. The file is corrupt.")
@@ -80,6 +76,8 @@ def _slot(layer: Float8Layer, role: str, prefix: str) -> AmaxHistory:
     filled = int(np.count_nonzero(hist))
     notes = [f"keras {prefix}_amax_history: {filled} of {hist.size} entries filled; "
              "reordered newest-first from Keras's ring layout"]
+    if not np.isfinite(hist).all():
+        notes.append(f"{int((~np.isfinite(hist)).sum())} NaN/Inf entries (overflowed steps)")
     stored: float | None = scale
     if filled == 0 and scale == 1.0:
         stored = None
@@ -90,7 +88,7 @@ def _slot(layer: Float8Layer, role: str, prefix: str) -> AmaxHistory:
     else:
         notes.append("stored scale lags the history by one step (computed before the newest "
                      "entry was recorded)")
-        if 0 < filled < hist.size:  # nothing evicted yet: the lag can be checked exactly
+        if 0 < filled < hist.size and np.isfinite(hist).all():  # nothing evicted yet: the lag can be checked exactly
             # Before any non-zero amax was recorded Keras keeps the initial scale 1.0.
             prior = float(hist[1:].max()) if hist.size > 1 else 0.0
             expected = prior / 448.0 if prior > 0 else 1.0

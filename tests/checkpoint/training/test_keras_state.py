@@ -88,10 +88,22 @@ def test_lag_mismatch_is_noted():
     assert any("differs" in n for n in bad.for_role("input")["blk.fc"].notes)
 
 
-@pytest.mark.parametrize("hist", [[1.0, np.nan, 0.5], [np.inf, 0, 0], [1.0, -2.0, 0.0]])
-def test_bad_history_values_name_the_layer(hist):
-    with pytest.raises(Fp8ExportError, match=r"layer 'blk\.fc'.*inputs_amax_history"):
-        keras_training_state([_layer(hist)], None)
+def test_non_finite_entries_are_kept_for_the_policy():
+    """Overflowed steps stay in the history; the shared policy skips them or refuses."""
+    from fp8export.checkpoint.training.policy import ranges_from_history
+
+    state = keras_training_state([_layer([1.0, np.nan, 0.5])], None)
+    assert any("NaN/Inf" in n for n in state.for_role("input")["blk.fc"].notes)
+    ranges, _notes = ranges_from_history(state, ["blk.fc"])
+    assert ranges["blk.fc"].amax == 1.0
+    with pytest.raises(Fp8ExportError, match=r"blk\.fc.*NaN/Inf"):
+        ranges_from_history(keras_training_state([_layer([np.inf, np.nan, 0])], None),
+                            ["blk.fc"])
+
+
+def test_negative_history_names_the_layer():
+    with pytest.raises(Fp8ExportError, match=r"layer 'blk\.fc'.*negative"):
+        keras_training_state([_layer([1.0, -2.0, 0.0])], None)
 
 
 @pytest.mark.parametrize("hist", [np.zeros((2, 3)), np.zeros(0)])
