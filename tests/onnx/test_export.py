@@ -187,3 +187,31 @@ def test_bf16_graph_opset23_runs_in_onnx_reference(onnx_fp32, fp8_static, tmp_pa
     assert cosine(want, got) >= 0.99
     with pytest.raises(Fp8ExportError, match="--dtype fp16"):
         OrtRunner(res.output).activate()
+
+
+def test_gpt2_conv1d_in_out_layout(tmp_path):
+    """GPT-2 stores Conv1D weights [in, out] (manifest layout in_out): bound and oriented right."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+    from fp8export.onnx.export import ExportOnnxConfig, export_onnx
+    from fp8export.runners.fp8_model import load_fp8_model
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                     bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).to(torch.bfloat16).eval().save_pretrained(tmp_path / "src")
+    np.savez(tmp_path / "calib.npz", input_ids=token_feed(4, 16, seed=5)["input_ids"])
+    api.convert(ConvertConfig(checkpoint=tmp_path / "src", output=tmp_path / "fp8",
+                              scales="calibrate", calib_data=tmp_path / "calib.npz"))
+    manifest = json.loads((tmp_path / "fp8" / "fp8export.json").read_text())
+    assert {e["layout"] for e in manifest["quantized"].values()} == {"in_out"}
+    res = export_onnx(ExportOnnxConfig(fp8_dir=tmp_path / "fp8", output=tmp_path / "g.onnx",
+                                       dtype="fp32"))
+    assert res.check["ok"] and sorted(res.fp8_gemms) == sorted(manifest["quantized"])
+    ref_model = load_fp8_model(tmp_path / "fp8", dtype=torch.float32, mode="emulate")[0]
+    feed = token_feed(2, 9, seed=6)
+    with OrtRunner(res.output) as runner:
+        got = _t(runner.infer(feed)["logits"])
+    assert rel_l2(_torch_logits(ref_model, feed), got) <= 1e-3
