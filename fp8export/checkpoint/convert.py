@@ -104,6 +104,38 @@ def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[s
                              f"{cfg.accuracy_budget}"), notes
 
 
+def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
+                           weight_scales: dict, weight_source: dict) -> list[str]:
+    """Replace weight scales by history-derived ones where a weight history exists (on request).
+
+    Fused groups keep one scale: the max over the group of the scales in use. A history scale
+    below the final weights' amax/448 clips them; read-back's SQNR check catches a bad one.
+    """
+    import numpy as np
+
+    state = ckpt.training_state()
+    if state is None or not getattr(state, "histories", None):
+        raise Fp8ExportError(f"{cfg.checkpoint}: weight scales from history were requested, but "
+                             "the checkpoint holds no FP8 training state.")
+    policy = provider("fp8export.checkpoint.training.policy", "weight_scales_from_history",
+                      "weight scales from history", "Leave weight_scales_from_history off.")
+    scales = policy(state, sel.modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+    for m, value in scales.items():
+        if m in weight_scales:
+            weight_scales[m] = np.float32(value)
+            weight_source[m] = "history"
+    for members in sel.groups.values():
+        top = max(weight_scales[m] for m in members)
+        for m in members:
+            weight_scales[m] = top
+    missing = sorted(set(sel.modules) - set(scales))
+    notes = [f"weight scales from FP8 training history for {len(scales)} layer(s)"]
+    if missing:
+        notes.append(f"{len(missing)} layer(s) have no weight history; their weight scales come "
+                     f"from the final weights: {_listed(missing)}")
+    return notes
+
+
 def _finish(ticks) -> None:
     for _ in ticks:  # run the progress generator to its end so the bar closes
         pass
@@ -133,9 +165,6 @@ def convert(cfg: ConvertConfig) -> ConvertResult:
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
     _check_not_source(cfg.checkpoint, out)
-    if cfg.weight_scales_from_history:
-        raise Fp8ExportError("weight scales from training history are not supported by convert "
-                             "yet; weight scales are computed from the final weights.")
     with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
         hashes = pool.submit(_hash_sources, ckpt)  # overlaps with the weight scan (I/O + C code)
         result = _convert_open(cfg, ckpt, out, hashes)
@@ -171,6 +200,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                      f"{_listed(sorted(scan.all_zero))}")
     modules = sel.modules
     weight_scales = {m: scan.scale[m] for m in modules}
+    weight_source = dict.fromkeys(modules, "weights")
+    if cfg.weight_scales_from_history:
+        notes.extend(_history_weight_scales(cfg, ckpt, sel, weight_scales, weight_source))
 
     ranges, more = resolve_activation_ranges(cfg, ckpt, modules,
                                              groups=sel.groups if cfg.fuse_scales else None)
@@ -216,7 +248,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             written.add(aux.name)
         # Read-back first: the manifest records the SQNR of the weights as they are on disk.
         sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)
-        layers = _layers(sel, scan, weight_scales, ranges, input_scales, sqnr, plans)
+        layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
+                         plans)
         manifest = {
             "format_version": FORMAT_VERSION,
             "tool": {"name": "fp8export", "version": __version__},
@@ -244,8 +277,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out)
 
 
-def _layers(sel: Selection, scan, weight_scales, ranges, input_scales, sqnr, plans
-            ) -> list[dict[str, Any]]:
+def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
+            plans) -> list[dict[str, Any]]:
     """The per-layer rows of the manifest and the result, in source order."""
     shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
     rows = []
@@ -257,7 +290,7 @@ def _layers(sel: Selection, scan, weight_scales, ranges, input_scales, sqnr, pla
             "fused_group": t.fused_group,
             "weight_amax": scan.amax[t.module],
             "weight_scale": float(weight_scales[t.module]),
-            "weight_scale_source": "weights",
+            "weight_scale_source": weight_source[t.module],
             "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
             "input_amax": r.amax if r else None,
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,

@@ -180,3 +180,26 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
     qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert set(QKV) <= set(qc["ignore"])
     assert "sensitivity ran" in res.notes
+
+
+def test_weight_scales_from_history_on_request(tmp_path, monkeypatch):
+    import fp8export.checkpoint.convert as conv
+
+    torch.manual_seed(0)
+    tensors = {f"{m}.weight": (torch.randn(8, 8) * 0.1).to(torch.bfloat16) for m in QKV}
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.randn(8, 8).to(torch.bfloat16)
+    state = TrainingState(framework="transformer-engine", version="test", histories=[
+        AmaxHistory(module=m, role="weight", history=np.asarray([a, 0.0], dtype=np.float32))
+        for m, a in zip(QKV, (0.5, 0.75, 0.25))])
+    ckpt = HistoryCheckpoint(state, config={"model_type": "llama"})
+    ckpt._t = tensors
+    monkeypatch.setattr(conv, "open_checkpoint", lambda path: ckpt)  # reader stand-in only
+    res = convert(ConvertConfig(checkpoint=tmp_path / "src", output=tmp_path / "o",
+                                scales="weights", weight_scales_from_history=True))
+    rows = {r["module"]: r for r in res.layers}
+    for m in QKV:  # the group's max history amax, 0.75, over 448
+        assert rows[m]["weight_scale_source"] == "history"
+        assert rows[m]["weight_scale"] == float(np.float32(np.float32(0.75) / 448))
+    down = rows["model.layers.0.mlp.down_proj"]
+    assert down["weight_scale_source"] == "weights"
+    assert any("no weight history" in n for n in res.notes)
