@@ -1,0 +1,807 @@
+"""Build the corrupt/hostile-input corpus (issue 8): every reader, every command, one net.
+
+    python tests/corrupt/make_corpus.py OUT_DIR      # writes the files and OUT_DIR/cases.json
+
+Nothing here is committed as a binary: every file is crafted byte by byte (or written by the
+library that normally writes it, then damaged) at test time. Each :class:`Case` declares
+
+* ``argv``     the fp8export command line (without the program name);
+* ``exit``     the exit code the CLI contract requires (1 = bad input; 0 only for documented
+               fallbacks such as an all-zero weight, which is kept in high precision);
+* ``expect``   substrings the single ``Error:`` message must contain: the file (or tensor)
+               name and the problem;
+* ``marker``   a file the hostile payload would create if anything ever ran it (must never
+               appear), or None;
+* ``outputs``  paths that must not exist afterwards (the output folder / engine / report),
+               checked together with hidden temporary siblings (``.<name>.tmp-*``).
+
+Builders use only torch, safetensors, numpy, h5py and onnx (no Keras, no transformers), so
+building the whole corpus takes a second or two.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[2]
+TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
+
+H = 16  # hidden size of the tiny Llama-shaped model
+I = 32  # intermediate size
+V = 64  # vocab
+
+
+@dataclass
+class Case:
+    id: str
+    reader: str  # which reader / stage the case aims at
+    argv: list[str]
+    expect: list[str]
+    exit: int = 1
+    marker: str | None = None
+    outputs: list[str] = field(default_factory=list)
+    note: str = ""
+    # exit-0 fallback cases: [key path into fp8export.json, expected value] pairs
+    manifest: list = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+class _WriteMarker:
+    """Pickles to ``os.system('touch MARKER')``: loading it with plain pickle writes MARKER."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def llama_tensors(seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A one-layer Llama-shaped state dict (names as transformers saves them)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+
+    p = "model.layers.0."
+    t = {"model.embed_tokens.weight": w(V, H), "lm_head.weight": w(V, H),
+         "model.norm.weight": torch.ones(H, dtype=dtype),
+         p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
+         p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype)}
+    for n, shape in [("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (H // 2, H)),
+                     ("self_attn.v_proj", (H // 2, H)), ("self_attn.o_proj", (H, H)),
+                     ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+                     ("mlp.down_proj", (H, I))]:
+        t[p + n + ".weight"] = w(*shape)
+    return t
+
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+    "intermediate_size": I, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": V, "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "hidden_act": "silu", "rope_theta": 10000.0,
+}
+
+
+def hf_folder(path: Path, tensors: dict[str, torch.Tensor] | None = None, *,
+              config: dict | None = None) -> Path:
+    """A Hugging Face folder: config.json + model.safetensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or LLAMA_CONFIG, indent=1))
+    save_file(tensors if tensors is not None else llama_tensors(), str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def sharded_folder(path: Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Two shards + model.safetensors.index.json, as save_pretrained writes them."""
+    tensors = tensors if tensors is not None else llama_tensors()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA_CONFIG, indent=1))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, group in shards.items():
+        save_file({n: tensors[n] for n in group}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in group})
+    write_index(path, weight_map)
+    return path
+
+
+def write_index(folder: Path, weight_map: dict, name: str = "model.safetensors.index.json"):
+    (folder / name).write_text(json.dumps({"metadata": {"total_size": 0},
+                                           "weight_map": weight_map}, indent=1))
+
+
+def raw_safetensors(path: Path, header: dict | None, data: bytes = b"", *,
+                    header_bytes: bytes | None = None, declared: int | None = None) -> Path:
+    """Write a safetensors file byte by byte (8-byte LE header length, JSON header, data)."""
+    h = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    n = len(h) if declared is None else declared
+    path.write_bytes(struct.pack("<Q", n) + h + data)
+    return path
+
+
+def st_header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def te_fixtures():
+    """samples/te-fixtures/make_fixtures.py as module ``te_make_fixtures`` (TE's layouts)."""
+    import importlib.util
+
+    name = "te_make_fixtures"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TE_FIXTURES)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def tiny_h5(path: Path) -> Path:
+    """A Keras-3-style .weights.h5 for one Dense layer (written with h5py, no Keras)."""
+    import h5py
+
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        g = f.create_group("layers/dense/vars")
+        g.attrs["name"] = "dense"
+        g.create_dataset("0", data=rng.standard_normal((H, 8)).astype("float32"))
+        g.create_dataset("1", data=np.zeros(8, "float32"))
+        for i in range(4):
+            f.create_group(f"layers/pad{i}/vars").create_dataset(
+                "0", data=rng.standard_normal((64, 64)).astype("float32"))
+        f.create_group("optimizer/vars")
+    return path
+
+
+KERAS_CONFIG = {
+    "module": "keras", "class_name": "Functional", "registered_name": "Functional",
+    "config": {"name": "functional", "layers": [
+        {"module": "keras.layers", "class_name": "InputLayer", "name": "input",
+         "config": {"name": "input", "batch_shape": [None, H], "dtype": "float32"},
+         "inbound_nodes": []},
+        {"module": "keras.layers", "class_name": "Dense", "name": "dense",
+         "config": {"name": "dense", "units": 8, "use_bias": True, "dtype": "float32"},
+         "inbound_nodes": []},
+    ], "input_layers": [["input", 0, 0]], "output_layers": [["dense", 0, 0]]},
+}
+
+
+def keras_members(folder: Path) -> list[tuple[str, bytes]]:
+    h5 = tiny_h5(folder / "_member.weights.h5").read_bytes()
+    (folder / "_member.weights.h5").unlink()
+    return [("metadata.json", json.dumps({"keras_version": "3.15.0"}).encode()),
+            ("config.json", json.dumps(KERAS_CONFIG).encode()), ("model.weights.h5", h5)]
+
+
+def write_zip(path: Path, members, compression=zipfile.ZIP_STORED) -> Path:
+    with zipfile.ZipFile(path, "w", compression) as zf:
+        for name, data in members:
+            zf.writestr(name, data)
+    return path
+
+
+def onnx_model(path: Path, *, opset: int = 21, custom: bool = False) -> Path:
+    """A small ONNX graph: FP8 Q/DQ MatMul (the export profile), optionally with a custom op."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((H, H)) * 0.1).astype("float32")
+    scale = np.float32(np.abs(w).max() / 448)
+    wq = numpy_helper.from_array((w / scale).astype("float32"), "w_f32")
+    inits = [
+        helper.make_tensor("w_scale", TensorProto.FLOAT, [], [float(scale)]),
+        helper.make_tensor("x_scale", TensorProto.FLOAT, [], [0.01]),
+        helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], [0.0]),
+        wq,
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["w_f32", "w_scale", "zp"], ["w_q"], axis=1,
+                         name="w_quant"),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "zp"], ["w_dq"], axis=1,
+                         name="w_dq"),
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "zp"], ["x_q"], axis=1, name="x_q"),
+        helper.make_node("DequantizeLinear", ["x_q", "x_scale", "zp"], ["x_dq"], axis=1,
+                         name="x_dq"),
+        helper.make_node("MatMul", ["x_dq", "w_dq"], ["h"], name="proj.MatMul"),
+    ]
+    opsets = [helper.make_opsetid("", opset)]
+    if custom:
+        nodes.append(helper.make_node("FusedEvil", ["h"], ["logits"], domain="com.evil",
+                                      name="evil_plugin"))
+        opsets.append(helper.make_opsetid("com.evil", 1))
+    else:
+        nodes.append(helper.make_node("Identity", ["h"], ["logits"], name="out"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, H])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4, H])], inits)
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="fp8export-corpus")
+    model.ir_version = 10 if opset >= 21 else 8
+    onnx.save(model, str(path))
+    return path
+
+
+# ------------------------------------------------------------------------------- builders
+# Each builder gets (root, case id) and returns a Case. The output of every convert goes to
+# root/out/<id>, so "no output and no temporary sibling" is checked by listing root/out.
+
+BUILDERS = []
+
+
+def case(fn):
+    BUILDERS.append(fn)
+    return fn
+
+
+def _convert(ckpt: Path, out: Path, *extra: str) -> list[str]:
+    return ["convert", str(ckpt), "-o", str(out), *extra]
+
+
+def _st_case(root, cid, path: Path, expect, note="", reader="safetensors", *, name=True):
+    out = root / "out" / cid
+    return Case(cid, reader, _convert(path, out), [path.name, *expect] if name else list(expect),
+                outputs=[str(out)], note=note)
+
+
+# --- safetensors: single files -----------------------------------------------------------
+@case
+def st_truncated(root, cid):
+    p = root / cid
+    hf_folder(p)
+    data = (p / "model.safetensors").read_bytes()
+    (p / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return _st_case(root, cid, p, ["model.safetensors", "truncated"],
+                    "valid file cut in the middle of its data area")
+
+
+@case
+def st_header_cut(root, cid):
+    p = root / f"{cid}.safetensors"
+    save_file(llama_tensors(), str(p))
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    p.write_bytes(raw[: 8 + n // 2])
+    return _st_case(root, cid, p, ["header"], "file ends inside the JSON header")
+
+
+@case
+def st_zero_bytes(root, cid):
+    p = root / f"{cid}.safetensors"
+    p.write_bytes(b"")
+    return _st_case(root, cid, p, ["too small"], "empty file")
+
+
+@case
+def st_offsets_beyond_file(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, {"model.layers.0.mlp.up_proj.weight": {
+        "dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+        "x": {"dtype": "F32", "shape": [1000], "data_offsets": [64, 4064]}}, bytes(64))
+    return _st_case(root, cid, p, ["x"], "header claims 4064 data bytes, file holds 64")
+
+
+@case
+def st_overlapping_offsets(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, {"a.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+                        "b.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [32, 96]}},
+                    bytes(96))
+    return _st_case(root, cid, p, ["overlap"], "two tensors share bytes 32..64")
+
+
+@case
+def st_huge_declared_header(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, None, header_bytes=b'{"a": {}}', declared=100 * 2**20)
+    return _st_case(root, cid, p, ["header"], "8-byte prefix declares a 100 MiB header")
+
+
+@case
+def st_huge_real_header(root, cid):
+    """A header that really is > 100 MB would need 100 MB on disk; a sparse file does it."""
+    p = root / f"{cid}.safetensors"
+    n = 100 * 2**20 + 17
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", n) + b'{"__metadata__": {"x": "')
+        f.truncate(8 + n)  # sparse: the rest reads as NUL bytes, no disk used
+    return _st_case(root, cid, p, ["header"], "a 100 MiB header really present (sparse file)")
+
+
+@case
+def st_shape_dtype_mismatch(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, {"w.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}},
+                    bytes(32))
+    return _st_case(root, cid, p, ["w.weight"], "F32 [4, 4] needs 64 bytes, offsets give 32")
+
+
+@case
+def st_unknown_dtype(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, {"w.weight": {"dtype": "F13", "shape": [4], "data_offsets": [0, 8]}},
+                    bytes(8))
+    return _st_case(root, cid, p, ["w.weight", "F13"], "a dtype no one defines")
+
+
+@case
+def st_header_not_json(root, cid):
+    p = root / f"{cid}.safetensors"
+    raw_safetensors(p, None, header_bytes=b"\xff\xfe not json at all \x00")
+    return _st_case(root, cid, p, ["header"], "header bytes are not UTF-8 JSON")
+
+
+@case
+def st_duplicate_names_in_header(root, cid):
+    p = root / f"{cid}.safetensors"
+    spec = '{"dtype": "F32", "shape": [2, 2], "data_offsets": [%d, %d]}'
+    h = ('{"w.weight": ' + spec % (0, 16) + ', "w.weight": ' + spec % (16, 32) + "}").encode()
+    raw_safetensors(p, None, bytes(32), header_bytes=h)
+    return _st_case(root, cid, p, ["w.weight", "duplicate"], "the same name twice in the JSON")
+
+
+@case
+def st_nan_weight(root, cid):
+    t = llama_tensors()
+    t["model.layers.0.self_attn.o_proj.weight"][3, 5] = float("nan")
+    p = hf_folder(root / cid, t)
+    return _st_case(root, cid, p, ["model.layers.0.self_attn.o_proj.weight", "NaN or Inf"],
+                    "one NaN in a linear weight (the message names the tensor)", name=False)
+
+
+@case
+def st_inf_weight(root, cid):
+    t = llama_tensors()
+    t["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    p = hf_folder(root / cid, t)
+    return _st_case(root, cid, p, ["model.layers.0.mlp.down_proj.weight", "NaN or Inf"],
+                    "one +Inf in a linear weight (the message names the tensor)", name=False)
+
+
+@case
+def st_integer_weight(root, cid):
+    t = llama_tensors()
+    t["model.layers.0.self_attn.o_proj.weight"] = torch.ones(H, H, dtype=torch.int32)
+    p = hf_folder(root / cid, t)
+    return _st_case(root, cid, p, ["model.layers.0.self_attn.o_proj.weight", "model.safetensors",
+                                   "I32"],
+                    "an integer tensor where a linear weight is expected", name=False)
+
+
+@case
+def st_all_zero_weight(root, cid):
+    """Documented fallback (DESIGN: an amax of zero never becomes a scale): exit 0, the layer
+    stays in high precision and the manifest says why."""
+    t = llama_tensors()
+    t["model.layers.0.self_attn.o_proj.weight"].zero_()
+    p = hf_folder(root / cid, t)
+    out = root / "out" / cid
+    return Case(cid, "safetensors", _convert(p, out), [], exit=0, outputs=[str(out)],
+                note="all-zero weight: kept in high precision (fallback, exit 0)",
+                manifest=[[["excluded", "model.layers.0.self_attn.o_proj.weight"],
+                           "all-zero weight (amax 0)"]])
+
+
+# --- Hugging Face folders: shards, index, symlinks ----------------------------------------
+@case
+def folder_duplicate_across_shards(root, cid):
+    p = sharded_folder(root / cid)
+    t = llama_tensors(seed=3)
+    name = "model.layers.0.mlp.up_proj.weight"
+    # the second shard also holds a tensor the first one has
+    second = p / "model-00002-of-00002.safetensors"
+    first = p / "model-00001-of-00002.safetensors"
+    from safetensors.torch import load_file
+    a, b = load_file(str(first)), load_file(str(second))
+    dup = name if name in a else next(iter(a))
+    b[dup] = t.get(dup, a[dup])
+    save_file(b, str(second))
+    return _st_case(root, cid, p, [dup], "one tensor name in two shards", "hf-folder")
+
+
+@case
+def index_missing_shard(root, cid):
+    p = sharded_folder(root / cid)
+    (p / "model-00002-of-00002.safetensors").unlink()
+    return _st_case(root, cid, p, ["model-00002-of-00002.safetensors"],
+                    "the index names a shard that is not there", "hf-folder")
+
+
+@case
+def index_parent_path(root, cid):
+    p = sharded_folder(root / cid)
+    outside = root / f"{cid}-outside.safetensors"
+    (p / "model-00002-of-00002.safetensors").rename(outside)
+    idx = json.loads((p / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {k: (f"../{outside.name}" if v.startswith("model-00002") else v)
+                         for k, v in idx["weight_map"].items()}
+    (p / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name],
+                    "the index points at ../file (outside the folder)", "hf-folder")
+
+
+@case
+def index_absolute_path(root, cid):
+    p = sharded_folder(root / cid)
+    outside = root / f"{cid}-outside.safetensors"
+    (p / "model-00001-of-00002.safetensors").rename(outside)
+    idx = json.loads((p / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {k: (str(outside) if v.startswith("model-00001") else v)
+                         for k, v in idx["weight_map"].items()}
+    (p / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name],
+                    "the index points at an absolute path", "hf-folder")
+
+
+@case
+def index_not_json(root, cid):
+    p = sharded_folder(root / cid)
+    (p / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a": ')
+    return _st_case(root, cid, p, ["model.safetensors.index.json"], "index JSON cut short",
+                    "hf-folder")
+
+
+@case
+def symlink_shard_escapes(root, cid):
+    p = hf_folder(root / cid)
+    outside = root / f"{cid}-secret.safetensors"
+    (p / "model.safetensors").rename(outside)
+    (p / "model.safetensors").symlink_to(outside)
+    return _st_case(root, cid, p, ["model.safetensors", "outside"],
+                    "model.safetensors is a symlink to a file outside the folder", "hf-folder")
+
+
+@case
+def symlink_config_escapes(root, cid):
+    p = hf_folder(root / cid)
+    outside = root / f"{cid}-secret.json"
+    outside.write_text(json.dumps(LLAMA_CONFIG))
+    (p / "config.json").unlink()
+    (p / "config.json").symlink_to(outside)
+    return _st_case(root, cid, p, ["config.json", "outside"],
+                    "config.json is a symlink to a file outside the folder", "hf-folder")
+
+
+@case
+def folder_no_weights(root, cid):
+    p = root / cid
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    return _st_case(root, cid, p, ["no weights"], "config.json only", "hf-folder")
+
+
+# --- torch pickles ---------------------------------------------------------------------
+@case
+def bin_malicious_pickle(root, cid):
+    p = root / cid
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    marker = root / f"{cid}.PWNED"
+    sd = dict(llama_tensors())
+    sd["model.evil"] = _WriteMarker(marker)
+    torch.save(sd, p / "pytorch_model.bin")
+    c = _st_case(root, cid, p, ["pytorch_model.bin", "refused"],
+                 "pytorch_model.bin whose unpickling runs os.system('touch MARKER')", "torch")
+    c.marker = str(marker)
+    return c
+
+
+@case
+def pt_malicious_pickle(root, cid):
+    p = root / f"{cid}.pt"
+    marker = root / f"{cid}.PWNED"
+    torch.save({"fc.weight": torch.ones(H, H), "x": _WriteMarker(marker)}, p)
+    c = _st_case(root, cid, p, ["refused"], "a .pt state dict with a payload", "torch")
+    c.marker = str(marker)
+    return c
+
+
+@case
+def pt_truncated_zip(root, cid):
+    p = root / f"{cid}.pt"
+    torch.save(llama_tensors(), p)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) * 2 // 3])
+    return _st_case(root, cid, p, [], "a torch.save zip cut at two thirds", "torch")
+
+
+@case
+def pt_not_a_state_dict(root, cid):
+    p = root / f"{cid}.pt"
+    torch.save([torch.ones(3), torch.ones(3)], p)
+    return _st_case(root, cid, p, [], "a list of tensors, not a name → tensor dict", "torch")
+
+
+# --- Transformer Engine _extra_state ----------------------------------------------------
+def _te_case(root, cid, fixture: str, expect, note, extra=("--scales", "history"), name=True):
+    mf = te_fixtures()
+    d = root / "te"
+    marker = root / "te.PWNED"
+    if not d.exists():
+        mf.write_fixtures(d, marker)
+    p = d / f"{fixture}.pt"
+    out = root / "out" / cid
+    return Case(cid, "transformer-engine", _convert(p, out, *extra),
+                [p.name, *expect] if name else list(expect), marker=str(marker),
+                outputs=[str(out)], note=note)
+
+
+@case
+def te2_malicious_extra_state(root, cid):
+    # The message names the layer, not the file: see test_te_errors_name_the_file (xfail).
+    return _te_case(root, cid, "te2_malicious", ["fc._extra_state", "refused"],
+                    "TE 2.x pickled _extra_state whose unpickling writes the marker", name=False)
+
+
+@case
+def te1_malicious_extra_state(root, cid):
+    return _te_case(root, cid, "te1_malicious", ["fc._extra_state", "refused"],
+                    "TE 1.x BytesIO(torch.save) _extra_state with a payload inside", name=False)
+
+
+@case
+def te_malicious_outer(root, cid):
+    return _te_case(root, cid, "te_malicious_outer", ["refused"],
+                    "payload in the outer state dict next to a TE layer", extra=())
+
+
+@case
+def te2_unknown_global(root, cid):
+    return _te_case(root, cid, "te2_unknown_global", ["fc._extra_state", "numpy.ndarray"],
+                    "TE 2.x extra state naming numpy.ndarray (not allowlisted)", name=False)
+
+
+@case
+def te2_nonfinite_history(root, cid):
+    mf = te_fixtures()
+    rng = np.random.default_rng(5)
+    tensors, _ = mf._fwd_bwd(1, 16, 20, rng)
+    hist = tensors["amax_history_fwd"]
+    hist[:, 0] = torch.where(hist[:, 0] > 0, float("inf"), float("nan"))  # every input step
+    value = mf.serialize_2x(tensors, 1, mf.DelayedScaling(amax_history_len=16))
+    p = root / f"{cid}.pt"
+    torch.save({"fc.weight": mf._w(rng, mf.H, mf.H), "fc._extra_state": value}, p)
+    out = root / "out" / cid
+    return Case(cid, "transformer-engine", _convert(p, out, "--scales", "history"),
+                ["fc", "non-finite"], outputs=[str(out)],
+                note="every input amax of a TE history is NaN/Inf (training overflowed)")
+
+
+@case
+def te2_partly_nonfinite_history(root, cid):
+    """Documented policy: non-finite entries are overflowed steps and are skipped (exit 0); the
+    manifest counts them."""
+    mf = te_fixtures()
+    rng = np.random.default_rng(6)
+    tensors, _ = mf._fwd_bwd(1, 16, 20, rng)
+    tensors["amax_history_fwd"][-1, 0] = float("nan")
+    value = mf.serialize_2x(tensors, 1, mf.DelayedScaling(amax_history_len=16))
+    p = root / f"{cid}.pt"
+    torch.save({"fc.weight": mf._w(rng, mf.H, mf.H), "fc._extra_state": value}, p)
+    out = root / "out" / cid
+    return Case(cid, "transformer-engine", _convert(p, out, "--scales", "history"), [], exit=0,
+                outputs=[str(out)], note="one NaN among 16 history rows: skipped, counted",
+                manifest=[[["quantized", "fc", "input_details", "nonfinite_entries"], 1],
+                          [["quantized", "fc", "input_scale_source"], "history"]])
+
+
+# --- Keras -------------------------------------------------------------------------------
+def _keras_case(root, cid, members, expect, note, compression=zipfile.ZIP_STORED):
+    p = root / f"{cid}.keras"
+    write_zip(p, members, compression)
+    out = root / "out" / cid
+    return Case(cid, "keras", _convert(p, out), [p.name, *expect], outputs=[str(out)],
+                note=note)
+
+
+@case
+def keras_dotdot_entry(root, cid):
+    marker = root / f"{cid}-escaped.json"
+    name = f"../{marker.name}"
+    c = _keras_case(root, cid, keras_members(root) + [(name, b"{}")], ["unsafe zip entry"],
+                    "an entry named ../X (would land outside the extraction folder)")
+    c.marker = str(marker)
+    return c
+
+
+@case
+def keras_absolute_entry(root, cid):
+    marker = root / f"{cid}-abs.json"
+    c = _keras_case(root, cid, keras_members(root) + [(str(marker), b"{}")],
+                    ["unsafe zip entry"], "an entry with an absolute path")
+    c.marker = str(marker)
+    return c
+
+
+@case
+def keras_zip_bomb(root, cid):
+    members = keras_members(root) + [("assets/bomb.bin", bytes(300 * 2**20))]
+    return _keras_case(root, cid, members, ["assets/bomb.bin", "zip bomb"],
+                       "300 MiB of zeros deflated to ~300 KB", zipfile.ZIP_DEFLATED)
+
+
+@case
+def keras_truncated_archive(root, cid):
+    p = root / f"{cid}.keras"
+    write_zip(p, keras_members(root))
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    out = root / "out" / cid
+    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
+                note=".keras archive cut in half (no central directory)")
+
+
+@case
+def keras_truncated_h5(root, cid):
+    d = root / cid
+    d.mkdir()
+    p = tiny_h5(d / "model.weights.h5")
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    (d / "config.json").write_text(json.dumps(KERAS_CONFIG))
+    out = root / "out" / cid
+    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
+                note="HDF5 .weights.h5 cut in half (config.json beside it)")
+
+
+@case
+def keras_h5_garbage(root, cid):
+    d = root / cid
+    d.mkdir()
+    p = d / "model.weights.h5"
+    p.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
+    (d / "config.json").write_text(json.dumps(KERAS_CONFIG))
+    out = root / "out" / cid
+    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
+                note="HDF5 signature followed by garbage")
+
+
+# --- calibration data -----------------------------------------------------------------
+def _calib_case(root, cid, data_name: str, content: bytes, expect, note):
+    ckpt = root / "calib-model"
+    if not ckpt.exists():
+        hf_folder(ckpt)
+    data = root / cid / data_name
+    data.parent.mkdir()
+    data.write_bytes(content)
+    out = root / "out" / cid
+    return Case(cid, "calibration-data",
+                _convert(ckpt, out, "--scales", "calibrate", "--calib-data", str(data)),
+                [data.name, *expect], outputs=[str(out)], note=note)
+
+
+@case
+def calib_empty_txt(root, cid):
+    return _calib_case(root, cid, "calib.txt", b"", ["empty"], "0-byte calibration file")
+
+
+@case
+def calib_binary_txt(root, cid):
+    return _calib_case(root, cid, "calib.txt", bytes(range(256)) * 16, [],
+                       "binary bytes in a .txt calibration file")
+
+
+@case
+def calib_binary_jsonl(root, cid):
+    return _calib_case(root, cid, "calib.jsonl", b"\x00\x01{\"text\": \xff\xfe}\n" * 10, [],
+                       "binary bytes in a .jsonl calibration file")
+
+
+@case
+def calib_garbage_npz(root, cid):
+    return _calib_case(root, cid, "calib.npz", b"PK\x03\x04" + bytes(range(200)), [],
+                       "an .npz that is not a zip")
+
+
+@case
+def calib_npz_float_ids(root, cid):
+    buf = io.BytesIO()
+    np.savez(buf, input_ids=np.full((2, 4), 0.5, dtype=np.float32))
+    return _calib_case(root, cid, "calib.npz", buf.getvalue(), ["input_ids"],
+                       "input_ids stored as float32")
+
+
+# --- ONNX: build-engine and verify -----------------------------------------------------
+def _onnx_for(root, cid, **kw) -> Path:
+    return onnx_model(root / f"{cid}.onnx", **kw)
+
+
+@case
+def engine_custom_op(root, cid):
+    p = _onnx_for(root, cid, custom=True)
+    out = root / "out" / f"{cid}.engine"
+    return Case(cid, "onnx/build-engine", ["build-engine", str(p), "-o", str(out)],
+                [p.name, "com.evil"], outputs=[str(out)],
+                note="a custom-domain op TensorRT would need a plugin for")
+
+
+@case
+def engine_wrong_opset(root, cid):
+    p = _onnx_for(root, cid, opset=17)
+    out = root / "out" / f"{cid}.engine"
+    return Case(cid, "onnx/build-engine", ["build-engine", str(p), "-o", str(out)],
+                [p.name, "opset"], outputs=[str(out)],
+                note="opset 17: FP8 Q/DQ needs >= 19")
+
+
+@case
+def engine_garbage_onnx(root, cid):
+    p = root / f"{cid}.onnx"
+    p.write_bytes(b"\x08\x0a\x12" + bytes(range(256)) * 4)
+    out = root / "out" / f"{cid}.engine"
+    return Case(cid, "onnx/build-engine", ["build-engine", str(p), "-o", str(out)],
+                [p.name], outputs=[str(out)], note="bytes that are not an ONNX protobuf")
+
+
+def _verify_case(root, cid, onnx_kw, expect, note):
+    ref = root / "verify-ref"
+    if not ref.exists():
+        hf_folder(ref)
+    p = _onnx_for(root, cid, **onnx_kw)
+    report = root / "out" / f"{cid}-report"
+    return Case(cid, "onnx/verify", ["verify", str(ref), str(p), "--report-dir", str(report)],
+                [p.name, *expect], outputs=[str(report)], note=note)
+
+
+@case
+def verify_custom_op(root, cid):
+    return _verify_case(root, cid, {"custom": True}, ["com.evil"],
+                        "candidate ONNX with a custom-domain op")
+
+
+@case
+def verify_wrong_opset(root, cid):
+    return _verify_case(root, cid, {"opset": 17}, ["opset"],
+                        "candidate ONNX at opset 17")
+
+
+# ------------------------------------------------------------------------------- driver
+
+def build_corpus(root: Path) -> list[Case]:
+    """Write every case's files under ``root``; returns the cases (root/out stays empty)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "out").mkdir(exist_ok=True)
+    cases = [fn(root, fn.__name__) for fn in BUILDERS]
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "duplicate case ids"
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__.split("\n\n")[1])
+        return 2
+    root = Path(args[0]).resolve()
+    cases = build_corpus(root)
+    (root / "cases.json").write_text(json.dumps([asdict(c) for c in cases], indent=1))
+    for c in cases:
+        print(f"{c.id:34s} exit {c.exit}  fp8export {' '.join(c.argv[:2])} ...")
+    print(f"{len(cases)} cases in {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
