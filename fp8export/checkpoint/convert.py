@@ -136,6 +136,20 @@ def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
     return notes
 
 
+def _portable(notes: list[str], cfg: ConvertConfig, out: Path) -> list[str]:
+    """Notes for the manifest with the user's paths shortened to basenames (no absolute paths)."""
+    paths = [p for p in (cfg.checkpoint, cfg.calib_data, cfg.calib_amax, out) if p is not None]
+    pairs = sorted({(str(v), p.name) for p in paths for v in (p.resolve(), p.absolute(), p)},
+                   key=lambda kv: -len(kv[0]))
+    cleaned = []
+    for note in notes:
+        for full, name in pairs:
+            if full and full != name:
+                note = note.replace(full, name)
+        cleaned.append(note)
+    return cleaned
+
+
 def _finish(ticks) -> None:
     for _ in ticks:  # run the progress generator to its end so the bar closes
         pass
@@ -264,7 +278,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
                           for row in layers},
             "excluded": dict(sorted(sel.excluded.items())),
-            "notes": notes,
+            "notes": _portable(notes, cfg, out),
         }
         write_json(tmp / MANIFEST_NAME, manifest)
         _check_json_files(tmp)
