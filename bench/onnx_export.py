@@ -88,8 +88,14 @@ def main(argv=None) -> int:
     import torch
 
     from fp8export.numerics.metrics import cosine, rel_l2
-    from fp8export.onnx.export import (ExportOnnxConfig, OnnxDtype, export_onnx, strip_metadata,
-                                       torch_export, write_model)
+    from fp8export.onnx.export import (
+        ExportOnnxConfig,
+        OnnxDtype,
+        export_onnx,
+        strip_metadata,
+        torch_export,
+        write_model,
+    )
     from fp8export.onnx.fp8dir import read_fp8_folder
 
     shutil.rmtree(WORK, ignore_errors=True)

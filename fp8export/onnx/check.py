@@ -43,7 +43,8 @@ _FP8_TYPES = {17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "F
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 _GEMMS = {"MatMul", "Gemm"}
 _STANDARD_DOMAINS = {"", "ai.onnx"}
-ORT_MAX_IR = 13  # onnxruntime 1.31: "Unsupported model IR version: 14, max supported IR version: 13"
+# onnxruntime 1.31: "Unsupported model IR version: 14, max supported IR version: 13"
+ORT_MAX_IR = 13
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class ExportOnnxConfig:
         if self.opset is not None and not MIN_OPSET <= int(self.opset) <= MAX_OPSET:
             raise Fp8ExportError(
                 f"--opset {self.opset}: supported opsets are {MIN_OPSET}..{MAX_OPSET} (FP8 Q/DQ "
-                "needs >= 19; the profile uses 21, or 23 for bf16 with fp32 scales). Use --opset 21.")
+                "needs >= 19; the profile uses 21, or 23 for bf16 with fp32 scales). "
+                "Use --opset 21.")
 
     @property
     def resolved_output(self) -> Path:

@@ -50,7 +50,7 @@ class Fp8Folder:
     layers: dict[str, QuantLayer]  # manifest order
 
     def model_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A state dict for the transformers model: quantized weights dequantized, scales dropped."""
+        """State dict for the transformers model: quantized weights dequantized, scales dropped."""
         drop = set()
         state: dict[str, torch.Tensor] = {}
         for name, layer in self.layers.items():

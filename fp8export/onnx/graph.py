@@ -87,9 +87,7 @@ def qdq_pattern(model, gemm_name: str, *, values: bool = True) -> dict[str, Any]
         nodes.append({"op": n.op_type, "inputs": ins, "outputs": list(n.output) if n is not gemm
                       else ["<output>"], "attributes": _attrs(n)})
     used = sorted({i for n in chosen for i in n.input if i in inits})
-    from onnx import TensorProto
-
-    from onnx import numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     initializers = {}
     for k in used:

@@ -2,9 +2,11 @@
 
 For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)::
 
-    <m>.weight  FLOAT8E4M3FN [in, out] ─▶ DequantizeLinear(<m>.weight_scale, fp8 zp 0, axis=1) ─┐
-    x ─▶ QuantizeLinear(<m>.input_scale, fp8 zp 0, axis=1, saturate=1)                         ├▶ MatMul
-         ─▶ DequantizeLinear(<m>.input_scale, fp8 zp 0, axis=1) ─────────────────────────────────┘
+    <m>.weight FLOAT8E4M3FN [in, out] -> DequantizeLinear(<m>.weight_scale, zp, axis=1) --+
+    x -> QuantizeLinear(<m>.input_scale, zp, axis=1, saturate=1)                          +-> MatMul
+      -> DequantizeLinear(<m>.input_scale, zp, axis=1) -----------------------------------+
+
+  (zp: one all-zero FLOAT8E4M3FN scalar, ``fp8_zero_point``)
 
 * the weight is the folder's E4M3 bytes, pre-transposed to the orientation the GEMM reads, so no
   Transpose sits between the DQ and the GEMM (ModelOpt's ``fp8_exporter.py`` does the same);
@@ -148,12 +150,9 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
         if src is None or len(inits[src[0]].dims) != 2:
             continue
         candidates.append((node, src[0], src[1], _orientation(node, src[1] is not None)))
-    cache: dict[str, np.ndarray] = {}
 
-    def value(name: str) -> np.ndarray:
-        if name not in cache:
-            cache[name] = numpy_helper.to_array(inits[name]).astype(np.float32)
-        return cache[name]
+    def value(name: str) -> np.ndarray:  # not cached: a float32 copy of every weight is large
+        return numpy_helper.to_array(inits[name]).astype(np.float32)
 
     bindings: dict[str, Binding] = {}
     used: set[int] = set()
@@ -218,10 +217,7 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
     import torch
     from onnx import helper, numpy_helper
 
-    if dtype == "bf16" and opset < 23:
-        sdtype = "bf16"
-    else:
-        sdtype = scale_dtype_for(dtype, opset)
+    sdtype = scale_dtype_for(dtype, opset)
     result = RewriteResult()
     bindings = bind_layers(model, layers, dtype)
     graph = model.graph

@@ -89,7 +89,8 @@ def test_scale_must_be_positive_finite(model, value):
 
 def test_scale_must_be_constant(model):
     model.graph.initializer.remove(_init(model, "lin.input_scale"))
-    model.graph.input.append(helper.make_tensor_value_info("lin.input_scale", TensorProto.FLOAT, []))
+    model.graph.input.append(
+        helper.make_tensor_value_info("lin.input_scale", TensorProto.FLOAT, []))
     r = check_model(model)
     assert "scale" in _rules(r) and "not a constant" in r.to_text()
 

@@ -109,7 +109,8 @@ def test_graph_follows_the_profile(onnx_fp32):
     assert ops.count("DequantizeLinear") == 14 + 8
     scales = [t for t in model.graph.initializer if t.name.endswith("_scale")]
     assert scales and all(t.data_type == onnx.TensorProto.FLOAT and not t.dims for t in scales)
-    assert not any(p.key.startswith("pkg.torch") for n in model.graph.node for p in n.metadata_props)
+    assert not any(p.key.startswith("pkg.torch")
+                   for n in model.graph.node for p in n.metadata_props)
     # no float copy of a quantized weight is left behind
     assert not any(t.name.startswith("val_") and len(t.dims) == 2 and t.dims[0] == 64
                    and t.dims[1] in (32, 64, 128) for t in model.graph.initializer)
