@@ -10,7 +10,9 @@ the manifest; read everything back (``readback.py``); and only then rename it in
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,8 +169,14 @@ def _check_json_files(folder: Path) -> None:
                                  "written. This is a bug or a failing disk.") from exc
 
 
-def _hash_sources(ckpt: Checkpoint) -> dict[Path, str]:
-    return {p: file_sha256(p) for p in ckpt.source_files}
+def _hash_sources(ckpt: Checkpoint, stop: threading.Event) -> dict[Path, str]:
+    return {p: file_sha256(p, stop=stop) for p in ckpt.source_files}
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def convert(cfg: ConvertConfig) -> ConvertResult:
@@ -179,10 +187,14 @@ def convert(cfg: ConvertConfig) -> ConvertResult:
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
     _check_not_source(cfg.checkpoint, out)
+    stop = threading.Event()  # ends the background hashing early when convert fails
     with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
-        hashes = pool.submit(_hash_sources, ckpt)  # overlaps with the weight scan (I/O + C code)
-        result = _convert_open(cfg, ckpt, out, hashes)
-    return result
+        # sha256 runs in C without the GIL: it overlaps with the weight scan.
+        hashes = pool.submit(_hash_sources, ckpt, stop)
+        try:
+            return _convert_open(cfg, ckpt, out, hashes)
+        finally:
+            stop.set()
 
 
 def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> ConvertResult:
@@ -258,7 +270,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         for aux in sorted(ckpt.aux_files, key=lambda p: p.name):
             if aux.name in written:
                 continue
-            shutil.copyfile(aux, tmp / aux.name)
+            _copy_file(aux, tmp / aux.name)
             written.add(aux.name)
         # Read-back first: the manifest records the SQNR of the weights as they are on disk.
         sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)

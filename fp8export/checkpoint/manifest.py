@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,13 @@ def finite_or_none(x: float | None) -> float | None:
     return float(x)
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 24, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of a file; returns "" early when ``stop`` is set (the caller gave up)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
+            if stop is not None and stop.is_set():
+                return ""
             h.update(block)
     return h.hexdigest()
 
