@@ -198,6 +198,14 @@ def _check_scale(g: _Graph, node, issues: list[Issue], *, activation: bool) -> N
     elif v.ndim > 1 and _attr(node, "block_size") in (None, 0):
         issues.append(Issue("error", "scale", where, f"scale {name} has rank {v.ndim}; use a "
                             "scalar (per-tensor) or 1-D (per-channel) scale."))
+    elif v.ndim == 1 and v.size > 1:  # per-channel weight: one scale per slice along axis
+        w = g.const(node.input[0])
+        axis = _attr(node, "axis")
+        axis = 1 if axis is None else axis
+        if w is not None and len(w.dims) > 0 and w.dims[axis % len(w.dims)] != v.size:
+            issues.append(Issue("error", "scale", where, f"per-channel scale {name} has "
+                                f"{v.size} values but the weight has {w.dims[axis % len(w.dims)]} "
+                                f"along axis {axis}."))
 
 
 def _check_zero_point(g: _Graph, node, issues: list[Issue]) -> None:

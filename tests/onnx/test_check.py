@@ -166,3 +166,11 @@ def test_unquantized_gemm_is_counted_not_listed():
     m.ir_version = 10
     r = check_model(m)
     assert r.ok and r.gemms == [] and r.float_gemms == 1
+
+
+def test_per_channel_weight_scale_length_matches_axis(model):
+    # weight [in=8, out=6], axis=1: 6 scales are per-channel; 5 are wrong
+    for n, ok in ((6, True), (5, False)):
+        _init(model, "lin.weight_scale").CopyFrom(
+            numpy_helper.from_array(np.full((n,), 0.01, dtype=np.float32), "lin.weight_scale"))
+        assert check_model(model).ok is ok
