@@ -21,7 +21,7 @@ import click
 def command(fp8_dir, output, dtype, opset, force, as_json):
     """Export the FP8 folder FP8DIR (from `fp8export convert`) to an ONNX Q/DQ graph.
 
-    Every quantized linear gets an FLOAT8E4M3FN weight -> DequantizeLinear and, when its input
+    Every quantized linear gets a FLOAT8E4M3FN weight -> DequantizeLinear and, when its input
     scale is static, QuantizeLinear -> DequantizeLinear on its input, with nothing between the
     DQs and the MatMul. The graph is checked with onnx.checker and against TensorRT's FP8 rules
     before it is written; a failing graph is never written.
