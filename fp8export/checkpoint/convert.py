@@ -318,7 +318,7 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             "weight_scale": float(weight_scales[t.module]),
             "weight_scale_source": weight_source[t.module],
             "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
-            "input_amax": r.amax if r else None,
+            "input_amax": float(r.amax) if r else None,
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
             "input_scale_source": str(r.source) if r else None,
             "input_details": dict(r.details) if r and r.details else {},

@@ -19,9 +19,21 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "fp8export.json"
 
 
+def _plain(value: Any) -> Any:
+    # Provider details may carry numpy scalars/arrays or paths; store them as plain JSON
+    # (paths as basenames: the manifest holds no absolute paths).
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return value.name
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
 def dump_json(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
-            + "\n").encode("utf-8")
+    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False,
+                       default=_plain) + "\n").encode("utf-8")
 
 
 def write_json(path: Path, obj: Any) -> None:

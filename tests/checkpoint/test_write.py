@@ -229,3 +229,12 @@ def test_header_bytes_are_deterministic_and_padded():
     assert a == b and (len(a) - 8) % 8 == 0
     header = json.loads(a[8:])
     assert header["w"]["data_offsets"] == [0, 15] and header["w_scale"]["data_offsets"] == [15, 19]
+
+
+def test_dump_json_is_deterministic_plain_and_refuses_nan():
+    from fp8export.checkpoint.manifest import dump_json
+
+    a = dump_json({"b": np.float32(0.5), "a": [np.int64(2)], "p": Path("/abs/dir/amax.json")})
+    assert a == b'{\n  "a": [\n    2\n  ],\n  "b": 0.5,\n  "p": "amax.json"\n}\n'
+    with pytest.raises(ValueError):
+        dump_json({"x": float("inf")})
