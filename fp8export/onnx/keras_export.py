@@ -214,6 +214,46 @@ def einsum_to_matmul(proto) -> int:
     return count
 
 
+def torch_dynamo_export(model, path: Path, sample_length: int):
+    """Export a Keras-on-torch model with dynamic batch and sequence axes.
+
+    ``model.export(format="onnx")`` picks torch's TorchScript exporter whenever an input axis is
+    dynamic (keras/src/export/onnx.py), and that exporter fails on Keras's LayerNormalization
+    ("Failed to export a node ... onnx::Gather ... because it is not constant", from the shape
+    list built in keras/src/ops/nn.py ``layer_normalization``). Keras uses the dynamo exporter
+    only for fully static shapes; we call that same exporter with dynamic shapes: on the torch
+    backend a Keras model is a ``torch.nn.Module`` whose ``forward(*args)`` takes the inputs.
+    """
+    import onnx
+    import torch
+
+    if len(model.inputs) != 1:
+        raise Fp8ExportError(f"the Keras model has {len(model.inputs)} inputs; the Keras ONNX "
+                             "path supports one token-id input.")
+    spec = model.inputs[0]
+    name = getattr(spec, "name", None) or "input_ids"
+    dtype = {"int32": torch.int32, "int64": torch.int64}.get(str(spec.dtype))
+    if dtype is None:
+        raise Fp8ExportError(f"Keras model input {name} has dtype {spec.dtype}; the Keras ONNX "
+                             "path exports token-id (int32/int64) inputs.")
+    model(np.zeros((2, sample_length), dtype=str(spec.dtype)))  # build every layer
+    model.eval()
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    fixed = spec.shape[1]
+    seq = fixed if fixed is not None else torch.export.Dim("seq", min=2, max=65536)
+    example = torch.zeros((2, fixed or sample_length), dtype=dtype)
+    try:
+        program = torch.onnx.export(model, (example,), dynamo=True, opset_version=OPSET,
+                                    input_names=[name], dynamic_shapes=(({0: batch, 1: seq},),),
+                                    verbose=False)
+        program.optimize()
+        program.save(str(path))
+    except Exception as exc:  # torch.export raises many types; the message is what matters
+        raise Fp8ExportError(f"torch.onnx.export (dynamo) could not export the Keras model: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    return onnx.load(str(path))
+
+
 # ---- 4. the whole path ----------------------------------------------------------------------
 def export_keras_onnx(keras_path: str | Path, fp8_dir: str | Path, out_path: str | Path, *,
                       custom_objects: dict | None = None, force: bool = False,
@@ -250,12 +290,10 @@ def export_keras_onnx(keras_path: str | Path, fp8_dir: str | Path, out_path: str
         except ValueError as exc:
             raise Fp8ExportError(f"{ckpt.path}: the weights do not fit the rebuilt float32 model "
                                  f"({exc}).") from exc
-        model(np.zeros((1, sample_length), dtype="int32"))  # Keras exports only called models
-        raw = Path(tmp) / "keras.onnx"
-        model.export(str(raw), format="onnx", verbose=False)
-        proto = onnx.load(str(raw))
+        proto = torch_dynamo_export(model, Path(tmp) / "keras.onnx", sample_length)
     rewritten = einsum_to_matmul(proto)
-    proto = onnx.version_converter.convert_version(proto, OPSET)
+    if next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) < OPSET:
+        proto = onnx.version_converter.convert_version(proto, OPSET)
     result = rewrite_qdq(proto, folder.layers, dtype="fp32", opset=OPSET)
     proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {Path(keras_path).name} (Keras export)"
     box: dict[str, Any] = {}
