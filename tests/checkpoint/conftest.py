@@ -23,10 +23,14 @@ class DictCheckpoint(Checkpoint):
     """A Checkpoint over an in-memory dict, for selection/writer unit tests."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], config: dict | None = None,
-                 file: str = "model.safetensors", path: Path = Path("mem")):
+                 file: str = "model.safetensors", path: Path = Path("mem"), state=None):
         super().__init__(path=path, kind="memory", config=config)
         self._t = tensors
         self._file = Path(file)
+        self._state = state
+
+    def training_state(self):
+        return self._state
 
     def tensors(self) -> list[TensorInfo]:
         return [TensorInfo(n, _DTYPE[t.dtype], tuple(t.shape), self._file)
@@ -34,6 +38,13 @@ class DictCheckpoint(Checkpoint):
 
     def load(self, name: str) -> torch.Tensor:
         return self._t[name].clone()
+
+
+@pytest.fixture()
+def dict_ckpt():
+    """The DictCheckpoint class (a fixture, not an import: several test folders have a
+    ``conftest`` module, so ``from conftest import`` is ambiguous in a full run)."""
+    return DictCheckpoint
 
 
 def _save(model, path: Path, **kwargs) -> Path:

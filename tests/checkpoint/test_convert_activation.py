@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import DictCheckpoint
 from safetensors import safe_open
 
 from fp8export.checkpoint.activation import resolve_activation_ranges
@@ -19,15 +18,6 @@ from fp8export.config import ConvertConfig, ScaleSource
 from fp8export.errors import Fp8ExportError
 
 QKV = [f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
-
-
-class HistoryCheckpoint(DictCheckpoint):
-    def __init__(self, state, **kw):
-        super().__init__({}, **kw)
-        self._state = state
-
-    def training_state(self):
-        return self._state
 
 
 def _state(amax: dict[str, list[float]]) -> TrainingState:
@@ -40,35 +30,35 @@ def _cfg(**kw):
     return ConvertConfig(checkpoint=Path("mem"), **kw)
 
 
-def test_auto_without_history_or_data_is_weights_only():
-    ranges, notes = resolve_activation_ranges(_cfg(), DictCheckpoint({}), QKV)
+def test_auto_without_history_or_data_is_weights_only(dict_ckpt):
+    ranges, notes = resolve_activation_ranges(_cfg(), dict_ckpt({}), QKV)
     assert ranges == {}
     assert notes == ["weights only: activations are dynamic (no training history or "
                      "calibration data)"]
 
 
-def test_history_through_the_real_policy_with_fused_sharing():
+def test_history_through_the_real_policy_with_fused_sharing(dict_ckpt):
     state = _state({QKV[0]: [1.0, 3.0, 0.0], QKV[1]: [2.0], QKV[2]: [0.5, float("inf")]})
-    ranges, notes = resolve_activation_ranges(_cfg(), HistoryCheckpoint(state), QKV,
+    ranges, notes = resolve_activation_ranges(_cfg(), dict_ckpt({}, state=state), QKV,
                                               groups={"qkv": QKV})
     assert any("training history" in n for n in notes)
     assert {m: r.amax for m, r in ranges.items()} == {m: 3.0 for m in QKV}
     assert all(r.source is ScaleSource.HISTORY for r in ranges.values())
     assert ranges[QKV[1]].details["own_amax"] == 2.0
-    alone, _ = resolve_activation_ranges(_cfg(scales="history"), HistoryCheckpoint(state), QKV)
+    alone, _ = resolve_activation_ranges(_cfg(scales="history"), dict_ckpt({}, state=state), QKV)
     assert alone[QKV[1]].amax == 2.0 and alone[QKV[2]].amax == 0.5
 
 
-def test_history_mode_without_state_is_an_error():
+def test_history_mode_without_state_is_an_error(dict_ckpt):
     with pytest.raises(Fp8ExportError, match="holds no FP8 training state"):
-        resolve_activation_ranges(_cfg(scales="history"), DictCheckpoint({}), QKV)
+        resolve_activation_ranges(_cfg(scales="history"), dict_ckpt({}), QKV)
 
 
-def test_missing_provider_says_unavailable(monkeypatch, tmp_path):
+def test_missing_provider_says_unavailable(monkeypatch, tmp_path, dict_ckpt):
     monkeypatch.setitem(sys.modules, "fp8export.calibration.api", None)
     cfg = _cfg(scales="calibrate", calib_data=tmp_path / "x.txt")
     with pytest.raises(Fp8ExportError, match="--scales calibrate is unavailable"):
-        resolve_activation_ranges(cfg, DictCheckpoint({}), QKV)
+        resolve_activation_ranges(cfg, dict_ckpt({}), QKV)
 
 
 def test_accuracy_budget_without_sensitivity_module_says_unavailable(tiny_llama, tmp_path,
@@ -184,7 +174,7 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
     assert "sensitivity ran" in res.notes
 
 
-def test_weight_scales_from_history_on_request(tmp_path, monkeypatch):
+def test_weight_scales_from_history_on_request(tmp_path, monkeypatch, dict_ckpt):
     import fp8export.checkpoint.convert as conv
 
     torch.manual_seed(0)
@@ -193,8 +183,7 @@ def test_weight_scales_from_history_on_request(tmp_path, monkeypatch):
     state = TrainingState(framework="transformer-engine", version="test", histories=[
         AmaxHistory(module=m, role="weight", history=np.asarray([a, 0.0], dtype=np.float32))
         for m, a in zip(QKV, (0.5, 0.75, 0.25))])
-    ckpt = HistoryCheckpoint(state, config={"model_type": "llama"})
-    ckpt._t = tensors
+    ckpt = dict_ckpt(tensors, config={"model_type": "llama"}, state=state)
     monkeypatch.setattr(conv, "open_checkpoint", lambda path: ckpt)  # reader stand-in only
     res = convert(ConvertConfig(checkpoint=tmp_path / "src", output=tmp_path / "o",
                                 scales="weights", weight_scales_from_history=True))

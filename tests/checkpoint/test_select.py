@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DictCheckpoint
 
 from fp8export.checkpoint.select import select_targets
 from fp8export.checkpoint.source import open_checkpoint
@@ -98,12 +97,12 @@ def test_unmatched_glob_is_a_note(tiny_llama):
     assert any("no.such.*" in n for n in sel.notes)
 
 
-def test_fallback_rule_without_config():
+def test_fallback_rule_without_config(dict_ckpt):
     t = {"tok_embeddings.weight": torch.zeros(10, 4), "blocks.0.fc1.weight": torch.ones(8, 4),
          "blocks.0.fc1.bias": torch.ones(8), "blocks.0.norm.weight": torch.ones(4),
          "blocks.0.router.weight": torch.ones(2, 4), "conv.weight": torch.ones(4, 3, 3, 3),
          "head.weight": torch.ones(10, 4)}
-    ckpt = DictCheckpoint(t)
+    ckpt = dict_ckpt(t)
     sel = select_targets(ckpt.tensors(), None)
     assert sel.family is None
     assert [x.module for x in sel.targets] == ["blocks.0.fc1"]
@@ -114,11 +113,11 @@ def test_fallback_rule_without_config():
     assert {"lm_head", "head", "blocks.0.router", "tok_embeddings"} <= set(sel.ignore)
 
 
-def test_integer_and_fp8_weights_are_one_error_naming_each():
+def test_integer_and_fp8_weights_are_one_error_naming_each(dict_ckpt):
     t = {"a.q_proj.weight": torch.ones(4, 4, dtype=torch.int32),
          "b.q_proj.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
          "c.q_proj.weight": torch.ones(4, 4)}
-    ckpt = DictCheckpoint(t, config={"model_type": "llama"})
+    ckpt = dict_ckpt(t, config={"model_type": "llama"})
     with pytest.raises(Fp8ExportError) as err:
         select_targets(ckpt.tensors(), ckpt.config)
     msg = str(err.value)
@@ -126,7 +125,7 @@ def test_integer_and_fp8_weights_are_one_error_naming_each():
     assert "b.q_proj.weight" in msg and "already F8_E4M3" in msg and "--exclude" in msg
 
 
-def test_te_layernorm_linears_are_linears_not_norms():
+def test_te_layernorm_linears_are_linears_not_norms(dict_ckpt):
     # Transformer Engine's LayerNormLinear/LayerNormMLP hold real GEMM weights under
     # "layernorm_*" containers; only whole-leaf norm names are norms.
     t = {"layers.0.self_attention.layernorm_qkv.weight": torch.ones(12, 4),
@@ -134,14 +133,14 @@ def test_te_layernorm_linears_are_linears_not_norms():
          "layers.0.layernorm_mlp.fc1.weight": torch.ones(16, 4),
          "layers.0.layernorm_mlp.fc2.weight": torch.ones(4, 16),
          "layers.0.final_layer_norm.weight": torch.ones(4, 4)}
-    sel = select_targets(DictCheckpoint(t).tensors(), None)
+    sel = select_targets(dict_ckpt(t).tensors(), None)
     assert [x.module for x in sel.targets] == ["layers.0.self_attention.layernorm_qkv",
                                                "layers.0.layernorm_mlp.fc1",
                                                "layers.0.layernorm_mlp.fc2"]
     assert "normalization" in sel.excluded["layers.0.final_layer_norm.weight"]
 
 
-def test_t5_family_table():
+def test_t5_family_table(dict_ckpt):
     names = ["shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight",
              "encoder.block.0.layer.0.SelfAttention.k.weight",
              "encoder.block.0.layer.0.SelfAttention.v.weight",
@@ -152,7 +151,7 @@ def test_t5_family_table():
              "encoder.block.0.layer.1.DenseReluDense.wo.weight",
              "encoder.final_layer_norm.weight", "lm_head.weight"]
     t = {n: torch.ones(8) if n.endswith("norm.weight") else torch.ones(8, 8) for n in names}
-    sel = select_targets(DictCheckpoint(t, config={"model_type": "t5"}).tensors(),
+    sel = select_targets(dict_ckpt(t, config={"model_type": "t5"}).tensors(),
                          {"model_type": "t5"})
     assert sel.family == "t5"
     assert len(sel.targets) == 7

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import DictCheckpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -170,12 +169,12 @@ def test_vllm_and_modelopt_configs_and_their_limits():
     assert scale_shape(OutputFormat.MODELOPT) == () and scale_shape(OutputFormat.VLLM) == (1,)
 
 
-def _written(tmp_path):
+def _written(tmp_path, dict_ckpt):
     torch.manual_seed(0)
     t = {"x.q_proj.weight": torch.randn(16, 8).to(torch.bfloat16),
          "x.k_proj.weight": torch.randn(8, 8).to(torch.bfloat16),
          "x.norm.weight": torch.ones(8, dtype=torch.bfloat16)}
-    ckpt = DictCheckpoint(t, config={"model_type": "llama"})
+    ckpt = dict_ckpt(t, config={"model_type": "llama"})
     sel = select_targets(ckpt.tensors(), ckpt.config)
     scan = scan_weights(sel.targets, ckpt.load, sel.groups)
     ws = {m: scan.scale[m] for m in sel.modules}
@@ -185,8 +184,8 @@ def _written(tmp_path):
     return ckpt, plans, ws, ins
 
 
-def test_readback_passes_on_a_good_output(tmp_path):
-    ckpt, plans, ws, ins = _written(tmp_path)
+def test_readback_passes_on_a_good_output(tmp_path, dict_ckpt):
+    ckpt, plans, ws, ins = _written(tmp_path, dict_ckpt)
     sqnr = verify_output(tmp_path, plans, ckpt, ws, ins)
     assert set(sqnr) == {"x.q_proj", "x.k_proj"} and min(sqnr.values()) > 25
 
@@ -200,8 +199,8 @@ def _patch_tensor(path: Path, name: str, value: bytes):
     path.write_bytes(bytes(data))
 
 
-def test_readback_catches_a_corrupted_weight_scale(tmp_path):
-    ckpt, plans, ws, ins = _written(tmp_path)
+def test_readback_catches_a_corrupted_weight_scale(tmp_path, dict_ckpt):
+    ckpt, plans, ws, ins = _written(tmp_path, dict_ckpt)
     _patch_tensor(tmp_path / "model.safetensors", "x.q_proj.weight_scale",
                   np.float32(float(ws["x.q_proj"]) * 4).tobytes())
     with pytest.raises(Fp8ExportError) as err:
@@ -211,8 +210,8 @@ def test_readback_catches_a_corrupted_weight_scale(tmp_path):
     assert "x.q_proj.weight: the FP8 weight read back" in msg  # SQNR collapses too
 
 
-def test_readback_catches_non_finite_input_scale_and_bad_weight_bytes(tmp_path):
-    ckpt, plans, ws, ins = _written(tmp_path)
+def test_readback_catches_non_finite_input_scale_and_bad_weight_bytes(tmp_path, dict_ckpt):
+    ckpt, plans, ws, ins = _written(tmp_path, dict_ckpt)
     _patch_tensor(tmp_path / "model.safetensors", "x.k_proj.input_scale",
                   np.float32(np.inf).tobytes())
     _patch_tensor(tmp_path / "model.safetensors", "x.q_proj.weight", bytes(16 * 8))
