@@ -1,0 +1,203 @@
+"""Crash safety of ``convert``: SIGKILL at random points, and a full disk.
+
+A killed convert must never leave a folder at the output path that looks complete: either there
+is no output, or (``--force`` over an old output) the old output is intact. Hidden temporary
+siblings (``.<name>.tmp-*``) may remain after SIGKILL — nothing can clean up after a KILL, and
+DESIGN.md allows exactly that — and they are counted, not forbidden. Re-running succeeds and
+gives the same bytes as an uninterrupted run.
+
+Kill points: the uninterrupted reference run is timed (process start → temporary folder appears
+→ process exit); most trials kill at a uniformly random moment of the write window (after the
+temporary folder appears, up to the measured end plus 20 %), the rest during startup and reading.
+Seeds are fixed, so a failure reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from reliability_helpers import (mid_checkpoint, popen_cli, run_cli, siblings, tiny_checkpoint, tree,
+                     wait_for)
+
+STATS: dict[str, int] = {}
+
+
+def rerun_in_process(*args):
+    """The re-run goes through the real CLI in this process (torch already imported: saves
+    ~3 s a trial); the killed runs are real processes."""
+    from click.testing import CliRunner
+
+    from fp8export.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _count(key: str, n: int = 1) -> None:
+    STATS[key] = STATS.get(key, 0) + n
+
+
+def _timed_reference(ckpt: Path, out: Path) -> tuple[dict, float, float]:
+    """Uninterrupted run; returns (tree, seconds from start until the temporary folder
+    appeared, seconds from then until the output was published under its name)."""
+    start = time.perf_counter()
+    proc = popen_cli("convert", ckpt, "-o", out)
+    t_tmp = wait_for(lambda: any(p.name.startswith(f".{out.name}.tmp-") for p in siblings(out))
+                     or proc.poll() is not None, timeout=600, step=0.0005)
+    t_pub = wait_for(lambda: out.exists() or proc.poll() is not None, timeout=600, step=0.0005)
+    assert proc.wait(timeout=600) == 0, "the uninterrupted convert failed"
+    assert t_tmp is not None and t_pub is not None
+    print(f"\nreference: temp folder after {t_tmp:.3f}s, published {t_pub:.3f}s later, "
+          f"exit after {time.perf_counter() - start:.2f}s")
+    return tree(out), t_tmp, t_pub
+
+
+def kill_trials(tmp_path: Path, ckpt: Path, n: int, seed: int) -> dict[str, int]:
+    ref_out = tmp_path / "reference"
+    ref, t_tmp, window = _timed_reference(ckpt, ref_out)
+    old_out = tmp_path / "old"  # a different valid output: what --force replaces
+    run_cli("convert", ckpt, "-o", old_out, "--format", "vllm", check=True)
+    old = tree(old_out)
+    assert old != ref
+    rng = random.Random(seed)
+    outcome = {"trials": 0, "no_output": 0, "old_intact": 0, "finished": 0,
+               "old_moved_aside": 0, "tmp_left": 0, "killed_writing": 0}
+    for trial in range(n):
+        force = trial % 3 == 2
+        out = tmp_path / f"out-{trial}"
+        if force:
+            shutil.copytree(old_out, out)
+        extra = ("--force",) if force else ()
+        proc = popen_cli("convert", ckpt, "-o", out, *extra)
+        start = time.perf_counter()
+        if trial % 5 == 4:  # during startup / reading
+            delay = rng.uniform(0.0, max(t_tmp, 0.05))
+            time.sleep(delay)
+        else:  # during writing: wait for the temporary folder, then a random moment
+            wait_for(lambda: any(p.name.startswith(f".{out.name}.tmp-") for p in siblings(out))
+                     or proc.poll() is not None, timeout=600, step=0.001)
+            time.sleep(rng.uniform(0.0, window * 1.1))
+            outcome["killed_writing"] += proc.poll() is None and not out.exists()
+        proc.send_signal(signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        elapsed = time.perf_counter() - start
+        outcome["trials"] += 1
+
+        # --- what is at the output path must be absent, the old output, or complete
+        if out.exists():
+            got = tree(out)
+            if got == ref:
+                outcome["finished"] += 1
+                assert code in (0, -signal.SIGKILL)
+            else:
+                assert force and got == old, (
+                    f"trial {trial} (killed after {elapsed:.2f}s): {out} holds neither the old "
+                    f"output nor the complete new one: {sorted(got)}")
+                outcome["old_intact"] += 1
+        else:
+            moved = [p for p in siblings(out) if ".old-" in p.name]
+            if force:
+                # killed between the two renames of the swap: the old output is intact, aside
+                assert moved and tree(moved[0]) == old, f"trial {trial}: old output lost"
+                outcome["old_moved_aside"] += 1
+            else:
+                outcome["no_output"] += 1
+        outcome["tmp_left"] += sum(".tmp-" in p.name for p in siblings(out))
+
+        # --- a re-run succeeds and gives the reference bytes
+        if not force and out.exists() and tree(out) == ref:
+            continue  # it had finished: the re-run would only repeat the reference run
+        rerun = rerun_in_process("convert", ckpt, "-o", out,
+                                 *(("--force",) if out.exists() else ()))
+        assert rerun.exit_code == 0, rerun.output[-3000:]
+        assert tree(out) == ref, f"trial {trial}: the re-run differs from an uninterrupted run"
+    return outcome
+
+
+def _record(name: str, outcome: dict) -> None:
+    for k, v in outcome.items():
+        _count(f"{name}.{k}", v)
+    print(f"\n{name}: {json.dumps(outcome)}")
+
+
+def test_sigkill_tiny(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path)
+    outcome = kill_trials(tmp_path, ckpt, n=10, seed=8)
+    _record("tiny", outcome)
+    assert outcome["trials"] == 10
+    assert outcome["no_output"] + outcome["old_intact"] + outcome["finished"] + \
+        outcome["old_moved_aside"] == 10
+
+
+@pytest.mark.slow
+def test_sigkill_large(tmp_path):
+    # ~300 MB of bf16 in 3 shards (hidden 2048, 3 layers: ~50 M parameters a layer)
+    ckpt = mid_checkpoint(tmp_path, hidden=2048, layers=3, shards=3)
+    size = sum(p.stat().st_size for p in ckpt.iterdir())
+    assert size > 250e6, size
+    outcome = kill_trials(tmp_path, ckpt, n=10, seed=9)
+    _record("large", outcome)
+    assert outcome["killed_writing"] >= 5  # the write window is long enough to hit
+
+
+# ---------------------------------------------------------------------------- full disk
+# A size-limited tmpfs gives a real ENOSPC (RLIMIT_FSIZE would give EFBIG, a different error).
+# Sizes: no room for the first shard; room for part of it; room for the shards but not the
+# manifest (the output is ~1.33 MB: 1.32 MB of safetensors, 12 KB manifest, 1 KB config).
+DISK_SIZES = ["64k", "700k", "1320k"]
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory):
+    """Convert onto each small tmpfs once; returns size -> (exit, stderr, out existed, listing)."""
+    root = tmp_path_factory.mktemp("full-disk")
+    ckpt = mid_checkpoint(root)
+    mnt = root / "small-disk"
+    mnt.mkdir()
+    results = {}
+    try:
+        for size in DISK_SIZES:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount a size-limited tmpfs here ({r.stderr.strip()})")
+            try:
+                out = mnt / "model-fp8"
+                run = run_cli("convert", ckpt, "-o", out)
+                results[size] = (run.returncode, run.stderr, out.exists(),
+                                 sorted(p.name for p in mnt.iterdir()))
+            finally:
+                subprocess.run(["umount", str(mnt)], capture_output=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+    return results
+
+
+@pytest.mark.parametrize("size", DISK_SIZES)
+def test_full_disk_leaves_nothing(full_disk, size):
+    code, stderr, existed, listing = full_disk[size]
+    assert code != 0, stderr[-2000:]
+    assert not existed
+    assert listing == [], f"left on the full disk: {listing}"
+
+
+@pytest.mark.xfail(strict=True, reason="ENOSPC while writing shards/JSON is not turned into "
+                   "Fp8ExportError: convert exits 1 via an OSError traceback "
+                   "(checkpoint/safetensors_writer.py write_safetensors; atomic.py/write_json "
+                   "do not wrap OSError)")
+@pytest.mark.parametrize("size", DISK_SIZES)
+def test_full_disk_clear_error(full_disk, size):
+    code, stderr, _, _ = full_disk[size]
+    assert code == 1
+    assert "Traceback" not in stderr, stderr[-1500:]
+    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1
+    low = errors[0].lower()
+    assert "no space" in low or "disk is full" in low or "disk full" in low
+    assert "model-fp8" in errors[0]
