@@ -32,11 +32,17 @@ STATS: dict[str, int] = {}
 def rerun_in_process(*args):
     """The re-run goes through the real CLI in this process (torch already imported: saves
     ~3 s a trial); the killed runs are real processes."""
+    import torch
     from click.testing import CliRunner
 
     from fp8export.cli import cli
 
-    return CliRunner().invoke(cli, [str(a) for a in args])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the killed runs (OMP_NUM_THREADS=1): see test_determinism
+    try:
+        return CliRunner().invoke(cli, [str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _count(key: str, n: int = 1) -> None:
