@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, quantize_e4m3
+from fp8export.runners.fp8_quant import quantize_input
 
 MODES = ("auto", "emulate", "scaled_mm")
 
@@ -123,7 +124,7 @@ class Fp8Linear(nn.Module):
         """Real FP8 GEMM with ``torch._scaled_mm`` (fp32 accumulate, ``out_dtype`` result)."""
         s_in = self.input_scale_for(x)
         lead = x.shape[:-1]
-        a = quantize_e4m3(x.reshape(-1, self.in_features), s_in)
+        a = quantize_input(x.reshape(-1, self.in_features), s_in.reshape(()).float())
         out_dtype = self.out_dtype if self.out_dtype in (torch.bfloat16, torch.float16,
                                                          torch.float32) else torch.bfloat16
         y = torch._scaled_mm(a, self.weight.t(), scale_a=s_in.reshape(()).float(),

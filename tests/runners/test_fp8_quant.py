@@ -1,0 +1,39 @@
+"""The fused activation quantize must be bit-identical to the eager DESIGN.md quantize."""
+
+import pytest
+import torch
+
+from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
+from fp8export.runners.fp8_quant import quantize_eager, quantize_input
+
+
+def _edge_values(device):
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[:-1] + grid[1:]) / 2
+    extra = torch.tensor([1e9, -1e9, 449.0, -449.0, 0.0, -0.0, 1e-12])
+    return torch.cat([grid, mids, torch.nextafter(mids, torch.full_like(mids, 1e9)), extra]).to(device)
+
+
+def test_eager_path_matches_numerics_module():
+    x = torch.randn(64, 48) * 7
+    s = torch.tensor(0.013)
+    assert torch.equal(quantize_eager(x, s).view(torch.uint8), quantize_e4m3(x, s).view(torch.uint8))
+    # on CPU quantize_input is the eager path
+    assert torch.equal(quantize_input(x, s).view(torch.uint8), quantize_e4m3(x, s).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_is_bit_identical_on_gpu(dtype):
+    torch.manual_seed(0)
+    for shape in [(1, 16), (7, 2048), (300, 8192)]:
+        x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+        s = torch.tensor(float(x.float().abs().max()) / E4M3_MAX, device="cuda")
+        a = quantize_input(x, s).view(torch.uint8)
+        b = quantize_e4m3(x, s).view(torch.uint8)
+        assert torch.equal(a, b), (shape, (a != b).sum().item())
+    edges = _edge_values("cuda").to(dtype)
+    one = torch.tensor(1.0, device="cuda")
+    assert torch.equal(quantize_input(edges, one).view(torch.uint8),
+                       quantize_e4m3(edges, one).view(torch.uint8))
