@@ -250,53 +250,60 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     n_out = sum(len(p.entries) for p in plans)
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
     atomic = AtomicDir(out, cfg.force)
-    with atomic as tmp:
-        write_shards(tmp, plans, ckpt, weight_scales, input_scales,
-                     on_tensor=lambda: next(ticks, None))
-        _finish(ticks)
-        index = index_json(plans)
-        if index is not None:
-            write_json(tmp / INDEX_NAME, index)
-        written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
-        if ckpt.config is not None:
-            write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
-        else:
-            notes.append("the source has no config.json; the quantization config is recorded "
-                         "in fp8export.json only")
-        for name, content in extra_files(cfg.format, ignore=sel.ignore,
-                                         tool_version=__version__).items():
-            write_json(tmp / name, content)
-            written.add(name)
-        for aux in sorted(ckpt.aux_files, key=lambda p: p.name):
-            if aux.name in written:
-                continue
-            _copy_file(aux, tmp / aux.name)
-            written.add(aux.name)
-        # Read-back first: the manifest records the SQNR of the weights as they are on disk.
-        sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)
-        layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
-                         plans)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "tool": {"name": "fp8export", "version": __version__},
-            "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
-                       "files": source_files_entry(ckpt.path, ckpt.source_files,
-                                                   hashes.result())},
-            "options": options_entry(cfg.to_dict()),
-            "output_format": str(cfg.format),
-            "activation_scheme": scheme,
-            "dynamic_activation_layers": dynamic,
-            "quantization_config": qconfig,
-            "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
-                          for row in layers},
-            "excluded": dict(sorted(sel.excluded.items())),
-            "notes": _portable(notes, cfg, out),
-        }
-        write_json(tmp / MANIFEST_NAME, manifest)
-        _check_json_files(tmp)
-        files = sorted(p.name for p in tmp.iterdir())
-        bytes_out = sum(p.stat().st_size for p in tmp.iterdir())
-        atomic.publish()  # nothing above touched `out`; this is the only step that does
+    try:
+        with atomic as tmp:
+            write_shards(tmp, plans, ckpt, weight_scales, input_scales,
+                         on_tensor=lambda: next(ticks, None))
+            _finish(ticks)
+            index = index_json(plans)
+            if index is not None:
+                write_json(tmp / INDEX_NAME, index)
+            written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
+            if ckpt.config is not None:
+                write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
+            else:
+                notes.append("the source has no config.json; the quantization config is recorded "
+                             "in fp8export.json only")
+            for name, content in extra_files(cfg.format, ignore=sel.ignore,
+                                             tool_version=__version__).items():
+                write_json(tmp / name, content)
+                written.add(name)
+            for aux in sorted(ckpt.aux_files, key=lambda p: p.name):
+                if aux.name in written:
+                    continue
+                _copy_file(aux, tmp / aux.name)
+                written.add(aux.name)
+            # Read-back first: the manifest records the SQNR of the weights as they are on disk.
+            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)
+            layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
+                             plans)
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "tool": {"name": "fp8export", "version": __version__},
+                "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
+                           "files": source_files_entry(ckpt.path, ckpt.source_files,
+                                                       hashes.result())},
+                "options": options_entry(cfg.to_dict()),
+                "output_format": str(cfg.format),
+                "activation_scheme": scheme,
+                "dynamic_activation_layers": dynamic,
+                "quantization_config": qconfig,
+                "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
+                              for row in layers},
+                "excluded": dict(sorted(sel.excluded.items())),
+                "notes": _portable(notes, cfg, out),
+            }
+            write_json(tmp / MANIFEST_NAME, manifest)
+            _check_json_files(tmp)
+            files = sorted(p.name for p in tmp.iterdir())
+            bytes_out = sum(p.stat().st_size for p in tmp.iterdir())
+            atomic.publish()  # nothing above touched `out`; this is the only step that does
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO...: the temporary folder is already gone
+        where = f" ({Path(exc.filename).name})" if exc.filename else ""
+        raise Fp8ExportError(
+            f"{out}: writing the output failed: {exc.strerror or exc}{where}. Nothing was "
+            "written and the previous state is unchanged; free disk space or choose another "
+            "-o/--output.") from exc
     return ConvertResult(
         output=str(out), format=str(cfg.format), activation_scheme=scheme,
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),

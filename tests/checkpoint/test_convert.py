@@ -222,3 +222,18 @@ def test_transformers_loads_the_output_with_compressed_tensors(tiny_llama, tmp_p
     fp8(ids)  # decompression happens on the first forward
     got = fp8.model.layers[1].mlp.up_proj.weight.float()
     assert rel_l2(q * s, got) < 1e-3  # not cosine: that would not see a wrong scale
+
+
+def test_disk_full_is_one_clear_error_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    import errno
+
+    import fp8export.checkpoint.convert as conv
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(conv, "write_shards", full)
+    with pytest.raises(Fp8ExportError) as err:
+        convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "model-fp8"))
+    assert "model-fp8: writing the output failed: No space left on device" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
