@@ -51,7 +51,7 @@ class SafeZip:
         self.path = Path(path)
         try:
             self._zf = zipfile.ZipFile(self.path)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except _READ_ERRORS as exc:  # NotImplementedError: "zip file version 8.4" (fuzz-found)
             raise Fp8ExportError(
                 f"{self.path}: not a readable zip archive ({exc}); a .keras file is a zip "
                 "written by model.save(). Re-save the model, or check the file is complete."

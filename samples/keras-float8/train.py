@@ -133,7 +133,6 @@ def check_reload(model_dir, vocab_size, data, trained):
     The sample's own file is trusted, but fp8export never loads a .keras with Keras (that can
     run code); this check only proves the saved weights are the trained ones.
     """
-    assert keras.config.dtype_policy().name == "mixed_bfloat16"  # sample invariant, not input
     model = build_model(vocabulary_size=vocab_size, **MODEL_KWARGS)
     model.quantize("float8")
     model.load_weights(model_dir / "float8_model.weights.h5")
