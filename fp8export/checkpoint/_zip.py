@@ -103,8 +103,9 @@ class SafeZip:
         try:
             return self._infos[name]
         except KeyError:
+            entries = ", ".join(sorted(self._infos)) or "none"
             raise Fp8ExportError(f"{self.path}: the archive has no {name!r} "
-                                 f"(entries: {', '.join(sorted(self._infos)) or 'none'}).") from None
+                                 f"(entries: {entries}).") from None
 
     def read_bytes(self, name: str, max_bytes: int) -> bytes:
         """The member's content in memory; refuses members declared larger than ``max_bytes``."""
@@ -120,7 +121,7 @@ class SafeZip:
         return self._check_length(info, len(data), data)
 
     def copy_to(self, name: str, dest: Path) -> Path:
-        """Stream the member into ``dest`` (a path the caller chose, e.g. in a TemporaryDirectory)."""
+        """Stream the member into ``dest``, a path the caller chose (a TemporaryDirectory)."""
         info = self._member(name)
         written = 0
         try:

@@ -264,9 +264,10 @@ class KerasCheckpoint(Checkpoint):
         if declared is False:
             if layer.class_name in ("Dense", "EinsumDense") and n > 2:
                 raise Fp8ExportError(f"{where}: config.json gives it a non-float8 dtype policy "
-                                     f"but the weights file holds {n} variables (a {layer.class_name}"
-                                     " holds kernel and bias). The config does not match the "
-                                     "weights; save them together (model.save).")
+                                     f"but the weights file holds {n} variables (a "
+                                     f"{layer.class_name} holds kernel and bias). The config "
+                                     "does not match the weights; save them together "
+                                     "(model.save).")
             return
         if not declared and not looks:
             return

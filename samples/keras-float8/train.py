@@ -30,11 +30,10 @@ if os.environ.setdefault("KERAS_BACKEND", "torch") != "torch":
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import data_gen  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-import data_gen  # noqa: E402
 from model import build_model  # noqa: E402
 
 SEED = 42

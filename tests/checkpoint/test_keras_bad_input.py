@@ -1,4 +1,4 @@
-"""Hostile or broken Keras files: one Fp8ExportError naming the file/layer; nothing written or run."""
+"""Hostile or broken Keras files: one Fp8ExportError naming file/layer; nothing written or run."""
 
 from __future__ import annotations
 

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_keras_fixtures import (build_tiny, copy_pair, edit_config, keras_or_skip,
-                                 layer_entry, saved_tiny)
+from test_keras_fixtures import (
+    build_tiny,
+    copy_pair,
+    edit_config,
+    keras_or_skip,
+    layer_entry,
+    saved_tiny,
+)
 
 from fp8export.checkpoint.keras_reader import KerasCheckpoint, einsum_kernel_2d, is_float8_policy
 from fp8export.checkpoint.source import open_checkpoint

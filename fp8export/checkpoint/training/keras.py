@@ -88,7 +88,8 @@ def _slot(layer: Float8Layer, role: str, prefix: str) -> AmaxHistory:
     else:
         notes.append("stored scale lags the history by one step (computed before the newest "
                      "entry was recorded)")
-        if 0 < filled < hist.size and np.isfinite(hist).all():  # nothing evicted yet: the lag can be checked exactly
+        # nothing evicted yet: the lag can be checked exactly
+        if 0 < filled < hist.size and np.isfinite(hist).all():
             # Before any non-zero amax was recorded Keras keeps the initial scale 1.0.
             prior = float(hist[1:].max()) if hist.size > 1 else 0.0
             expected = prior / 448.0 if prior > 0 else 1.0

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 from fp8export.checkpoint.source import open_checkpoint
-from fp8export.checkpoint.training.keras import (FLOAT8_VARIABLES, Float8Layer,
-                                                 keras_training_state, newest_first)
+from fp8export.checkpoint.training.keras import (
+    FLOAT8_VARIABLES,
+    Float8Layer,
+    keras_training_state,
+    newest_first,
+)
 from fp8export.errors import Fp8ExportError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
