@@ -42,6 +42,7 @@ from fp8export.errors import Fp8ExportError
 
 IN_MEMORY_H5_BYTES = 512 * 2**20  # larger weights files go to a bounded temporary copy
 MAX_JSON_BYTES = 64 * 2**20
+MAX_DEPTH = 64  # layer nesting; deeper files are hostile (and would exhaust the recursion)
 H5_BOMB_RATIO = 1000  # declared bytes per stored byte beyond which a dataset is refused
 _DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int32": "I32",
            "int64": "I64", "int8": "I8", "uint8": "U8", "int16": "I16", "bool": "BOOL"}
@@ -153,8 +154,9 @@ class KerasCheckpoint(Checkpoint):
         self._h5, self._closers, self._where = h5, closers, f"{path} ({weights_name})"
         self.version = version
         self.warnings: list[str] = []
-        self.layers = self._discover()
-        self._tensors = self._index_tensors()
+        with _h5_errors(self._where):
+            self.layers = self._discover()
+            self._tensors = self._index_tensors()
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
@@ -204,11 +206,10 @@ class KerasCheckpoint(Checkpoint):
         if not isinstance(self.config, dict):
             raise Fp8ExportError(f"{self.path}: config.json is not a JSON object.")
         layers: list[_Layer] = []
-        with _h5_errors(self._where):
-            for key in self._h5:
-                if key in ("vars", "optimizer"):  # root model's own vars, optimizer slots
-                    continue
-                self._walk(self._h5, key, [], layers)
+        for key in self._h5:
+            if key in ("vars", "optimizer"):  # root model's own vars, optimizer slots
+                continue
+            self._walk(self._h5, key, [], layers)
         _attach_config(layers, self.config)
         for layer in layers:
             self._classify(layer)
@@ -223,6 +224,9 @@ class KerasCheckpoint(Checkpoint):
         group = parent[key]
         if not isinstance(group, h5py.Group):
             return
+        if path.count("/") > MAX_DEPTH:
+            raise Fp8ExportError(f"{self._where}: groups nest deeper than {MAX_DEPTH} levels at "
+                                 f"{path[:200]}; not a Keras weights file.")
         names = chain
         if "vars" in group and isinstance(group["vars"], h5py.Group):
             label = group["vars"].attrs.get("name", key.lstrip("_") or key)
@@ -373,6 +377,9 @@ class KerasCheckpoint(Checkpoint):
         return [layer.module for layer in self.layers if layer.float8]
 
     def training_state(self):
+        """Keras float8 state (None when no layer is float8: nothing to reuse)."""
+        if not self.float8_modules():
+            return None
         f8 = []
         for layer in self.layers:
             if not layer.float8:

@@ -165,6 +165,14 @@ def test_all_non_finite_history_in_file_names_the_layer(tiny, tmp_path, capsys):
     assert not out.exists() and not [p for p in tmp_path.iterdir() if "out" in p.name]
 
 
+def test_absurd_nesting_is_refused(tiny, tmp_path):
+    h5 = copy_pair(tiny, tmp_path)
+    with h5py.File(h5, "r+") as f:
+        f.create_group("layers/deep/" + "/".join(["g"] * 80))
+    with pytest.raises(Fp8ExportError, match="nest deeper"):
+        open_checkpoint(h5)
+
+
 def test_links_out_of_the_file_are_refused(tiny, tmp_path):
     h5 = copy_pair(tiny, tmp_path)
     secret = tmp_path / "secret.h5"
