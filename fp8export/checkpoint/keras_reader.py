@@ -359,6 +359,11 @@ class KerasCheckpoint(Checkpoint):
     def tensors(self) -> list[TensorInfo]:
         return [t.info for t in self._tensors.values()]
 
+    def datasets(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Tensor name → (HDF5 dataset path, stored shape), for writers of Keras weights."""
+        return {name: (t.dataset, tuple(self._h5[t.dataset].shape))
+                for name, t in self._tensors.items()}
+
     def load(self, name: str):
         import torch
 

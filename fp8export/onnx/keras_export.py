@@ -1,25 +1,33 @@
-"""Keras checkpoint + FP8 folder → ONNX Q/DQ graph, through Keras 3's own ONNX export (issue 5.4).
+"""FP8 folder converted from a Keras checkpoint → ONNX Q/DQ graph (issue 5 item 4).
 
-Steps (Keras 3 on the torch backend, where ``model.export(path, format="onnx")`` works):
+Keras 3 on the torch backend; a Keras model there is a ``torch.nn.Module``.
 
-1. The architecture comes from the checkpoint's ``config.json``, never from executing the
-   archive: every dtype policy is replaced by ``float32`` (Keras's float8 layers fake-quantize
-   inside their call; we want plain MatMuls to rewrite), the config is scanned for code-bearing
-   entries (Lambda layers, ``__lambda__``/function payloads, modules outside the keras
-   packages) and refused if it has any, and it is deserialized with ``safe_mode=True``.
-   Custom layer classes (the sample's) must be registered by the caller
-   (``keras.saving.register_keras_serializable``) or passed as ``custom_objects``.
-2. Weights: a temporary copy of the weights file without the float8 variables, where each
-   quantized layer's kernel is the FP8 folder's *dequantized* weight, is loaded with Keras's
-   own ``load_weights`` (which maps HDF5 groups to layers itself). The graph therefore holds
-   exactly the deployed weights, and binding by content is exact.
-3. ``model.export(..., format="onnx")`` (dynamic batch and sequence axes), then every
-   EinsumDense ``Einsum`` with a constant kernel becomes Reshape → MatMul → Reshape (TensorRT
-   fuses FP8 only into MatMul/Gemm), then the opset is raised to 21.
-4. :func:`fp8export.onnx.qdq.rewrite_qdq` binds each manifest layer to its MatMul **by
-   content** (the initializer equals the dequantized weight, up to transpose) and inserts the
-   Q/DQ pattern; ``onnx.checker`` and :func:`fp8export.onnx.check.check_model` must pass before
-   the file is written (atomically).
+1. **Architecture.** It comes from the Keras ``config.json`` (the folder's copy, or the source
+   checkpoint's). Nothing in an archive is executed:
+   - every dtype policy becomes ``float32``: Keras's float8 layers fake-quantize inside their
+     call, and we want plain MatMuls to rewrite;
+   - the config is scanned for code-bearing entries (Lambda layers, ``__lambda__`` payloads,
+     classes from modules outside the keras packages that nobody registered) and refused;
+   - it is deserialized with ``safe_mode=True``. Custom layer classes (the sample's) must be
+     registered by the caller (``keras.saving.register_keras_serializable``) or passed as
+     ``custom_objects``.
+2. **Weights.** All of them come from the FP8 folder. Quantized layers get their
+   *dequantized* E4M3 weight. The skeleton file is written by Keras (``save_weights``), named
+   by our reader and loaded back by Keras's ``load_weights``, so no name mapping is guessed
+   here. The graph holds exactly the deployed weights, which makes binding by content exact.
+3. **Export.** ``model.export(format="onnx")`` does *not* work for this model: with a dynamic
+   axis Keras picks torch's TorchScript exporter (``keras/src/export/onnx.py``), which fails
+   on Keras's LayerNormalization ("Failed to export a node ... onnx::Gather ... because it is
+   not constant", from the shape list in ``keras/src/ops/nn.py`` ``layer_normalization``). We
+   call the exporter Keras uses for static shapes, ``torch.onnx.export(dynamo=True)``, with
+   dynamic batch and sequence axes (opset 21).
+4. **Einsum.** Every EinsumDense ``Einsum`` with a constant kernel becomes Reshape → MatMul →
+   Reshape, because TensorRT fuses FP8 only into MatMul/Gemm.
+5. **Q/DQ.** :func:`fp8export.onnx.qdq.rewrite_qdq` binds each manifest layer to its MatMul
+   **by content** (the initializer equals the dequantized weight, up to transpose) and inserts
+   the Q/DQ pattern.
+6. **Checks.** ``onnx.checker`` (full) and :func:`fp8export.onnx.check.check_model` must pass
+   before the file is written (atomically).
 """
 
 from __future__ import annotations
@@ -115,41 +123,59 @@ def _keras():
 
 
 # ---- 2. weights -----------------------------------------------------------------------------
-def write_deployed_weights(ckpt, folder, dest: Path) -> list[str]:
-    """Copy ``ckpt``'s weights to ``dest`` without float8 variables, kernels = FP8 dequantized."""
+def _source_tensor(name: str, folder, available: set[str]) -> str | None:
+    """The folder tensor behind a tensor of the rebuilt float32 model.
+
+    Names are the reader's, so they agree, except for Dense/EinsumDense nested in custom
+    layers: in the float8 source the reader recognised them by their float8 variables
+    (``<m>.weight``/``<m>.bias``); in the float32 skeleton nothing says what they are, so the
+    reader calls their variables ``<m>.vars.0``/``<m>.vars.1``.
+    """
+    if name in available:
+        return name
+    prefix, _, index = name.rpartition(".vars.")
+    alias = {"0": f"{prefix}.weight", "1": f"{prefix}.bias"}.get(index)
+    return alias if alias in available else None
+
+
+def fill_from_folder(model, config: dict, folder, tmp: Path) -> Path:
+    """Weights file for the rebuilt float32 ``model``, holding the FP8 folder's tensors.
+
+    Quantized layers get their *dequantized* FP8 weight, the rest the folder's copies. The
+    skeleton is written by Keras itself (so Keras's own ``load_weights`` maps it back) and
+    named by our reader (so names match the folder's).
+    """
     import h5py
 
-    by_kernel = {layer.datasets[0]: layer for layer in ckpt.layers}
-    drop = {d for layer in ckpt.layers if layer.float8 for d in layer.datasets[-6:]}
-    replaced = []
-    src = ckpt._h5
-    with h5py.File(dest, "w") as out:
-        def copy_group(g_src, g_dst):
-            for k, v in g_src.attrs.items():
-                g_dst.attrs[k] = v
-            for key in g_src:
-                item = g_src[key]
-                if item.name.startswith("/optimizer"):
-                    continue
-                if isinstance(item, h5py.Group):
-                    copy_group(item, g_dst.create_group(key))
-                elif item.name not in drop:
-                    data = item[()]
-                    layer = by_kernel.get(item.name)
-                    q = folder.layers.get(layer.module) if layer is not None else None
-                    if q is not None:
-                        deq = q.dequantized().numpy()  # stored layout = the reader's 2-D view
-                        data = deq.reshape(item.shape).astype(item.dtype)
-                        replaced.append(layer.module)
-                    ds = g_dst.create_dataset(key, data=data)
-                    for k, v in item.attrs.items():
-                        ds.attrs[k] = v
-        copy_group(src, out)
-    missing = sorted(set(folder.layers) - set(replaced))
+    from fp8export.checkpoint.keras_reader import KerasCheckpoint
+
+    skeleton = tmp / "skeleton.weights.h5"
+    model.save_weights(skeleton)
+    (tmp / "config.json").write_text(json.dumps(config))
+    with KerasCheckpoint.open(skeleton) as sk:
+        layout = sk.datasets()
+    quantized = {f"{m}.weight": q for m, q in folder.layers.items()}
+    available = set(folder.tensors) | set(quantized)
+    used = set()
+    with h5py.File(skeleton, "r+") as f:
+        for name, (dataset, shape) in layout.items():
+            src = _source_tensor(name, folder, available)
+            if src is None:
+                raise Fp8ExportError(f"{folder.path}: the rebuilt model's tensor {name} has no "
+                                     "counterpart in the FP8 folder; the folder was not converted "
+                                     "from this architecture.")
+            q = quantized.get(src)
+            value = q.dequantized() if q is not None else folder.tensors[src].float()
+            if value.numel() != int(np.prod(shape)):
+                raise Fp8ExportError(f"{folder.path}: {src} has {value.numel()} values; the "
+                                     f"model's {name} needs shape {shape}.")
+            f[dataset][...] = value.numpy().reshape(shape)
+            used.add(src)
+    missing = sorted(set(quantized) - used)
     if missing:
-        raise Fp8ExportError(f"{folder.path}: quantized layer(s) {', '.join(missing)} have no "
-                             f"kernel in {ckpt.path}; was the folder converted from it?")
-    return replaced
+        raise Fp8ExportError(f"{folder.path}: quantized weight(s) {', '.join(missing)} match no "
+                             "layer of the rebuilt model.")
+    return skeleton
 
 
 # ---- 3. Einsum → MatMul ---------------------------------------------------------------------
@@ -255,10 +281,15 @@ def torch_dynamo_export(model, path: Path, sample_length: int):
 
 
 # ---- 4. the whole path ----------------------------------------------------------------------
-def export_keras_onnx(keras_path: str | Path, fp8_dir: str | Path, out_path: str | Path, *,
-                      custom_objects: dict | None = None, force: bool = False,
-                      sample_length: int = 8) -> KerasOnnxResult:
-    """Export the Keras model of ``keras_path`` with the FP8 folder's weights and scales."""
+def export_keras_onnx(keras_path: str | Path | None, fp8_dir: str | Path,
+                      out_path: str | Path, *, custom_objects: dict | None = None,
+                      force: bool = False, sample_length: int = 8) -> KerasOnnxResult:
+    """FP8 folder converted from a Keras checkpoint → checked ONNX Q/DQ graph.
+
+    The architecture comes from ``keras_path`` (the ``.keras`` / ``.weights.h5`` it was
+    converted from) when given, else from the folder's own ``config.json`` (convert copies the
+    Keras config there); every weight comes from the folder.
+    """
     import onnx
 
     from fp8export.checkpoint.keras_reader import KerasCheckpoint
@@ -271,43 +302,50 @@ def export_keras_onnx(keras_path: str | Path, fp8_dir: str | Path, out_path: str
     if out_path.exists() and not force:
         raise Fp8ExportError(f"{out_path} exists; pass force=True to overwrite it.")
     folder = read_fp8_folder(fp8_dir)
+    if keras_path is not None:
+        with KerasCheckpoint.open(Path(keras_path)) as ckpt:
+            source_cfg, where = ckpt.config, str(ckpt.path)
+    else:
+        source_cfg = {k: v for k, v in folder.config.items() if k != "quantization_config"}
+        where = str(folder.path / "config.json")
+    if "class_name" not in source_cfg or "config" not in source_cfg:
+        raise Fp8ExportError(f"{where}: not a Keras model config (no class_name/config); this "
+                             "path exports folders converted from .keras / .weights.h5 files.")
     keras = _keras()
     registered = set(keras.saving.get_custom_objects()) | set(custom_objects or {})
-    with KerasCheckpoint.open(Path(keras_path)) as ckpt, \
-            tempfile.TemporaryDirectory(prefix="fp8export-keras-onnx-") as tmp:
-        refuse_code(ckpt.config, str(ckpt.path), registered)
-        cfg = float32_config(ckpt.config)
+    refuse_code(source_cfg, where, registered)
+    cfg = float32_config(source_cfg)
+    with tempfile.TemporaryDirectory(prefix="fp8export-keras-onnx-") as tmp:
         try:
             model = keras.saving.deserialize_keras_object(cfg, custom_objects=custom_objects,
                                                           safe_mode=True)
         except (TypeError, ValueError, KeyError) as exc:
-            raise Fp8ExportError(f"{ckpt.path}: Keras cannot rebuild the model from config.json "
+            raise Fp8ExportError(f"{where}: Keras cannot rebuild the model from its config "
                                  f"({exc}). Register its custom layers first.") from exc
-        weights = Path(tmp) / "deployed.weights.h5"
-        write_deployed_weights(ckpt, folder, weights)
+        model(np.zeros((2, sample_length), dtype=str(model.inputs[0].dtype)))  # build it all
+        weights = fill_from_folder(model, cfg, folder, Path(tmp))
         try:
             model.load_weights(weights)
         except ValueError as exc:
-            raise Fp8ExportError(f"{ckpt.path}: the weights do not fit the rebuilt float32 model "
-                                 f"({exc}).") from exc
+            raise Fp8ExportError(f"{where}: the folder's weights do not fit the rebuilt "
+                                 f"float32 model ({exc}).") from exc
         proto = torch_dynamo_export(model, Path(tmp) / "keras.onnx", sample_length)
     rewritten = einsum_to_matmul(proto)
     if next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) < OPSET:
         proto = onnx.version_converter.convert_version(proto, OPSET)
     result = rewrite_qdq(proto, folder.layers, dtype="fp32", opset=OPSET)
-    proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {Path(keras_path).name} (Keras export)"
+    proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} (Keras export)"
     box: dict[str, Any] = {}
 
     def _check(path: Path) -> None:
         try:
             onnx.checker.check_model(str(path), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-            raise Fp8ExportError(f"{keras_path}: exported graph fails onnx.checker ({exc}).") \
-                from exc
+            raise Fp8ExportError(f"{where}: exported graph fails onnx.checker ({exc}).") from exc
         report = check_model(path, source=str(out_path))
         box["report"] = report
         if not report.ok:
-            raise Fp8ExportError(f"{keras_path}: the graph breaks TensorRT's FP8 rules:\n"
+            raise Fp8ExportError(f"{where}: the graph breaks TensorRT's FP8 rules:\n"
                                  f"{report.to_text(errors_only=True)}")
 
     write_model(proto, out_path, force=force, check_fn=_check)
@@ -316,7 +354,3 @@ def export_keras_onnx(keras_path: str | Path, fp8_dir: str | Path, out_path: str
                            fp8_gemms=[g.layer for g in report.gemms if g.fp8],
                            bound=dict(result.bound), einsums_rewritten=rewritten,
                            check=report.to_dict(), notes=list(result.notes))
-
-
-def read_manifest_source(fp8_dir: Path) -> dict:
-    return json.loads((Path(fp8_dir) / "fp8export.json").read_text()).get("source", {})

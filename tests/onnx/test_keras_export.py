@@ -40,8 +40,8 @@ def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("keras-onnx")
     convert(ConvertConfig(checkpoint=SAMPLE / "model" / "float8_model.keras", output=tmp / "fp8",
                           scales="history"))
-    result = export_keras_onnx(SAMPLE / "model" / "float8_model.keras", tmp / "fp8",
-                               tmp / "model.onnx")
+    # the architecture from the folder's own config.json (what `export-onnx FP8DIR` has)
+    result = export_keras_onnx(None, tmp / "fp8", tmp / "model.onnx")
     return result, tmp
 
 
@@ -110,6 +110,36 @@ def test_runs_at_two_shapes_and_matches_keras_float8(exported):
     assert np.abs(onnx_p - keras_p).max() < 0.05
     assert ((onnx_p > 0.5) == (keras_p > 0.5)).mean() >= 0.97
     assert ((onnx_p > 0.5) == labels).mean() > 0.55  # the model learned something
+
+
+def test_source_checkpoint_config_gives_the_same_graph(exported):
+    import onnx
+
+    from fp8export.onnx.keras_export import export_keras_onnx
+
+    result, tmp = exported
+    again = export_keras_onnx(SAMPLE / "model" / "float8_model.keras", tmp / "fp8",
+                              tmp / "again.onnx")
+    a, b = onnx.load(str(result.output)), onnx.load(str(again.output))
+    assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+    assert again.bound == result.bound
+
+
+def test_folder_from_another_architecture_is_refused(exported, tmp_path):
+    import shutil
+
+    from fp8export.errors import Fp8ExportError
+    from fp8export.onnx.keras_export import export_keras_onnx
+
+    _, tmp = exported
+    folder = tmp_path / "fp8"
+    shutil.copytree(tmp / "fp8", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["config"]["layers"][-1]["config"]["name"] = "renamed_head"  # dense_1 → renamed_head
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Fp8ExportError, match="renamed_head"):
+        export_keras_onnx(None, folder, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_config_with_code_is_refused(tmp_path):
