@@ -228,7 +228,11 @@ class KerasCheckpoint(Checkpoint):
             raise Fp8ExportError(f"{self._where}: groups nest deeper than {MAX_DEPTH} levels at "
                                  f"{path[:200]}; not a Keras weights file.")
         names = chain
-        if "vars" in group and isinstance(group["vars"], h5py.Group):
+        vars_link = group.get("vars", getlink=True)
+        if vars_link is not None and not isinstance(vars_link, h5py.HardLink):
+            raise Fp8ExportError(f"{self._where}: {path}/vars is a {type(vars_link).__name__}; "
+                                 "refusing to follow it.")
+        if vars_link is not None and isinstance(group["vars"], h5py.Group):
             label = group["vars"].attrs.get("name", key.lstrip("_") or key)
             names = chain + [label.decode() if isinstance(label, bytes) else str(label)]
             datasets, shapes = self._vars(group["vars"], path)
@@ -282,9 +286,10 @@ class KerasCheckpoint(Checkpoint):
                 f"{', '.join(FLOAT8_VARIABLES)}.")
         hist = [shapes[i] for i in (n - 5, n - 3, n - 1)]
         scales = [shapes[i] for i in (n - 6, n - 4, n - 2)]
-        length = layer.layer_config.get("dtype", {})
-        length = (length.get("config", {}).get("amax_history_length")
-                  if isinstance(length, dict) else None)
+        policy = layer.layer_config.get("dtype")
+        policy_cfg = policy.get("config") if isinstance(policy, dict) else None
+        length = (policy_cfg.get("amax_history_length") if isinstance(policy_cfg, dict)
+                  else None)
         if any(s not in ((), (1,)) for s in scales) or any(
                 len(h) != 1 or h[0] == 0 or h != hist[0] for h in hist) or (
                 length is not None and hist[0] != (length,)):

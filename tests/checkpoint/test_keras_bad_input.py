@@ -234,6 +234,30 @@ def test_fuzz_random_bytes(tmp_path_factory, data, suffix):
         pass
 
 
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.sampled_from(["Dense", "EinsumDense", "QuantizedFloat8DTypePolicy", "float8_from_x",
+                       "hidden", "head", "mha", "layers", "config", "dtype", "name"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["class_name", "config", "layers", "name", "dtype", "mode",
+                         "amax_history_length", "equation", "scale", "center"]), inner,
+        max_size=5),
+    max_leaves=30)
+
+
+@FUZZ
+@given(config=_JSON)
+def test_fuzz_config_json(tiny, tmp_path_factory, config):
+    """Any JSON beside real float8 weights: the reader either copes or says why, never crashes."""
+    folder = tmp_path_factory.mktemp("cfg")
+    h5 = copy_pair(tiny, folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        _open_all(h5)
+    except Fp8ExportError:
+        pass
+
+
 @FUZZ
 @given(cut=st.floats(0.0, 0.999))
 def test_fuzz_truncated_keras(tiny, tmp_path_factory, cut):
