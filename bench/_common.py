@@ -62,8 +62,14 @@ class RunResult:
     returncode: int
     seconds: float
     peak_rss_bytes: int  # ru_maxrss of the process (and its waited-for children), from wait4
-    rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (t, VmRSS bytes)
+    # (t, VmRSS, RssAnon, RssFile) in bytes: anonymous memory is what the process allocated;
+    # file pages are mmap-ed files (e.g. safetensors) that the kernel can drop, but that still
+    # count in RSS and in ru_maxrss.
+    rss_samples: list[tuple[float, int, int, int]] = field(default_factory=list)
     log: Path | None = None
+
+    def peak_sampled(self, index: int) -> int:
+        return max((s[index] for s in self.rss_samples), default=0)
 
 
 def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
@@ -74,7 +80,7 @@ def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
     ``os.wait4``), so short spikes between samples are not missed; the samples only show when
     memory was used.
     """
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, int, int, int]] = []
     with open(log, "wb") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -83,9 +89,14 @@ def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
         def sample():
             status = f"/proc/{proc.pid}/status"
             while not done.wait(sample_every):
+                kib = {}
                 for ln in _read(status).splitlines():
-                    if ln.startswith("VmRSS:"):
-                        samples.append((round(time.perf_counter() - t0, 2), int(ln.split()[1]) * 1024))
+                    key = ln.split(":", 1)[0]
+                    if key in ("VmRSS", "RssAnon", "RssFile"):
+                        kib[key] = int(ln.split()[1]) * 1024
+                if "VmRSS" in kib:
+                    samples.append((round(time.perf_counter() - t0, 2), kib["VmRSS"],
+                                    kib.get("RssAnon", 0), kib.get("RssFile", 0)))
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()

@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     }
     # RSS timeline, thinned to <= 40 points, to show where memory goes
     step = max(1, len(run.rss_samples) // 40)
-    timeline = [[t, round(b / MiB, 1)] for t, b in run.rss_samples[::step]]
+    timeline = [[t, round(r / MiB, 1), round(a / MiB, 1), round(f / MiB, 1)]
+                for t, r, a, f in run.rss_samples[::step]]
     result = {
         "benchmark": "convert", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine,
@@ -320,8 +321,12 @@ def main(argv=None) -> int:
                     "exit_code": run.returncode, "seconds": round(run.seconds, 2),
                     "fsync_seconds": round(conv_sync, 2),
                     "total_seconds": round(run.seconds + conv_sync, 2),
-                    "peak_rss_bytes": run.peak_rss_bytes, "output_bytes": out_bytes,
-                    "output_dtypes": dtypes, "rss_timeline_s_mib": timeline},
+                    "peak_rss_bytes": run.peak_rss_bytes,
+                    "peak_rss_anon_sampled_bytes": run.peak_sampled(2),
+                    "peak_rss_file_sampled_bytes": run.peak_sampled(3),
+                    "output_bytes": out_bytes, "output_dtypes": dtypes,
+                    "rss_timeline": {"columns": ["seconds", "rss_mib", "anon_mib", "file_mib"],
+                                     "rows": timeline}},
         "targets": targets,
         "passed": targets["time"]["pass"] and targets["rss"]["pass"],
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
@@ -338,6 +343,8 @@ def main(argv=None) -> int:
          "PASS" if targets["time"]["pass"] else "FAIL"),
         ("peak RSS", f"{fmt_bytes(run.peak_rss_bytes)}, target <= {fmt_bytes(rss_limit)}",
          "PASS" if targets["rss"]["pass"] else "FAIL"),
+        ("  of which (sampled peaks)", f"anonymous {fmt_bytes(run.peak_sampled(2))}, "
+                                       f"mmap-ed files {fmt_bytes(run.peak_sampled(3))}", ""),
         ("output", f"{fmt_bytes(out_bytes)}, dtypes {dtypes}", ""),
     ]
     table = md_table(rows, ("what", "measured", "target"))
