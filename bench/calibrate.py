@@ -30,6 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+try:  # an installed (editable) fp8export maps calibration/ to fp8export.calibration
+    import fp8export.calibration  # noqa: F401
+except ModuleNotFoundError:  # a bare checkout (e.g. a borrowed GPU box): same mapping by hand
+    import calibration
+
+    sys.modules["fp8export.calibration"] = calibration
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048)
