@@ -473,13 +473,14 @@ def _fallback_names(layers: list[_Layer], root: dict) -> None:
         by_group[base if k == 0 else f"{base}_{k}"] = e
     for layer in layers:
         parts = layer.h5_path.split("/")
-        if layer.config is None and len(parts) == 2 and parts[0] == "layers":
-            entry = by_group.get(parts[1])
-            cfg = entry.get("config") if entry and isinstance(entry.get("config"), dict) else {}
-            if entry is not None and layer.names == [parts[1].lstrip("_")]:
-                layer.config = entry
-                if isinstance(cfg.get("name"), str):
-                    layer.names = [cfg["name"]]
+        entry = by_group.get(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
+        if entry is None or layer.names[:1] != [parts[1].lstrip("_")]:
+            continue  # has a name attribute (or is not under a functional model's layers)
+        cfg = entry.get("config") if isinstance(entry.get("config"), dict) else {}
+        if isinstance(cfg.get("name"), str):
+            layer.names = [cfg["name"]] + layer.names[1:]  # nested layers too: mha.query_dense
+        if len(parts) == 2 and layer.config is None:
+            layer.config = entry
 
 
 def _config_beside(path: Path) -> Path:

@@ -152,3 +152,23 @@ def test_names_follow_layer_paths_for_nested_layers(tmp_path):
         assert {t.name for t in ckpt.tensors()} == {"block.inner.weight", "block.inner.bias"}
         notes = ckpt.training_state().details["layer_notes"]["block.inner"]
         assert any("variable layout" in n for n in notes)
+
+
+def test_files_without_name_attributes_map_through_config_order(tiny, tmp_path):
+    """Keras < 3.6 wrote no ``name`` attribute: top-level groups map via config class order."""
+    import h5py
+
+    h5 = copy_pair(tiny, tmp_path)
+    with h5py.File(h5, "r+") as f:
+        def strip(name, obj):
+            if isinstance(obj, h5py.Group) and "name" in obj.attrs:
+                del obj.attrs["name"]
+        f.visititems(strip)
+    with open_checkpoint(h5) as ckpt:
+        mods = set(ckpt.float8_modules())
+        # top-level layers keep their config names; nested ones use attribute names
+        assert {"hidden", "head", "proj", "back"} <= mods
+        assert {"mha.query_dense", "mha.output_dense"} <= mods and len(mods) == 8
+        # the same tensors as with names, only nested attribute names differ
+        assert ckpt.info("mha.query_dense.weight").shape == (8, 8)
+        assert ckpt.info("hidden.weight").shape == (8, 8)
