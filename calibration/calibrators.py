@@ -68,9 +68,9 @@ class Calibrator(ABC):
                 f"calibrator {self.name!r} takes no options, got {sorted(options)}.")
         self.stats = ActivationStats(histogram=self.needs_histogram)
 
-    def collect(self, x: torch.Tensor) -> None:
-        """Add one tensor of observed values (padding already removed)."""
-        self.stats.update(x)
+    def collect(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Add observed values: all of ``x``, or only the token ``rows`` of ``x`` as [-1, H]."""
+        self.stats.update(x, rows=rows)
 
     def reset(self) -> None:
         self.stats.reset()

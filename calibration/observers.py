@@ -109,19 +109,35 @@ class ActivationStats:
         self.hist_elements = 0
         self.calls = 0
 
-    def update(self, x: torch.Tensor) -> None:
-        """Add the values of ``x`` (any shape; padding already removed)."""
-        n = x.numel()
-        if n == 0:
-            return
+    def update(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Add the values of ``x``.
+
+        ``rows``: optional int64 indices (on x's device) of the token rows of
+        ``x.reshape(-1, x.shape[-1])`` to keep (the non-padding positions); None keeps all.
+        """
         x = x.detach()
-        # One fused reduction (|.| and max in one kernel, no temporary); NaN propagates.
-        a = torch.linalg.vector_norm(x, ord=math.inf).to(torch.float32)
+        if rows is not None:
+            h = x.shape[-1]
+            x = x.reshape(-1, h)
+            # Row maxima, then the kept rows: no copy of the activation just to drop padding
+            # (one fused |.|-max reduction per row; NaN propagates).
+            rowmax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).index_select(0, rows)
+            n = rows.numel() * h
+            a = rowmax.max() if rows.numel() else None
+        else:
+            n = x.numel()
+            # One fused reduction (|.| and max in one kernel, no temporary); NaN propagates.
+            a = torch.linalg.vector_norm(x, ord=math.inf) if n else None
+        if a is None:
+            return
+        a = a.to(torch.float32)
         self.amax = a if self.amax is None else torch.maximum(self.amax, a)
         self.elements += n
         self.calls += 1
         if not self.histogram:
             return
+        if rows is not None:
+            x = x.index_select(0, rows)  # the histogram needs the kept values themselves
         if self.hist_rows and x.dim() >= 2:
             h = x.shape[-1]
             rows = n // h
@@ -318,19 +334,19 @@ class ActivationObserver:
                 self._last = (gid, x, name)
             else:
                 self._last = None
-            values = x
+            rows = None
             if self._mask_shape is not None:
                 b, t = self._mask_shape
                 h = x.shape[-1] if x.dim() else 1
                 lead = x.numel() // h if h else 0
                 if lead == b * t:
                     if self._valid_idx_cpu is not None:
-                        values = x.reshape(lead, h).index_select(0, self._valid_idx_on(x.device))
+                        rows = self._valid_idx_on(x.device)
                 else:
                     # e.g. a decoder of another length, or MoE experts fed a token subset:
                     # the mask does not apply, so every position counts (reported).
                     self.unmasked_calls[name] += 1
-            calibrator.collect(values)
+            calibrator.collect(x, rows=rows)
             return None
 
         return hook
