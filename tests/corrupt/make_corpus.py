@@ -744,6 +744,55 @@ def calib_npz_float_ids(root, cid):
                        "input_ids stored as float32")
 
 
+@case
+def calibrate_cmd_binary_data(root, cid):
+    ckpt = root / "calib-model"
+    if not ckpt.exists():
+        hf_folder(ckpt)
+    data = root / f"{cid}.txt"
+    data.write_bytes(b"\x00\x01\x02\xff" * 64)
+    out = root / "out" / f"{cid}-amax.json"
+    return Case(cid, "calibration-data",
+                ["calibrate", str(ckpt), "--calib-data", str(data), "-o", str(out)],
+                [data.name, "binary"], outputs=[str(out)],
+                note="`fp8export calibrate` on a binary .txt file")
+
+
+# --- FP8 folders: export-onnx -----------------------------------------------------------
+def fp8_folder(root: Path, name: str) -> Path:
+    """A real FP8 folder, written by fp8export's own convert (in-process), to be damaged."""
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+
+    src = root / "fp8-source"
+    if not src.exists():
+        hf_folder(src)
+    out = root / name
+    api.convert(ConvertConfig(checkpoint=src, output=out, scales="weights"))
+    return out
+
+
+@case
+def export_onnx_truncated_fp8(root, cid):
+    d = fp8_folder(root, cid)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = root / "out" / f"{cid}.onnx"
+    return Case(cid, "fp8-folder/export-onnx", ["export-onnx", str(d), "-o", str(out)],
+                [f"{cid}/model.safetensors"], outputs=[str(out)],
+                note="an FP8 folder whose weights file was cut in half")
+
+
+@case
+def export_onnx_bad_manifest(root, cid):
+    d = fp8_folder(root, cid)
+    (d / "fp8export.json").write_text('{"quantized": 5')
+    out = root / "out" / f"{cid}.onnx"
+    return Case(cid, "fp8-folder/export-onnx", ["export-onnx", str(d), "-o", str(out)],
+                ["fp8export.json", "not valid JSON"], outputs=[str(out)],
+                note="an FP8 folder whose manifest is cut JSON")
+
+
 # --- ONNX: build-engine and verify -----------------------------------------------------
 def _onnx_for(root, cid, **kw) -> Path:
     return onnx_model(root / f"{cid}.onnx", **kw)

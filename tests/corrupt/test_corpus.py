@@ -97,7 +97,8 @@ def test_corpus_is_large_and_covers_every_reader(corpus):
     assert len(cases) >= 30
     readers = {c.reader for c in cases.values()}
     assert {"safetensors", "hf-folder", "torch", "transformer-engine", "keras",
-            "calibration-data", "onnx/build-engine", "onnx/verify"} <= readers
+            "calibration-data", "fp8-folder/export-onnx", "onnx/build-engine",
+            "onnx/verify"} <= readers
     assert sum(1 for c in cases.values() if c.marker) >= 6  # payload cases
 
 
