@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import struct
 import sys
 import zipfile
@@ -39,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
 
 H = 16  # hidden size of the tiny Llama-shaped model
-I = 32  # intermediate size
+FFN = 32  # intermediate size
 V = 64  # vocab
 
 
@@ -83,15 +82,15 @@ def llama_tensors(seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor
          p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype)}
     for n, shape in [("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (H // 2, H)),
                      ("self_attn.v_proj", (H // 2, H)), ("self_attn.o_proj", (H, H)),
-                     ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-                     ("mlp.down_proj", (H, I))]:
+                     ("mlp.gate_proj", (FFN, H)), ("mlp.up_proj", (FFN, H)),
+                     ("mlp.down_proj", (H, FFN))]:
         t[p + n + ".weight"] = w(*shape)
     return t
 
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-    "intermediate_size": I, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "intermediate_size": FFN, "num_hidden_layers": 1, "num_attention_heads": 4,
     "num_key_value_heads": 2, "vocab_size": V, "max_position_embeddings": 64,
     "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
     "hidden_act": "silu", "rope_theta": 10000.0,
@@ -299,7 +298,8 @@ def st_offsets_beyond_file(root, cid):
     raw_safetensors(p, {"model.layers.0.mlp.up_proj.weight": {
         "dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
         "x": {"dtype": "F32", "shape": [1000], "data_offsets": [64, 4064]}}, bytes(64))
-    return _st_case(root, cid, p, ["x"], "header claims 4064 data bytes, file holds 64")
+    return _st_case(root, cid, p, ["'x'", "truncated"],
+                    "header claims 4064 data bytes, file holds 64")
 
 
 @case
@@ -334,7 +334,8 @@ def st_shape_dtype_mismatch(root, cid):
     p = root / f"{cid}.safetensors"
     raw_safetensors(p, {"w.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}},
                     bytes(32))
-    return _st_case(root, cid, p, ["w.weight"], "F32 [4, 4] needs 64 bytes, offsets give 32")
+    return _st_case(root, cid, p, ["w.weight", "need 64 bytes"],
+                    "F32 [4, 4] needs 64 bytes, offsets give 32")
 
 
 @case
@@ -417,14 +418,15 @@ def folder_duplicate_across_shards(root, cid):
     dup = name if name in a else next(iter(a))
     b[dup] = t.get(dup, a[dup])
     save_file(b, str(second))
-    return _st_case(root, cid, p, [dup], "one tensor name in two shards", "hf-folder")
+    return _st_case(root, cid, p, [dup, "also in"], "one tensor name in two shards",
+                    "hf-folder")
 
 
 @case
 def index_missing_shard(root, cid):
     p = sharded_folder(root / cid)
     (p / "model-00002-of-00002.safetensors").unlink()
-    return _st_case(root, cid, p, ["model-00002-of-00002.safetensors"],
+    return _st_case(root, cid, p, ["model-00002-of-00002.safetensors", "missing"],
                     "the index names a shard that is not there", "hf-folder")
 
 
@@ -437,7 +439,7 @@ def index_parent_path(root, cid):
     idx["weight_map"] = {k: (f"../{outside.name}" if v.startswith("model-00002") else v)
                          for k, v in idx["weight_map"].items()}
     (p / "model.safetensors.index.json").write_text(json.dumps(idx))
-    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name],
+    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name, "outside"],
                     "the index points at ../file (outside the folder)", "hf-folder")
 
 
@@ -450,7 +452,7 @@ def index_absolute_path(root, cid):
     idx["weight_map"] = {k: (str(outside) if v.startswith("model-00001") else v)
                          for k, v in idx["weight_map"].items()}
     (p / "model.safetensors.index.json").write_text(json.dumps(idx))
-    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name],
+    return _st_case(root, cid, p, ["model.safetensors.index.json", outside.name, "outside"],
                     "the index points at an absolute path", "hf-folder")
 
 
@@ -458,7 +460,8 @@ def index_absolute_path(root, cid):
 def index_not_json(root, cid):
     p = sharded_folder(root / cid)
     (p / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a": ')
-    return _st_case(root, cid, p, ["model.safetensors.index.json"], "index JSON cut short",
+    return _st_case(root, cid, p, ["model.safetensors.index.json", "not valid JSON"],
+                    "index JSON cut short",
                     "hf-folder")
 
 
@@ -523,14 +526,16 @@ def pt_truncated_zip(root, cid):
     torch.save(llama_tensors(), p)
     data = p.read_bytes()
     p.write_bytes(data[: len(data) * 2 // 3])
-    return _st_case(root, cid, p, [], "a torch.save zip cut at two thirds", "torch")
+    return _st_case(root, cid, p, ["not a readable torch checkpoint"],
+                    "a torch.save zip cut at two thirds", "torch")
 
 
 @case
 def pt_not_a_state_dict(root, cid):
     p = root / f"{cid}.pt"
     torch.save([torch.ones(3), torch.ones(3)], p)
-    return _st_case(root, cid, p, [], "a list of tensors, not a name → tensor dict", "torch")
+    return _st_case(root, cid, p, ["not a state dict"],
+                    "a list of tensors, not a name → tensor dict", "torch")
 
 
 # --- Transformer Engine _extra_state ----------------------------------------------------
@@ -648,8 +653,8 @@ def keras_truncated_archive(root, cid):
     data = p.read_bytes()
     p.write_bytes(data[: len(data) // 2])
     out = root / "out" / cid
-    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
-                note=".keras archive cut in half (no central directory)")
+    return Case(cid, "keras", _convert(p, out), [p.name, "not a readable zip"],
+                outputs=[str(out)], note=".keras archive cut in half (no central directory)")
 
 
 @case
@@ -661,8 +666,8 @@ def keras_truncated_h5(root, cid):
     p.write_bytes(data[: len(data) // 2])
     (d / "config.json").write_text(json.dumps(KERAS_CONFIG))
     out = root / "out" / cid
-    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
-                note="HDF5 .weights.h5 cut in half (config.json beside it)")
+    return Case(cid, "keras", _convert(p, out), [p.name, "not a readable HDF5"],
+                outputs=[str(out)], note="HDF5 .weights.h5 cut in half (config.json beside it)")
 
 
 @case
@@ -695,8 +700,8 @@ def keras_h5_garbage(root, cid):
     p.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
     (d / "config.json").write_text(json.dumps(KERAS_CONFIG))
     out = root / "out" / cid
-    return Case(cid, "keras", _convert(p, out), [p.name], outputs=[str(out)],
-                note="HDF5 signature followed by garbage")
+    return Case(cid, "keras", _convert(p, out), [p.name, "not a readable HDF5"],
+                outputs=[str(out)], note="HDF5 signature followed by garbage")
 
 
 # --- calibration data -----------------------------------------------------------------
@@ -720,19 +725,19 @@ def calib_empty_txt(root, cid):
 
 @case
 def calib_binary_txt(root, cid):
-    return _calib_case(root, cid, "calib.txt", bytes(range(256)) * 16, [],
+    return _calib_case(root, cid, "calib.txt", bytes(range(256)) * 16, ["binary"],
                        "binary bytes in a .txt calibration file")
 
 
 @case
 def calib_binary_jsonl(root, cid):
-    return _calib_case(root, cid, "calib.jsonl", b"\x00\x01{\"text\": \xff\xfe}\n" * 10, [],
+    return _calib_case(root, cid, "calib.jsonl", b"\x00\x01{\"text\": \xff\xfe}\n" * 10, ["binary"],
                        "binary bytes in a .jsonl calibration file")
 
 
 @case
 def calib_garbage_npz(root, cid):
-    return _calib_case(root, cid, "calib.npz", b"PK\x03\x04" + bytes(range(200)), [],
+    return _calib_case(root, cid, "calib.npz", b"PK\x03\x04" + bytes(range(200)), ["cannot read"],
                        "an .npz that is not a zip")
 
 
@@ -822,7 +827,8 @@ def engine_garbage_onnx(root, cid):
     p.write_bytes(b"\x08\x0a\x12" + bytes(range(256)) * 4)
     out = root / "out" / f"{cid}.engine"
     return Case(cid, "onnx/build-engine", ["build-engine", str(p), "-o", str(out)],
-                [p.name], outputs=[str(out)], note="bytes that are not an ONNX protobuf")
+                [p.name, "not a readable ONNX"], outputs=[str(out)],
+                note="bytes that are not an ONNX protobuf")
 
 
 def _verify_case(root, cid, onnx_kw, expect, note):

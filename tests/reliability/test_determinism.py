@@ -15,8 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reliability_helpers import (CLI, REPO, cli_env, make_corpus, mid_checkpoint,
-                                 tiny_checkpoint, tree)
+from reliability_helpers import (
+    CLI,
+    REPO,
+    cli_env,
+    make_corpus,
+    mid_checkpoint,
+    tiny_checkpoint,
+    tree,
+)
 
 
 def _pair(tmp_path: Path, args: list, *, threads=(1, 1), hashseeds=("1", "2")):

@@ -17,8 +17,8 @@ on random/truncated/flipped payloads (tests/checkpoint/training/test_te_fuzz.py)
 
 ``max_examples`` is modest by default (derandomized: CI is reproducible); each property has a
 ``*_slow`` twin (``--run-slow``: 2000 fresh random examples), and FP8EXPORT_FUZZ_EXAMPLES=N
-sets the default tests' count for long campaigns. Each property also counts its outcomes (hypothesis ``event``), shown
-with ``--hypothesis-show-statistics``.
+sets the default tests' count for long campaigns. Each property also counts its outcomes
+(hypothesis ``event``), shown with ``--hypothesis-show-statistics``.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def _test_safetensors_mutated_open_and_load(work, st_valid, data):
         event("refused")
 
 
-test_safetensors_mutated_open_and_load, test_safetensors_mutated_open_and_load_slow = fuzz(500)(_test_safetensors_mutated_open_and_load)
+test_safetensors_mutated_open_and_load, test_safetensors_mutated_open_and_load_slow = \
+    fuzz(500)(_test_safetensors_mutated_open_and_load)
 
 
 def _test_safetensors_mutated_convert(work, st_valid, data):
@@ -188,7 +189,8 @@ def _test_safetensors_mutated_convert(work, st_valid, data):
     event(_only_ours_and_clean(d, work / "conv-out"))
 
 
-test_safetensors_mutated_convert, test_safetensors_mutated_convert_slow = fuzz(200)(_test_safetensors_mutated_convert)
+test_safetensors_mutated_convert, test_safetensors_mutated_convert_slow = \
+    fuzz(200)(_test_safetensors_mutated_convert)
 
 
 # ------------------------------------------------------------------------------ Keras
@@ -235,7 +237,8 @@ def _test_keras_mutated_h5_member(work, keras_valid, data):
         event("KNOWN BUG: OverflowError from h5py")
 
 
-test_keras_mutated_h5_member, test_keras_mutated_h5_member_slow = fuzz(300)(_test_keras_mutated_h5_member)
+test_keras_mutated_h5_member, test_keras_mutated_h5_member_slow = \
+    fuzz(300)(_test_keras_mutated_h5_member)
 
 
 def _test_keras_mutated_weights_h5_file(work, keras_valid, data):
@@ -254,7 +257,8 @@ def _test_keras_mutated_weights_h5_file(work, keras_valid, data):
         event("refused")
 
 
-test_keras_mutated_weights_h5_file, test_keras_mutated_weights_h5_file_slow = fuzz(100)(_test_keras_mutated_weights_h5_file)
+test_keras_mutated_weights_h5_file, test_keras_mutated_weights_h5_file_slow = \
+    fuzz(100)(_test_keras_mutated_weights_h5_file)
 
 
 JSON_VALUES = st.recursive(
@@ -315,7 +319,8 @@ def _test_keras_mutated_config(work, keras_valid, data):
         event("refused")
 
 
-test_keras_mutated_config, test_keras_mutated_config_slow = fuzz(150)(_test_keras_mutated_config)
+test_keras_mutated_config, test_keras_mutated_config_slow = \
+    fuzz(150)(_test_keras_mutated_config)
 
 
 # ------------------------------------------------------------------------------ Transformer Engine
@@ -395,7 +400,8 @@ def _test_te_state_structure_mutations_convert(work, te, data):
     event(f"{layout} {_only_ours_and_clean(path, work / 'te-out', scales=scales)}")
 
 
-test_te_state_structure_mutations_convert, test_te_state_structure_mutations_convert_slow = fuzz(150)(_test_te_state_structure_mutations_convert)
+test_te_state_structure_mutations_convert, test_te_state_structure_mutations_convert_slow = \
+    fuzz(150)(_test_te_state_structure_mutations_convert)
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +421,8 @@ def _test_te_file_byte_mutations_open(work, te_file, data):
         event("refused")
 
 
-test_te_file_byte_mutations_open, test_te_file_byte_mutations_open_slow = fuzz(150)(_test_te_file_byte_mutations_open)
+test_te_file_byte_mutations_open, test_te_file_byte_mutations_open_slow = \
+    fuzz(150)(_test_te_file_byte_mutations_open)
 
 
 @pytest.mark.xfail(strict=True, raises=OverflowError,

@@ -23,8 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
-from reliability_helpers import (mid_checkpoint, popen_cli, run_cli, siblings, tiny_checkpoint, tree,
-                     wait_for)
+from reliability_helpers import (
+    mid_checkpoint,
+    popen_cli,
+    run_cli,
+    siblings,
+    tiny_checkpoint,
+    tree,
+    wait_for,
+)
 
 STATS: dict[str, int] = {}
 
