@@ -181,13 +181,26 @@ class ActivationStats:
                           nonfinite=int(h[FINITE_BINS:].sum()))
 
 
-def add_counts(hist: torch.Tensor, idx: torch.Tensor) -> None:
+CUDA_HISTOGRAM_KERNEL = "index_add"
+"""How device histograms are accumulated: ``index_add`` or ``histc`` (see :func:`add_counts`)."""
+_HISTC_CHUNK = 1 << 24  # float32 counts are exact integers up to 2**24
+
+
+def add_counts(hist: torch.Tensor, idx: torch.Tensor, kernel: str | None = None) -> None:
     """``hist[i] += (idx == i).sum()`` without a host sync (the accelerator path).
 
-    ``torch.bincount`` on CUDA reads ``idx.max()`` back to the host to size its output;
-    ``index_add_`` into the fixed-size histogram does not. Integer atomics are exact and
-    order-free, so the counts stay deterministic.
+    ``torch.bincount`` on CUDA reads ``idx.max()`` back to the host to size its output; these
+    two do not. ``index_add``: integer atomics straight into the int64 histogram. ``histc``:
+    torch's histogram kernel with fixed bounds (per-block partial histograms, less atomic
+    contention on hot bins), float32 counts, so it runs on chunks of at most 2**24 values to
+    keep every count an exact integer. Both are exact and order-free: deterministic.
     """
+    kernel = kernel or CUDA_HISTOGRAM_KERNEL
+    if kernel == "histc":
+        for chunk in idx.split(_HISTC_CHUNK):
+            h = torch.histc(chunk.to(torch.float32), bins=HIST_BINS, min=0, max=HIST_BINS)
+            hist += h.to(torch.int64)
+        return
     ones = torch.ones(1, dtype=torch.int64, device=idx.device).expand(idx.numel())
     hist.index_add_(0, idx, ones)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fp8export.calibration.api import observe
 from fp8export.calibration.data import as_samples
 
