@@ -15,6 +15,7 @@ Seeds are fixed, so a failure reproduces.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -166,6 +167,11 @@ def test_sigkill_large(tmp_path):
 DISK_SIZES = ["64k", "700k", "1320k"]
 
 
+def _umount(mnt: Path) -> None:
+    if os.path.ismount(mnt):
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def full_disk(tmp_path_factory):
     """Convert onto each small tmpfs once; returns size -> (exit, stderr, out existed, listing)."""
@@ -176,8 +182,11 @@ def full_disk(tmp_path_factory):
     results = {}
     try:
         for size in DISK_SIZES:
-            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                               capture_output=True, text=True)
+            try:
+                r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                    str(mnt)], capture_output=True, text=True)
+            except FileNotFoundError:
+                pytest.skip("no mount command here")
             if r.returncode != 0:
                 pytest.skip(f"cannot mount a size-limited tmpfs here ({r.stderr.strip()})")
             try:
@@ -186,9 +195,9 @@ def full_disk(tmp_path_factory):
                 results[size] = (run.returncode, run.stderr, out.exists(),
                                  sorted(p.name for p in mnt.iterdir()))
             finally:
-                subprocess.run(["umount", str(mnt)], capture_output=True)
+                _umount(mnt)
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        _umount(mnt)
     return results
 
 
