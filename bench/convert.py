@@ -35,9 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    REPO,
     GiB,
     MiB,
-    REPO,
     fmt_bytes,
     fp8export_argv,
     machine_info,
@@ -244,7 +244,9 @@ def main(argv=None) -> int:
     # 1. the checkpoint (re-used when --keep left one of the same plan behind)
     plan_file = ckpt / "bench_plan.json"
     plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
-    if plan and (plan["requested_bytes"], plan["shard_bytes"], plan["seed"]) == (size, shard, args.seed):
+    same = plan and (plan["requested_bytes"], plan["shard_bytes"], plan["seed"]) == (
+        size, shard, args.seed)
+    if same:
         print(f"re-using {ckpt}", flush=True)
         gen_seconds = None
     else:
@@ -291,10 +293,12 @@ def main(argv=None) -> int:
     out_bytes = tree_bytes(out) if ok else 0
     dtypes = safetensors_dtypes(out) if ok else {}
     targets = {
-        "time": {"rule": "convert time <= 1.5 x cp -r time (both + fsync)", "ratio": round(ratio, 3),
+        "time": {"rule": "convert time <= 1.5 x cp -r time (both + fsync)",
+                 "ratio": round(ratio, 3),
                  "ratio_without_fsync": round(ratio_raw, 3), "limit": 1.5,
                  "pass": ok and ratio <= 1.5},
-        "rss": {"rule": "peak RSS <= 1.5 GiB + 2 x largest tensor", "peak_rss_bytes": run.peak_rss_bytes,
+        "rss": {"rule": "peak RSS <= 1.5 GiB + 2 x largest tensor",
+                "peak_rss_bytes": run.peak_rss_bytes,
                 "limit_bytes": rss_limit, "pass": ok and run.peak_rss_bytes <= rss_limit},
     }
     # RSS timeline, thinned to <= 40 points, to show where memory goes
@@ -317,7 +321,8 @@ def main(argv=None) -> int:
         "warmup_read_seconds": round(warm, 2),
         "copy": {"argv": ["cp", "-r", "SRC", "COPY"], "seconds": round(cp_s, 2),
                  "fsync_seconds": round(cp_sync, 2), "total_seconds": round(cp_s + cp_sync, 2)},
-        "convert": {"argv": ["fp8export", "convert", "SRC", "-o", "OUT", "--force", *args.convert_arg],
+        "convert": {"argv": ["fp8export", "convert", "SRC", "-o", "OUT", "--force",
+                             *args.convert_arg],
                     "exit_code": run.returncode, "seconds": round(run.seconds, 2),
                     "fsync_seconds": round(conv_sync, 2),
                     "total_seconds": round(run.seconds + conv_sync, 2),

@@ -21,65 +21,121 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # --- vocabulary ---------------------------------------------------------------------------
-GIRLS = ["Anna", "Mia", "Lily", "Sara", "Emma", "Nora", "Ruby", "Zoe", "Ella", "Maya", "Ivy",
-         "Lucy", "Clara", "Rosa", "Jade", "Hana", "Tess", "Amy", "Kate", "Lena",
-    "Alice", "Bella", "Chloe", "Daisy", "Eva", "Fiona", "Grace", "Holly", "Iris", "Julia", "Kira", "Laura", "Molly", "Nina", "Olivia", "Penny", "Quinn", "Rachel", "Sofia", "Tara", "Uma", "Vera", "Wendy", "Yara", "Zara", "Aisha", "Beatrice", "Camila", "Delia", "Esther", "Freya", "Gemma", "Harriet", "Ingrid", "Josephine", "Leila", "Matilda", "Naomi", "Phoebe", "Rebecca", "Sienna", "Talia", "Violet", "Willow", "Yasmin", "Priya", "Mei", "Elena", "Greta", "Martha"]
-BOYS = ["Tom", "Ben", "Sam", "Leo", "Max", "Jack", "Noah", "Finn", "Omar", "Eli", "Hugo",
-        "Theo", "Raj", "Luca", "Owen", "Kai", "Dan", "Paul", "Ravi", "Joe",
-    "Adam", "Bruno", "Carlos", "David", "Ethan", "Felix", "George", "Henry", "Isaac", "James", "Kevin", "Liam", "Marco", "Nathan", "Oscar", "Peter", "Quentin", "Robert", "Simon", "Victor", "William", "Xavier", "Yusuf", "Zachary", "Arthur", "Benjamin", "Charlie", "Dmitri", "Edward", "Frederick", "Gabriel", "Harold", "Ibrahim", "Jonah", "Lucas", "Martin", "Nicholas", "Patrick", "Rupert", "Stefan", "Timothy", "Walter", "Hiro", "Mateo", "Andre", "Colin", "Desmond", "Elliot", "Franklin", "Gordon"]
-ANIMALS = ["cat", "dog", "rabbit", "fox", "bear", "owl", "duck", "mouse", "frog", "horse",
-           "goat", "squirrel", "turtle", "bird", "pig", "lion", "deer", "hedgehog",
-    "kitten", "puppy", "penguin", "elephant", "giraffe", "monkey", "zebra", "tiger", "dolphin", "kangaroo", "beaver", "raccoon", "otter", "badger", "butterfly", "ladybug", "caterpillar", "parrot", "pelican", "octopus", "lamb", "pony", "chicken", "goose", "swan", "crab", "snail", "lizard", "wolf", "camel"]
-ANIMAL_NAMES = ["Whiskers", "Biscuit", "Pepper", "Clover", "Patch", "Button", "Maple",
-                "Ziggy", "Pip", "Socks", "Honey", "Bramble",
-    "Noodle", "Pickle", "Muffin", "Sprout", "Thistle", "Acorn", "Cinnamon", "Dumpling", "Fudge", "Gizmo", "Jellybean", "Marble", "Nutmeg", "Pumpkin", "Rascal", "Snowball", "Tumble", "Waffle"]
-PLACES = ["the park", "the forest", "the beach", "the garden", "the farm", "the river",
-          "the village", "the market", "the hill", "the school", "the library", "the lake",
-          "the old barn", "the meadow", "the town square", "the bakery", "the harbor",
-          "the mountain", "the zoo", "the playground",
-    "the castle", "the cave", "the island", "the desert", "the orchard", "the bridge", "the station", "the museum", "the kitchen", "the attic", "the swamp", "the valley", "the lighthouse", "the camp", "the pond", "the jungle", "the workshop", "the greenhouse", "the carnival", "the stable", "the backyard", "the cottage", "the waterfall", "the hospital", "the post office", "the theater", "the cliff", "the field", "the tower", "the bookshop"]
-OBJECTS = ["ball", "kite", "box", "hat", "book", "map", "key", "cup", "shell", "stone",
-           "boat", "drum", "lamp", "ring", "basket", "flower", "letter", "bell", "blanket",
-           "bicycle", "cake", "apple", "feather", "coin", "candle", "scarf", "toy train",
-           "picture", "jar of honey", "red balloon",
-    "umbrella", "compass", "whistle", "lantern", "puzzle", "sandwich", "pencil", "crayon", "notebook", "button", "marble", "ribbon", "helmet", "backpack", "teapot", "spoon", "guitar", "violin", "trumpet", "telescope", "magnet", "rope", "ladder", "bucket", "shovel", "pillow", "mirror", "clock", "necklace", "sweater", "mitten", "boot", "seed", "pebble", "acorn", "pumpkin", "snowman", "sandcastle", "treasure chest", "paper boat", "glass bottle", "music box", "silver spoon", "wooden sword", "rocking chair", "birthday card", "fishing rod", "paint brush", "butterfly net", "wind chime"]
-ADJ = ["big", "small", "red", "blue", "green", "yellow", "shiny", "old", "new", "soft",
-       "heavy", "tiny", "bright", "strange", "pretty", "broken", "golden", "warm", "funny",
-       "quiet", "wooden", "striped",
-    "little", "enormous", "sparkly", "fluffy", "smooth", "rough", "muddy", "dusty", "silver", "purple", "orange", "spotted", "curly", "gentle", "lovely", "magical", "mysterious", "precious", "favorite", "ancient", "colorful", "cozy", "delicate", "fancy", "glowing", "peculiar", "sturdy", "wobbly", "crooked", "squeaky"]
-FEELINGS = ["happy", "sad", "scared", "curious", "tired", "excited", "angry", "proud",
-            "worried", "surprised", "calm", "lonely", "brave", "sleepy", "hungry",
-    "cheerful", "grumpy", "nervous", "shy", "joyful", "thoughtful", "confused", "hopeful", "silly", "restless", "gloomy", "delighted", "frightened", "impatient", "embarrassed"]
-WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "cloudy", "snowy", "foggy", "bright"]
-TIMES = ["One morning", "One day", "Once upon a time", "Last summer", "On a {w} day",
-         "Early one evening", "Long ago", "One afternoon", "On Sunday", "In the winter"]
-RELATIVES = ["mom", "dad", "grandma", "grandpa", "sister", "brother", "aunt", "uncle",
-             "friend", "teacher", "neighbor",
-    "cousin", "grandmother", "grandfather", "baby brother", "baby sister", "best friend", "classmate", "coach", "babysitter"]
-ACTIONS = ["play", "run", "dance", "sing", "read", "draw", "swim", "jump", "climb", "paint",
-           "build a fort", "look for bugs", "fly a kite", "bake cookies", "count the stars",
-           "plant flowers", "ride a bike", "feed the ducks", "collect shells", "tell stories",
-           "whistle", "skip rope", "pick berries", "watch the clouds", "make music",
-           "explore caves", "write poems", "catch fireflies", "sail boats", "knit scarves"]
-PAST = {"play": "played", "run": "ran", "dance": "danced", "sing": "sang", "read": "read",
-        "draw": "drew", "swim": "swam", "jump": "jumped", "climb": "climbed", "paint": "painted",
-        "build a fort": "built a fort", "look for bugs": "looked for bugs",
-        "fly a kite": "flew a kite", "bake cookies": "baked cookies",
-        "count the stars": "counted the stars", "plant flowers": "planted flowers",
-        "ride a bike": "rode a bike", "feed the ducks": "fed the ducks",
-        "collect shells": "collected shells", "tell stories": "told stories",
-        "whistle": "whistled", "skip rope": "skipped rope", "pick berries": "picked berries",
-        "watch the clouds": "watched the clouds", "make music": "made music",
-        "explore caves": "explored caves", "write poems": "wrote poems",
-        "catch fireflies": "caught fireflies", "sail boats": "sailed boats",
-        "knit scarves": "knitted scarves"}
-FOODS = ["bread", "soup", "berries", "carrots", "cheese", "pie", "rice", "pancakes", "plums",
-         "nuts", "corn", "cookies",
-    "strawberries", "blueberries", "muffins", "sandwiches", "noodles", "potatoes", "tomatoes", "oranges", "bananas", "grapes", "peaches", "cherries", "porridge", "yogurt", "lemonade", "chocolate", "waffles", "dumplings", "spaghetti", "pretzels"]
-COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "pink", "white", "brown",
-    "gray", "black", "golden", "silver", "violet", "crimson", "turquoise", "lavender"]
-NUMBERS = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
-
+GIRLS = [
+    "Anna", "Mia", "Lily", "Sara", "Emma", "Nora", "Ruby", "Zoe", "Ella", "Maya", "Ivy", "Lucy",
+    "Clara", "Rosa", "Jade", "Hana", "Tess", "Amy", "Kate", "Lena", "Alice", "Bella", "Chloe",
+    "Daisy", "Eva", "Fiona", "Grace", "Holly", "Iris", "Julia", "Kira", "Laura", "Molly", "Nina",
+    "Olivia", "Penny", "Quinn", "Rachel", "Sofia", "Tara", "Uma", "Vera", "Wendy", "Yara", "Zara",
+    "Aisha", "Beatrice", "Camila", "Delia", "Esther", "Freya", "Gemma", "Harriet", "Ingrid",
+    "Josephine", "Leila", "Matilda", "Naomi", "Phoebe", "Rebecca", "Sienna", "Talia", "Violet",
+    "Willow", "Yasmin", "Priya", "Mei", "Elena", "Greta", "Martha",
+]
+BOYS = [
+    "Tom", "Ben", "Sam", "Leo", "Max", "Jack", "Noah", "Finn", "Omar", "Eli", "Hugo", "Theo",
+    "Raj", "Luca", "Owen", "Kai", "Dan", "Paul", "Ravi", "Joe", "Adam", "Bruno", "Carlos", "David",
+    "Ethan", "Felix", "George", "Henry", "Isaac", "James", "Kevin", "Liam", "Marco", "Nathan",
+    "Oscar", "Peter", "Quentin", "Robert", "Simon", "Victor", "William", "Xavier", "Yusuf",
+    "Zachary", "Arthur", "Benjamin", "Charlie", "Dmitri", "Edward", "Frederick", "Gabriel",
+    "Harold", "Ibrahim", "Jonah", "Lucas", "Martin", "Nicholas", "Patrick", "Rupert", "Stefan",
+    "Timothy", "Walter", "Hiro", "Mateo", "Andre", "Colin", "Desmond", "Elliot", "Franklin",
+    "Gordon",
+]
+ANIMALS = [
+    "cat", "dog", "rabbit", "fox", "bear", "owl", "duck", "mouse", "frog", "horse", "goat",
+    "squirrel", "turtle", "bird", "pig", "lion", "deer", "hedgehog", "kitten", "puppy", "penguin",
+    "elephant", "giraffe", "monkey", "zebra", "tiger", "dolphin", "kangaroo", "beaver", "raccoon",
+    "otter", "badger", "butterfly", "ladybug", "caterpillar", "parrot", "pelican", "octopus",
+    "lamb", "pony", "chicken", "goose", "swan", "crab", "snail", "lizard", "wolf", "camel",
+]
+ANIMAL_NAMES = [
+    "Whiskers", "Biscuit", "Pepper", "Clover", "Patch", "Button", "Maple", "Ziggy", "Pip", "Socks",
+    "Honey", "Bramble", "Noodle", "Pickle", "Muffin", "Sprout", "Thistle", "Acorn", "Cinnamon",
+    "Dumpling", "Fudge", "Gizmo", "Jellybean", "Marble", "Nutmeg", "Pumpkin", "Rascal", "Snowball",
+    "Tumble", "Waffle",
+]
+PLACES = [
+    "the park", "the forest", "the beach", "the garden", "the farm", "the river", "the village",
+    "the market", "the hill", "the school", "the library", "the lake", "the old barn",
+    "the meadow", "the town square", "the bakery", "the harbor", "the mountain", "the zoo",
+    "the playground", "the castle", "the cave", "the island", "the desert", "the orchard",
+    "the bridge", "the station", "the museum", "the kitchen", "the attic", "the swamp",
+    "the valley", "the lighthouse", "the camp", "the pond", "the jungle", "the workshop",
+    "the greenhouse", "the carnival", "the stable", "the backyard", "the cottage", "the waterfall",
+    "the hospital", "the post office", "the theater", "the cliff", "the field", "the tower",
+    "the bookshop",
+]
+OBJECTS = [
+    "ball", "kite", "box", "hat", "book", "map", "key", "cup", "shell", "stone", "boat", "drum",
+    "lamp", "ring", "basket", "flower", "letter", "bell", "blanket", "bicycle", "cake", "apple",
+    "feather", "coin", "candle", "scarf", "toy train", "picture", "jar of honey", "red balloon",
+    "umbrella", "compass", "whistle", "lantern", "puzzle", "sandwich", "pencil", "crayon",
+    "notebook", "button", "marble", "ribbon", "helmet", "backpack", "teapot", "spoon", "guitar",
+    "violin", "trumpet", "telescope", "magnet", "rope", "ladder", "bucket", "shovel", "pillow",
+    "mirror", "clock", "necklace", "sweater", "mitten", "boot", "seed", "pebble", "acorn",
+    "pumpkin", "snowman", "sandcastle", "treasure chest", "paper boat", "glass bottle",
+    "music box", "silver spoon", "wooden sword", "rocking chair", "birthday card", "fishing rod",
+    "paint brush", "butterfly net", "wind chime",
+]
+ADJ = [
+    "big", "small", "red", "blue", "green", "yellow", "shiny", "old", "new", "soft", "heavy",
+    "tiny", "bright", "strange", "pretty", "broken", "golden", "warm", "funny", "quiet", "wooden",
+    "striped", "little", "enormous", "sparkly", "fluffy", "smooth", "rough", "muddy", "dusty",
+    "silver", "purple", "orange", "spotted", "curly", "gentle", "lovely", "magical", "mysterious",
+    "precious", "favorite", "ancient", "colorful", "cozy", "delicate", "fancy", "glowing",
+    "peculiar", "sturdy", "wobbly", "crooked", "squeaky",
+]
+FEELINGS = [
+    "happy", "sad", "scared", "curious", "tired", "excited", "angry", "proud", "worried",
+    "surprised", "calm", "lonely", "brave", "sleepy", "hungry", "cheerful", "grumpy", "nervous",
+    "shy", "joyful", "thoughtful", "confused", "hopeful", "silly", "restless", "gloomy",
+    "delighted", "frightened", "impatient", "embarrassed",
+]
+WEATHER = [
+    "sunny", "rainy", "windy", "cold", "warm", "cloudy", "snowy", "foggy", "bright",
+]
+TIMES = [
+    "One morning", "One day", "Once upon a time", "Last summer", "On a {w} day",
+    "Early one evening", "Long ago", "One afternoon", "On Sunday", "In the winter",
+]
+RELATIVES = [
+    "mom", "dad", "grandma", "grandpa", "sister", "brother", "aunt", "uncle", "friend", "teacher",
+    "neighbor", "cousin", "grandmother", "grandfather", "baby brother", "baby sister",
+    "best friend", "classmate", "coach", "babysitter",
+]
+ACTIONS = [
+    "play", "run", "dance", "sing", "read", "draw", "swim", "jump", "climb", "paint",
+    "build a fort", "look for bugs", "fly a kite", "bake cookies", "count the stars",
+    "plant flowers", "ride a bike", "feed the ducks", "collect shells", "tell stories", "whistle",
+    "skip rope", "pick berries", "watch the clouds", "make music", "explore caves", "write poems",
+    "catch fireflies", "sail boats", "knit scarves",
+]
+PAST = {
+    "play": "played", "run": "ran", "dance": "danced", "sing": "sang", "read": "read",
+    "draw": "drew", "swim": "swam", "jump": "jumped", "climb": "climbed", "paint": "painted",
+    "build a fort": "built a fort", "look for bugs": "looked for bugs",
+    "fly a kite": "flew a kite", "bake cookies": "baked cookies",
+    "count the stars": "counted the stars", "plant flowers": "planted flowers",
+    "ride a bike": "rode a bike", "feed the ducks": "fed the ducks",
+    "collect shells": "collected shells", "tell stories": "told stories", "whistle": "whistled",
+    "skip rope": "skipped rope", "pick berries": "picked berries",
+    "watch the clouds": "watched the clouds", "make music": "made music",
+    "explore caves": "explored caves", "write poems": "wrote poems",
+    "catch fireflies": "caught fireflies", "sail boats": "sailed boats",
+    "knit scarves": "knitted scarves",
+}
+FOODS = [
+    "bread", "soup", "berries", "carrots", "cheese", "pie", "rice", "pancakes", "plums", "nuts",
+    "corn", "cookies", "strawberries", "blueberries", "muffins", "sandwiches", "noodles",
+    "potatoes", "tomatoes", "oranges", "bananas", "grapes", "peaches", "cherries", "porridge",
+    "yogurt", "lemonade", "chocolate", "waffles", "dumplings", "spaghetti", "pretzels",
+]
+COLORS = [
+    "red", "blue", "green", "yellow", "purple", "orange", "pink", "white", "brown", "gray",
+    "black", "golden", "silver", "violet", "crimson", "turquoise", "lavender",
+]
+NUMBERS = [
+    "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+]
 
 def a(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
@@ -99,7 +155,8 @@ class Person:
             self.intro = f"a little {animal} named {nm}"
             self.he, self.him, self.his = "it", "it", "its"
             return
-        self.intro = f"a {rng.choice(['little girl', 'girl', 'kid'] if self.he == 'she' else ['little boy', 'boy', 'kid'])} named {self.name}"
+        kinds = ["little girl", "girl", "kid"] if self.he == "she" else ["little boy", "boy", "kid"]
+        self.intro = f"a {rng.choice(kinds)} named {self.name}"
 
     @property
     def He(self) -> str:
@@ -137,7 +194,8 @@ def story(rng: random.Random) -> str:
         f"Every day {hero.he} wanted to {act} at {place}.",
         f"{hero.His} {rel} had given {hero.him} {a(adj)} {obj} for {hero.his} birthday.",
         f"{hero.He} liked to eat {rng.choice(FOODS)} and to {act} with {hero.his} {rel}.",
-        f"Near {place} there was {a(rng.choice(ADJ))} {rng.choice(ANIMALS)} that was always {rng.choice(FEELINGS)}.",
+        f"Near {place} there was {a(rng.choice(ADJ))} {rng.choice(ANIMALS)} "
+        f"that was always {rng.choice(FEELINGS)}.",
     ]))
     # the problem
     problem = rng.randrange(5)
@@ -152,11 +210,12 @@ def story(rng: random.Random) -> str:
     elif problem == 2:
         n = rng.choice(NUMBERS)
         food = rng.choice(FOODS)
-        s.append(f"{hero.He} ate some {food} after {n} hours of play, but {hero.he} was still hungry.")
+        s.append(f"{hero.He} ate some {food} after {n} hours of play, "
+                 f"but {hero.he} was still hungry.")
         s.append(f"{hero.He} did not know where to find more {food}.")
         fix = f"shared {rng.choice(FOODS)} with {hero.him}"
     elif problem == 3:
-        s.append(f"Then the sky turned dark and it started to rain.")
+        s.append("Then the sky turned dark and it started to rain.")
         s.append(f"{hero.He} was {feel2} because {hero.he} was far from home.")
         fix = f"gave {hero.him} {a(rng.choice(COLORS))} umbrella and walked {hero.him} home"
     else:
@@ -170,14 +229,16 @@ def story(rng: random.Random) -> str:
         f"Soon {friend.intro} saw {hero.him}.",
     ]))
     s.append(rng.choice([
-        f"\"Why are you {rng.choice(['sad', 'worried', 'upset', 'crying'])}?\" asked {friend.name}.",
+        f"\"Why are you {rng.choice(['sad', 'worried', 'upset', 'crying'])}?\" "
+        f"asked {friend.name}.",
         f"\"Can I help you?\" asked {friend.name} with a smile.",
         f"\"Do not worry,\" said {friend.name}. \"I will help you.\"",
     ]))
     s.append(f"{friend.name} {fix}.")
     # resolution and moral
     s.append(rng.choice([
-        f"{hero.name} was so {rng.choice(['happy', 'glad', 'thankful', 'proud'])} that {hero.he} hugged {friend.name}.",
+        f"{hero.name} was so {rng.choice(['happy', 'glad', 'thankful', 'proud'])} "
+        f"that {hero.he} hugged {friend.name}.",
         f"{hero.name} smiled and said, \"Thank you, {friend.name}!\"",
         f"After that, {hero.name} and {friend.name} {PAST[act]} together at {place}.",
     ]))
