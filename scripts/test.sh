@@ -1,14 +1,9 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (torch from the local CPU wheel) and run the test suite.
-# This is the README's test command; .ci/run calls it.
+# The README's test command (.ci/run calls it): set up .venv, then run the test suite.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/numerics -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+bash scripts/setup.sh
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) with torch==2.13.0 (the local CPU wheel; a looser pin would pull
+# GBs of CUDA packages) and fp8export installed editable with its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
