@@ -26,17 +26,19 @@ DIRECTIONS = {
 }
 
 PRESETS: dict[str, dict[str, float]] = {
-    # Near-lossless: what a healthy FP8 conversion of a well-conditioned model reaches.
+    # Release gate for well-conditioned models: ~20x the healthy sample's KL; catches a weight
+    # scale off by 2x in most layers. Reasoning and measurements: docs/verify.md.
     "strict": {"cosine_mean": 0.998, "cosine_min": 0.995, "top1_agreement": 0.97,
-               "top5_overlap": 0.93, "kl_mean": 0.005, "kl_p99": 0.05, "ppl_ratio": 1.01,
+               "top5_overlap": 0.93, "kl_mean": 0.002, "kl_p99": 0.02, "ppl_ratio": 1.005,
                "accuracy_drop": 0.005},
-    # The gate: a healthy per-tensor E4M3 conversion passes, one broken layer fails.
-    "default": {"cosine_mean": 0.995, "cosine_min": 0.99, "top1_agreement": 0.92,
-                "top5_overlap": 0.85, "kl_mean": 0.02, "kl_p99": 0.2, "ppl_ratio": 1.05,
+    # The CI gate: ~100x the healthy sample's KL, so it does not flap across data and model
+    # sizes, while one layer with a weight scale off by 8x fails it.
+    "default": {"cosine_mean": 0.995, "cosine_min": 0.99, "top1_agreement": 0.94,
+                "top5_overlap": 0.85, "kl_mean": 0.01, "kl_p99": 0.1, "ppl_ratio": 1.02,
                 "accuracy_drop": 0.01},
-    # For small or hard-to-quantize models where some drift is accepted.
+    # Small or hard-to-quantize models where drift is accepted; catches gross breakage only.
     "loose": {"cosine_mean": 0.98, "cosine_min": 0.95, "top1_agreement": 0.85,
-              "top5_overlap": 0.75, "kl_mean": 0.08, "kl_p99": 0.8, "ppl_ratio": 1.15,
+              "top5_overlap": 0.7, "kl_mean": 0.05, "kl_p99": 0.5, "ppl_ratio": 1.1,
               "accuracy_drop": 0.03},
 }
 
