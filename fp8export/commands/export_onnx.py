@@ -11,10 +11,10 @@ import click
 @click.argument("fp8_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output .onnx file (default: sibling FP8DIR.onnx).")
-@click.option("--dtype", type=click.Choice(["fp16", "fp32", "bf16"]), default="fp16",
-              show_default=True,
-              help="Activation dtype of the graph. onnxruntime runs fp16/fp32 only; bf16 is for "
-                   "TensorRT (opset 23, fp32 scales, TensorRT >= 10.13).")
+@click.option("--dtype", type=click.Choice(["fp16", "fp32", "bf16"]),
+              help="Activation dtype of the graph (default fp16; fp32 for Keras sources). "
+                   "onnxruntime runs fp16/fp32 only; bf16 is for TensorRT (opset 23, fp32 "
+                   "scales, TensorRT >= 10.13).")
 @click.option("--opset", type=int, help="ONNX opset, 21..23 (default 21; 23 for bf16).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

@@ -66,7 +66,7 @@ class ExportOnnxConfig:
 
     fp8_dir: Path
     output: Path | None = None  # default: sibling "<fp8_dir>.onnx"
-    dtype: OnnxDtype = OnnxDtype.FP16
+    dtype: OnnxDtype | None = None  # default fp16 (fp32 for Keras sources)
     opset: int | None = None  # default 21 (23 for bf16)
     force: bool = False
 
@@ -74,7 +74,8 @@ class ExportOnnxConfig:
         object.__setattr__(self, "fp8_dir", Path(self.fp8_dir))
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
-        object.__setattr__(self, "dtype", OnnxDtype.parse(self.dtype, "--dtype"))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", OnnxDtype.parse(self.dtype, "--dtype"))
         if self.opset is not None and not MIN_OPSET <= int(self.opset) <= MAX_OPSET:
             raise Fp8ExportError(
                 f"--opset {self.opset}: supported opsets are {MIN_OPSET}..{MAX_OPSET} (FP8 Q/DQ "
@@ -88,10 +89,14 @@ class ExportOnnxConfig:
         return self.fp8_dir.parent / f"{self.fp8_dir.name}.onnx"
 
     @property
+    def resolved_dtype(self) -> OnnxDtype:
+        return self.dtype if self.dtype is not None else OnnxDtype.FP16
+
+    @property
     def resolved_opset(self) -> int:
         if self.opset is not None:
             return int(self.opset)
-        return BF16_OPSET if self.dtype is OnnxDtype.BF16 else DEFAULT_OPSET
+        return BF16_OPSET if self.resolved_dtype is OnnxDtype.BF16 else DEFAULT_OPSET
 
 
 @dataclass
@@ -292,13 +297,15 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
     folder = read_fp8_folder(cfg.fp8_dir)
-    opset = cfg.resolved_opset
-    proto, output_name = torch_export(folder, cfg.dtype, opset)
-    rewrite = rewrite_qdq(proto, folder.layers, dtype=cfg.dtype.value, opset=opset)
+    if is_keras_config(folder.config):
+        return _export_keras(cfg, start)
+    dtype, opset = cfg.resolved_dtype, cfg.resolved_opset
+    proto, output_name = torch_export(folder, dtype, opset)
+    rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11
-    proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} ({cfg.dtype})"
+    proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} ({dtype})"
 
     report_box: dict[str, Any] = {}
 
@@ -325,7 +332,45 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     if sixteen:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
-    return ExportResult(output=out, external_data=data, dtype=cfg.dtype.value, opset=opset,
+    return ExportResult(output=out, external_data=data, dtype=dtype.value, opset=opset,
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
                         output_name=output_name, check=report.to_dict(), notes=notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Keras sources (helper H5's fp8export.onnx.keras_export)
+
+def is_keras_config(config: dict[str, Any]) -> bool:
+    """A Keras model config (``class_name`` + ``config``) rather than a transformers one."""
+    return "class_name" in config and "config" in config and "model_type" not in config
+
+
+def _export_keras(cfg: ExportOnnxConfig, start: float) -> ExportResult:
+    """FP8 folders converted from ``.keras`` / ``.weights.h5``: Keras rebuilds the model."""
+    import onnx
+
+    from fp8export.onnx.keras_export import OPSET, export_keras_onnx
+
+    if cfg.dtype not in (None, OnnxDtype.FP32):
+        raise Fp8ExportError(
+            f"{cfg.fp8_dir}: --dtype {cfg.dtype}: folders converted from Keras export in fp32 "
+            "only (Keras rebuilds the model in float32). Use --dtype fp32 (or leave it out).")
+    if cfg.opset not in (None, OPSET):
+        raise Fp8ExportError(f"{cfg.fp8_dir}: --opset {cfg.opset}: Keras sources export at "
+                             f"opset {OPSET}. Use --opset {OPSET} (or leave it out).")
+    res = export_keras_onnx(None, cfg.fp8_dir, cfg.resolved_output, force=cfg.force)
+    header = onnx.load(str(res.output), load_external_data=False)
+    gemms = res.check.get("gemms", [])
+    sixteen = {g["layer"]: g["reason"] for g in gemms if not g["fp8"]}
+    data = res.output.parent / (res.output.name + ".data")
+    data = data if data.is_file() and any(
+        t.data_location == onnx.TensorProto.EXTERNAL for t in header.graph.initializer) else None
+    size = res.output.stat().st_size + (data.stat().st_size if data else 0)
+    return ExportResult(output=res.output, external_data=data, dtype="fp32", opset=res.opset,
+                        ir_version=int(header.ir_version), file_bytes=size,
+                        seconds=time.perf_counter() - start, fp8_gemms=list(res.fp8_gemms),
+                        sixteen_bit=sixteen, output_name=header.graph.output[0].name,
+                        check=res.check, notes=["Keras source: exported through Keras 3 "
+                                                "(torch backend), weights bound by content",
+                                                *res.notes])
