@@ -156,6 +156,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     if failures:
         names = ", ".join(f["message"] for f in failures)
         worst = f" Worst layer: {per_layer[0]['module']}." if per_layer else ""
-        raise VerificationFailed(f"{len(failures)} of {len(checks)} thresholds failed: {names}."
+        applicable = sum(c["status"] != "skipped" for c in checks)
+        raise VerificationFailed(f"{len(failures)} of {applicable} thresholds failed: {names}."
                                  f"{worst} Report: {cfg.report_dir}", result)
     return result
