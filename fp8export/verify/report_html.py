@@ -7,6 +7,7 @@ import html
 import io
 from typing import Any
 
+from fp8export.errors import Fp8ExportError
 from fp8export.verify.report import METRIC_ORDER, _fmt
 
 
@@ -112,7 +113,12 @@ def html_report(result: dict[str, Any], max_layers: int = 30) -> str:
             parts.append(f"<tr><td><code>{k}</code></td>"
                          f"<td>{e(_fmt(result['metrics'][k]))}</td></tr>")
     parts.append("</table>")
-    for title, png in _plots(result):
+    try:
+        plots = _plots(result)
+    except Fp8ExportError as exc:  # matplotlib is an optional extra: the report still renders
+        plots = []
+        parts.append(f"<p class='note'>No plots: {e(str(exc))}</p>")
+    for title, png in plots:
         parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' src=\"data:image/png;base64,"
                      f"{png}\">")
     layers = result.get("per_layer") or []

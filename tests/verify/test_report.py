@@ -53,3 +53,17 @@ def test_markdown_names_failures_and_worst_layer():
     assert "**Failing metrics:** `kl_mean`, `cosine_min`" in md
     assert "| `ppl_ratio` | – | ≤ 1.05 | ➖ n/a |" in md
     assert "`a.b`" in md and "> a note" in md
+
+
+def test_html_without_matplotlib_still_renders(monkeypatch):
+    import fp8export._lazy as lazy
+    from fp8export.errors import Fp8ExportError
+    from fp8export.verify.report_html import html_report
+
+    def missing(name, purpose=None):
+        raise Fp8ExportError(f"Python package '{name}' is not installed (needed for {purpose})")
+
+    monkeypatch.setattr(lazy, "lazy_import", missing)
+    html = html_report(_result())
+    assert "No plots: Python package &#x27;matplotlib&#x27; is not installed" in html
+    assert "data:image/png" not in html
