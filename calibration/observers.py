@@ -40,7 +40,6 @@ attention mask, and let members of a fused group that receive the *same tensor o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -116,18 +115,29 @@ class ActivationStats:
         ``x.reshape(-1, x.shape[-1])`` to keep (the non-padding positions); None keeps all.
         """
         x = x.detach()
+        if rows is not None and x.device.type == "cpu":
+            # CPU: copying the kept rows is cheaper than a per-row reduction (torch's CPU
+            # row-wise min/max is ~10x slower than its full reduction), and the histogram
+            # needs the kept values anyway.
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+            rows = None
         if rows is not None:
             h = x.shape[-1]
             x = x.reshape(-1, h)
-            # Row maxima, then the kept rows: no copy of the activation just to drop padding
-            # (one fused |.|-max reduction per row; NaN propagates).
-            rowmax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).index_select(0, rows)
+            # Device: per-row min/max, then the kept rows; no copy of the activation just to
+            # drop padding. NaN propagates through aminmax and maximum.
+            mn, mx = torch.aminmax(x, dim=-1)
             n = rows.numel() * h
-            a = rowmax.max() if rows.numel() else None
+            a = torch.maximum(mx, mn.neg()).index_select(0, rows).max() if rows.numel() else None
         else:
             n = x.numel()
-            # One fused reduction (|.| and max in one kernel, no temporary); NaN propagates.
-            a = torch.linalg.vector_norm(x, ord=math.inf) if n else None
+            # One single-pass reduction (min and max together); |x|max = max(max, -min).
+            # (linalg.vector_norm(ord=inf) is the same on a GPU but 13x slower on a CPU.)
+            if n:
+                mn, mx = torch.aminmax(x)
+                a = torch.maximum(mx, mn.neg())
+            else:
+                a = None
         if a is None:
             return
         a = a.to(torch.float32)
@@ -146,13 +156,13 @@ class ActivationStats:
         self.hist_elements += x.numel()
         b = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         # Clearing the sign bit of the bf16 pattern gives |x|'s pattern: bin index in [0, 2**15).
-        idx = (b.reshape(-1).view(torch.int16) & 0x7FFF).to(torch.int32)
+        idx = b.reshape(-1).view(torch.int16) & 0x7FFF
         if self.hist is None:
             self.hist = torch.zeros(HIST_BINS, dtype=torch.int64, device=x.device)
         if idx.device.type == "cpu":
             self.hist += torch.bincount(idx, minlength=HIST_BINS)
         else:
-            add_counts(self.hist, idx)
+            add_counts(self.hist, idx.to(torch.int32))
 
     def merge(self, other: ActivationStats) -> None:
         """Fold ``other`` into this one (same stream semantics as having seen both inputs)."""
