@@ -61,7 +61,10 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
     }[task]
     cfg = hf_config(config, source)
     try:
-        model = auto.from_config(cfg, dtype=dtype)
+        try:
+            model = auto.from_config(cfg, dtype=dtype)  # transformers >= 4.56 spelling
+        except TypeError:
+            model = auto.from_config(cfg, torch_dtype=dtype)
     except ValueError as exc:
         raise Fp8ExportError(f"{source}: cannot build {task} model from config ({exc}).") from exc
     return model.eval()
