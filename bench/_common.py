@@ -47,7 +47,12 @@ def machine_info(work_dir: Path) -> dict:
             pass
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
+    # Benchmarks run the working tree: say when the measured code differs from the commit.
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "fp8export",
+                            "calibration"], capture_output=True, text=True).stdout.split("\n")
+    dirty = sorted(ln[3:] for ln in dirty if ln.strip())
     return {
+        "git_uncommitted_code": dirty,
         "cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem_kib / 1024**2, 1),
         "disk": {"filesystem": fs, "total_gib": round(du.total / GiB, 1),
                  "free_gib": round(du.free / GiB, 1)},
