@@ -252,8 +252,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     atomic = AtomicDir(out, cfg.force)
     try:
         with atomic as tmp:
-            write_shards(tmp, plans, ckpt, weight_scales, input_scales,
-                         on_tensor=lambda: next(ticks, None))
+            record = write_shards(tmp, plans, ckpt, weight_scales, input_scales,
+                                  on_tensor=lambda: next(ticks, None))
             _finish(ticks)
             index = index_json(plans)
             if index is not None:
@@ -273,8 +273,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                     continue
                 _copy_file(aux, tmp / aux.name)
                 written.add(aux.name)
-            # Read-back first: the manifest records the SQNR of the weights as they are on disk.
-            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales)
+            # Read-back first: the manifest records the SQNR of the weights as they are on disk
+            # (computed while quantizing; read-back proves the bytes on disk are those bytes).
+            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record)
             layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
                              plans)
             manifest = {

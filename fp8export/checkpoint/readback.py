@@ -1,24 +1,41 @@
 """Read the written FP8 folder back before publishing it, and fail loudly on any defect.
 
-Every output shard is reopened with the real ``safetensors.safe_open``. Checked: the tensor
-names are exactly those planned, each dtype and shape is as planned (F8_E4M3 weights, F32
-scales), every scale is finite, > 0 and equal to the scale we computed, and every quantized
-weight, dequantized from disk, is within :data:`MIN_WEIGHT_SQNR_DB` of its source (SQNR
-recomputed from the source checkpoint). The index (when sharded) must map every tensor to
-the shard that holds it. All problems are collected into one Fp8ExportError.
+Every output shard is reopened from disk: its header is validated again (``read_header_spans``:
+JSON, dtypes, shapes, offsets tiling the data area exactly, file size) and the file is opened
+with the real ``safetensors.safe_open``, which reports each tensor's dtype and shape. Checked:
+the tensor names are exactly those planned, each dtype and shape is as planned (F8_E4M3
+weights, F32 scales), every scale read from disk is finite, > 0 and equal to the scale we
+computed, and every quantized weight's SQNR is at least :data:`MIN_WEIGHT_SQNR_DB`.
+
+How the SQNR is known to be that of the bytes on disk (content identity): while writing,
+``write_shards`` quantizes each weight chunk by chunk, computes its SQNR against the source from
+the very FP8 values it produced, and records a sha256 digest of every tensor's bytes as handed
+to the file (:class:`~fp8export.checkpoint.write.WriteRecord`). Read-back reads every tensor's
+bytes from the file (positional reads at the offsets of the re-validated header) and compares
+their digest with the recorded one, so a weight that matches carries exactly the FP8 values its
+SQNR was computed from, and a scale that matches is the scale we computed; any flipped byte,
+truncation or misplaced tensor fails. This replaces re-reading the whole source a second time.
+
+Without a record (``record=None``: a caller that did not write the folder itself), each weight's
+SQNR is recomputed from the source checkpoint and the bytes read back, the slower reference path.
+The index (when sharded) must map every tensor to the shard that holds it. All problems are
+collected into one Fp8ExportError.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
+from fp8export.checkpoint.safetensors_reader import pread_exact, read_header_spans
+from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH, digest
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.checkpoint.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
-from fp8export.checkpoint.write import INDEX_NAME, ShardPlan
+from fp8export.checkpoint.write import INDEX_NAME, ShardPlan, WriteRecord
 from fp8export.errors import Fp8ExportError
 
 _MAX_LISTED = 10
@@ -26,60 +43,19 @@ _MAX_LISTED = 10
 
 def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                  *, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
-    """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back."""
-    from safetensors import SafetensorError, safe_open
+                  *, record: WriteRecord | None = None,
+                  min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
+    """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
+    With ``record`` (what :func:`~fp8export.checkpoint.write.write_shards` returned), every
+    tensor's bytes on disk must have the digest recorded when they were written, and the SQNRs
+    are the recorded ones; without it, SQNRs are recomputed from ``ckpt``.
+    """
     problems: list[str] = []
     sqnr: dict[str, float] = {}
     for plan in plans:
-        path = out_dir / plan.file_name
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as exc:
-            problems.append(f"{plan.file_name}: cannot be reopened ({exc})")
-            continue
-        with handle as f:
-            planned = {e.tensor.name: e for e in plan.entries}
-            found = set(f.keys())
-            missing = sorted(set(planned) - found)
-            extra = sorted(found - set(planned))
-            if missing or extra:
-                problems.append(f"{plan.file_name}: tensors differ from the plan "
-                                f"(missing {missing[:3]}, unexpected {extra[:3]})")
-            for name, entry in planned.items():
-                if name not in found:
-                    continue
-                sl = f.get_slice(name)
-                dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-                if dtype != entry.tensor.dtype or shape != entry.tensor.shape:
-                    problems.append(f"{plan.file_name}: {name} is {dtype} {list(shape)}, "
-                                    f"expected {entry.tensor.dtype} {list(entry.tensor.shape)}")
-                    continue
-                if entry.kind in ("weight_scale", "input_scale"):
-                    value = float(f.get_tensor(name).reshape(-1)[0])
-                    want = float((weight_scales if entry.kind == "weight_scale"
-                                  else input_scales)[entry.source])
-                    if not (math.isfinite(value) and value > 0.0):
-                        problems.append(f"{plan.file_name}: {name} = {value} is not a finite "
-                                        "positive scale")
-                    elif value != want:
-                        problems.append(f"{plan.file_name}: {name} = {value!r} but {want!r} "
-                                        "was computed")
-                elif entry.kind == "weight":
-                    module = name[: -len(".weight")]
-                    scale_name = f"{module}.weight_scale"
-                    if scale_name not in found:
-                        continue
-                    scale = float(f.get_tensor(scale_name).reshape(-1)[0])
-                    if not (math.isfinite(scale) and scale > 0.0):
-                        continue  # reported with the scale itself
-                    value = roundtrip_sqnr(ckpt.load(entry.source), f.get_tensor(name), scale)
-                    sqnr[module] = value
-                    if not value >= min_sqnr_db:
-                        problems.append(
-                            f"{name}: the FP8 weight read back from {plan.file_name} has SQNR "
-                            f"{value:.1f} dB against the source (minimum {min_sqnr_db:.0f} dB)")
+        problems.extend(_verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales,
+                                      input_scales, record, min_sqnr_db, sqnr))
     index = out_dir / INDEX_NAME
     if len(plans) > 1:
         problems.extend(_check_index(index, plans))
@@ -95,6 +71,94 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             "are much larger, give it its own scale with --no-fuse-scales); any other failure "
             "is a bug or a failing disk.")
     return sqnr
+
+
+def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
+                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
+                  record: WriteRecord | None, min_sqnr_db: float,
+                  sqnr: dict[str, float]) -> list[str]:
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    fname = plan.file_name
+    try:
+        _infos, _meta, spans, _start = read_header_spans(path)
+        with safe_open(str(path), framework="pt", device="cpu") as f:  # the real reader's view
+            found = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                     for name in f.keys()}
+    except (Fp8ExportError, SafetensorError, OSError) as exc:
+        return [f"{fname}: cannot be reopened ({exc})"]
+    problems: list[str] = []
+    planned = {e.tensor.name: e for e in plan.entries}
+    missing = sorted(set(planned) - set(found))
+    extra = sorted(set(found) - set(planned))
+    if missing or extra:
+        problems.append(f"{fname}: tensors differ from the plan "
+                        f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    digests = record.digests.get(fname, {}) if record is not None else None
+    disk_scale: dict[str, float] = {}  # module -> weight scale as read from disk
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Scales first (a weight's SQNR uses its scale as read from disk), then the rest.
+        order = sorted(planned.values(), key=lambda e: e.kind == "weight")
+        for entry in order:
+            name = entry.tensor.name
+            if name not in found or name not in spans:
+                continue
+            dtype, shape = found[name]
+            if dtype != entry.tensor.dtype or shape != entry.tensor.shape:
+                problems.append(f"{fname}: {name} is {dtype} {list(shape)}, expected "
+                                f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
+                continue
+            begin, end = spans[name]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            if pread_exact(fd, raw.numpy(), begin) != end - begin:
+                problems.append(f"{fname}: {name} is cut short on disk")
+                continue
+            if digests is not None and digests.get(name) != digest(raw.numpy()):
+                problems.append(f"{fname}: the bytes of {name} on disk differ from those "
+                                "written (digest mismatch)")
+            if entry.kind in ("weight_scale", "input_scale"):
+                value = float(raw.view(torch.float32)[0])
+                want = float((weight_scales if entry.kind == "weight_scale"
+                              else input_scales)[entry.source])
+                if not (math.isfinite(value) and value > 0.0):
+                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
+                elif value != want:
+                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
+                if entry.kind == "weight_scale":
+                    disk_scale[entry.source] = value
+            elif entry.kind == "weight":
+                problem = _check_weight(entry, raw, disk_scale, ckpt, record, min_sqnr_db, sqnr,
+                                        fname)
+                if problem:
+                    problems.append(problem)
+            del raw
+    finally:
+        os.close(fd)
+    return problems
+
+
+def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
+                  record: WriteRecord | None, min_sqnr_db: float, sqnr: dict[str, float],
+                  fname: str) -> str | None:
+    name = entry.tensor.name
+    module = name[: -len(".weight")]
+    scale = disk_scale.get(module)
+    if scale is None or not (math.isfinite(scale) and scale > 0.0):
+        return None  # reported with the scale itself
+    if record is not None:
+        value = record.sqnr.get(module)
+        if value is None:
+            return f"{name}: no SQNR was recorded when it was written"
+    else:
+        q = raw.view(ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
+        value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)
+    sqnr[module] = value
+    if not value >= min_sqnr_db:
+        return (f"{name}: the FP8 weight read back from {fname} has SQNR {value:.1f} dB against "
+                f"the source (minimum {min_sqnr_db:.0f} dB)")
+    return None
 
 
 def _check_index(index: Path, plans: list[ShardPlan]) -> list[str]:

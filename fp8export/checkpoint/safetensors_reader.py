@@ -1,4 +1,4 @@
-"""Reading ``.safetensors`` files: header validation, then tensor-by-tensor loads via ``safe_open``.
+"""Reading ``.safetensors`` files: header validation, then tensor-by-tensor positional reads.
 
 ``safe_open`` already rejects truncated files, non-JSON headers, offsets outside the data,
 overlapping or gapped offsets, shape/dtype/byte-length mismatches and unknown dtypes (tried on
@@ -8,11 +8,20 @@ crafted files with safetensors 0.8). We still parse the header ourselves first, 
   we cap the header at :data:`MAX_HEADER_BYTES` *before* reading it;
 - it silently keeps the last of two duplicate names in a header.
 The header is small (a few hundred bytes per tensor), so parsing it twice costs nothing.
+
+Bulk data is not read through ``safe_open`` (which memory-maps the file: every page a load
+touches stays in the process's RSS as file-backed memory until the handle closes, which for a
+multi-GB shard is most of the shard). ``safe_open`` still opens each file once, on the first
+load, as a second structural check of the header we validated; the tensor bytes are then read
+with ``os.preadv`` at the offsets of that validated header into a fresh buffer, so each tensor
+is ordinary anonymous memory, freed when the caller drops it. A short read (the file shrank
+while we read it) is an error naming the file and tensor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +68,14 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
     Raises Fp8ExportError naming the file (and tensor) for every defect listed in the module
     docstring. Reads only the header, never the tensor data.
     """
+    infos, metadata, _spans, _start = read_header_spans(path)
+    return infos, metadata
+
+
+def read_header_spans(path: Path) -> tuple[list[TensorInfo], dict[str, str],
+                                          dict[str, tuple[int, int]], int]:
+    """:func:`read_header` plus each tensor's absolute ``(begin, end)`` byte span in the file
+    and the offset where the data area starts."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -116,7 +133,9 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
         raise Fp8ExportError(
             f"{path}: {data_size - cursor} bytes after the last tensor are not described by the "
             "header. The file is corrupt (or two files were concatenated): re-save it.")
-    return [e.info for e in entries], metadata
+    start = 8 + n
+    spans = {e.info.name: (start + e.begin, start + e.end) for e in entries}
+    return [e.info for e in entries], metadata, spans, start
 
 
 def _entry(path: Path, name: str, spec: Any) -> _Entry:
@@ -148,28 +167,68 @@ def _entry(path: Path, name: str, spec: Any) -> _Entry:
     return _Entry(info, offsets[0], offsets[1])
 
 
+def pread_exact(fd: int, buf, offset: int) -> int:
+    """Fill the writable buffer ``buf`` from ``fd`` at ``offset``; return the bytes read
+    (fewer than ``len(buf)`` only at end of file)."""
+    view = memoryview(buf).cast("B")
+    done, n = 0, len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 class SafetensorsFile:
-    """One validated ``.safetensors`` file; ``load`` reads a single tensor through ``safe_open``."""
+    """One validated ``.safetensors`` file; ``load`` reads a single tensor with positional reads."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.tensors, self.metadata = read_header(path)
-        self._handle = None
+        self.tensors, self.metadata, self.spans, self.data_start = read_header_spans(path)
+        self._dtypes = {t.name: t for t in self.tensors}
+        self._fd: int | None = None
 
-    def load(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
+    def _open(self) -> int:
+        if self._fd is None:
+            from safetensors import SafetensorError, safe_open
 
+            try:  # structural check only: no tensor is read through the mapping
+                with safe_open(str(self.path), framework="pt", device="cpu") as handle:
+                    handle.keys()
+                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except SafetensorError as exc:
+                raise Fp8ExportError(f"{self.path}: cannot be opened as safetensors ({exc}). "
+                                     "The file is corrupt: re-download it.") from exc
+        return self._fd
+
+    def read_raw(self, name: str, out=None) -> torch.Tensor:
+        """The stored bytes of tensor ``name`` as a flat uint8 tensor (into ``out`` if given)."""
+        import torch
+
+        begin, end = self.spans[name]
+        buf = torch.empty(end - begin, dtype=torch.uint8) if out is None else out
         try:
-            if self._handle is None:
-                self._handle = safe_open(str(self.path), framework="pt", device="cpu")
-            return self._handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise Fp8ExportError(f"{self.path}: cannot read tensor {name!r} ({exc}). The file is "
-                                 "corrupt or changed while reading: re-download it.") from exc
+            got = pread_exact(self._open(), buf.numpy(), begin) if end > begin else 0
         except OSError as exc:
             raise Fp8ExportError(f"{self.path}: cannot read tensor {name!r} "
                                  f"({exc.strerror or exc}).") from exc
+        if got != end - begin:
+            raise Fp8ExportError(f"{self.path}: tensor {name!r} is cut short ({got} of "
+                                 f"{end - begin} bytes). The file is truncated or changed while "
+                                 "reading: re-download it.")
+        return buf
+
+    def load(self, name: str) -> torch.Tensor:
+        from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH
+
+        info = self._dtypes.get(name)
+        if info is None:
+            raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
+        raw = self.read_raw(name)
+        return raw.view(ST_TO_TORCH[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:
-        # safe_open objects hold an mmap; dropping the last reference unmaps it.
-        self._handle = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -12,11 +12,13 @@ the real ``safetensors.safe_open`` before the output is published (``readback.py
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ TORCH_TO_ST = {
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
+ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
             "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
@@ -62,6 +65,14 @@ def header_bytes(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None 
     return struct.pack("<Q", len(raw)) + raw
 
 
+def digest(data) -> str:
+    """Content digest of one tensor's bytes (what read-back compares): sha256, hex.
+
+    hashlib releases the GIL on large buffers, so hashing overlaps other threads' work.
+    """
+    return hashlib.sha256(data).hexdigest()
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if sys.byteorder != "little":  # safetensors is little-endian; torch bytes are native
         raise Fp8ExportError("writing safetensors needs a little-endian machine.")
@@ -69,23 +80,36 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def _put(f, data: memoryview, name: str, digests: dict[str, str] | None) -> None:
+    if digests is not None:
+        digests[name] = digest(data)
+    if len(data):
+        f.write(data)
+
+
 def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                       produce: Callable[[PlannedTensor], torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> int:
+                      metadata: dict[str, str] | None = None,
+                      digests: dict[str, str] | None = None) -> int:
     """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return its size.
 
     Each produced tensor must match its planned dtype and shape (the header is already on disk).
-    The file is fsynced before returning.
+    With ``digests``, the :func:`digest` of every tensor's bytes, as handed to the file, is
+    stored under its name (read-back compares them with the bytes it reads from disk).
+    The file is fsynced (once) before returning.
     """
     names = [t.name for t in plan]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise Fp8ExportError(f"{path.name}: tensor names repeat in the output plan: {dup[:5]}.")
     total = 0
-    with open(path, "wb") as f:
+    # One writer thread: while it hands tensor i to the file and hashes it (both release the
+    # GIL), this thread produces tensor i + 1. At most two produced tensors are alive.
+    with open(path, "wb") as f, ThreadPoolExecutor(1, "fp8export-write") as io:
         head = header_bytes(plan, metadata)
         f.write(head)
         total += len(head)
+        pending = None
         for planned in plan:
             tensor = produce(planned)
             dtype = TORCH_TO_ST.get(tensor.dtype)
@@ -93,10 +117,15 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                 raise RuntimeError(  # a bug in the plan, not user input
                     f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "
                     f"{planned.dtype} {planned.shape}")
-            if planned.nbytes:
-                f.write(_tensor_bytes(tensor))
-            total += planned.nbytes
+            data = _tensor_bytes(tensor) if planned.nbytes else memoryview(b"")
             del tensor
+            if pending is not None:
+                pending.result()  # re-raises the writer's OSError (ENOSPC...) here
+            pending = io.submit(_put, f, data, planned.name, digests)
+            del data
+            total += planned.nbytes
+        if pending is not None:
+            pending.result()
         f.flush()
         os.fsync(f.fileno())
     return total

@@ -28,12 +28,17 @@ def chunked_amax(x: torch.Tensor) -> float:
     """max|x| as a Python float (NaN when x holds NaN, inf when it holds ±inf)."""
     flat = x.reshape(-1)
     amax = 0.0
-    for start in range(0, flat.numel(), CHUNK):
-        lo, hi = torch.aminmax(flat[start:start + CHUNK])  # one pass, no |x| temporary
-        part_max = max(-float(lo), float(hi))
-        if math.isnan(part_max):  # aminmax propagates NaN
-            return math.nan
-        amax = max(amax, part_max)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a max is exact on any thread count; one thread never waits
+    try:
+        for start in range(0, flat.numel(), CHUNK):
+            lo, hi = torch.aminmax(flat[start:start + CHUNK])  # one pass, no |x| temporary
+            part_max = max(-float(lo), float(hi))
+            if math.isnan(part_max):  # aminmax propagates NaN
+                return math.nan
+            amax = max(amax, part_max)
+    finally:
+        torch.set_num_threads(threads)
     return amax
 
 
@@ -53,10 +58,71 @@ def quantize_weight(w: torch.Tensor, scale: np.float32) -> torch.Tensor:
     for start in range(0, flat.numel(), CHUNK):
         # quantize_e4m3's arithmetic (x/scale in float32, clamp to ±448, RNE cast), done in
         # place so the cast writes straight into the output: one pass fewer per chunk.
-        y = flat[start:start + CHUNK].to(torch.float32)
+        y = flat[start:start + CHUNK].to(torch.float32, copy=True)  # never the source itself
         y.div_(s).clamp_(-E4M3_MAX, E4M3_MAX)
         q[start:start + y.numel()].copy_(y)
     return q.reshape(w.shape)
+
+
+_RNE_QUANTUM_FACTOR = 1.5 * 2.0**20  # (2^e)*1.5*2^20: float32 ulp 2^(e-3) = E4M3's step at 2^e
+_E4M3_MIN_NORMAL_BITS = (127 - 6) << 23  # float32 bits of 2^-6; below it the step is 2^-9
+
+
+def _round_to_e4m3_grid_(y: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``y`` (already clamped to ±448) in place to the nearest E4M3 value, ties
+    to even, in float32 arithmetic: the value ``y.to(float8_e4m3fn).to(float32)`` has.
+
+    Adding and subtracting M = 1.5 * 2^(e+20), where 2^e is y's binade (at least 2^-6, E4M3's
+    smallest normal), puts y into a float32 binade whose ulp, 2^(e-3), is E4M3's step at 2^e;
+    float32 addition rounds to nearest even, so ``(y + M) - M`` is y rounded to that step,
+    exactly (a test checks it against the real cast over every bf16 input and random floats).
+    It replaces an FP8 -> float32 cast that torch does one element at a time.
+    """
+    bits = tmp.view(torch.int32)
+    torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=bits)
+    bits.clamp_(min=_E4M3_MIN_NORMAL_BITS)
+    m = bits.view(torch.float32)
+    m.mul_(_RNE_QUANTUM_FACTOR)
+    return y.add_(m).sub_(m)
+
+
+def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32) -> tuple[torch.Tensor, float]:
+    """:func:`quantize_weight` and :func:`roundtrip_sqnr` of its result, in one pass.
+
+    Same bytes as ``quantize_weight(w, scale)`` and the same float as
+    ``roundtrip_sqnr(w, q, scale)`` (same chunks, same float32 operations, same dot products),
+    computed while each chunk is in cache instead of reading the source twice.
+    """
+    flat = w.reshape(-1)
+    n = flat.numel()
+    q = torch.empty(n, dtype=E4M3_DTYPE)
+    s = float(scale)
+    size = min(CHUNK, n)
+    x = torch.empty(size, dtype=torch.float32)
+    y = torch.empty(size, dtype=torch.float32)
+    tmp = torch.empty(size, dtype=torch.float32)
+    signal = noise = 0.0
+    threads = torch.get_num_threads()
+    try:
+        for start in range(0, n, CHUNK):
+            k = min(CHUNK, n - start)
+            xs, ys = x[:k], y[:k]
+            # Elementwise work on one thread: it is memory-bound, and a team of OpenMP threads
+            # waits at every op for its slowest member (badly so on a busy machine). The dot
+            # products below keep the intra-op thread count, whose blocking their float32
+            # sums follow, so the SQNR is the same float as roundtrip_sqnr's.
+            torch.set_num_threads(1)
+            xs.copy_(flat[start:start + k])  # the source chunk in float32
+            torch.div(xs, s, out=ys).clamp_(-E4M3_MAX, E4M3_MAX)
+            q[start:start + k].copy_(ys)  # RNE cast: the written bytes
+            _round_to_e4m3_grid_(ys, tmp[:k])  # == q[chunk].to(float32), exactly
+            ys.mul_(s).sub_(xs)
+            torch.set_num_threads(threads)
+            noise += float(torch.dot(ys, ys))
+            signal += float(torch.dot(xs, xs))
+    finally:
+        torch.set_num_threads(threads)
+    return q.reshape(w.shape), sqnr_from_sums(signal, noise)
 
 
 def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float:

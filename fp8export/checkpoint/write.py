@@ -23,7 +23,7 @@ from fp8export.checkpoint.safetensors_writer import (
 )
 from fp8export.checkpoint.select import Target
 from fp8export.checkpoint.source import Checkpoint
-from fp8export.checkpoint.weights import quantize_weight
+from fp8export.checkpoint.weights import quantize_weight_sqnr
 from fp8export.errors import Fp8ExportError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -83,14 +83,24 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
     return plans
 
 
+@dataclass
+class WriteRecord:
+    """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, and
+    the SQNR of every quantized weight, computed from exactly those bytes while quantizing."""
+
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> tensor -> digest
+    sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB
+
+
 def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32).reshape(shape)
 
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                 *, on_tensor: Callable[[], None] | None = None) -> None:
-    """Write every shard, one tensor in memory at a time (SQNR is measured on read-back)."""
+                 *, on_tensor: Callable[[], None] | None = None) -> WriteRecord:
+    """Write every shard, one tensor in memory at a time; return the digests and SQNRs."""
+    record = WriteRecord()
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
     for p in plans:
         for e in p.entries:
@@ -112,7 +122,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if entry.kind == "weight":
             module = weight_module[entry.source]
             w = ckpt.load(entry.source)
-            q = quantize_weight(w, weight_scales[module])
+            q, record.sqnr[module] = quantize_weight_sqnr(w, weight_scales[module])
             del w
             return q
         scales = weight_scales if entry.kind == "weight_scale" else input_scales
@@ -120,8 +130,10 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
 
     for plan in plans:
         by_name = {e.tensor.name: e for e in plan.entries}
+        digests = record.digests.setdefault(plan.file_name, {})
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
-                          lambda pt, by_name=by_name: produce(by_name[pt.name]))
+                          lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests)
+    return record
 
 
 def index_json(plans: list[ShardPlan]) -> dict | None:
