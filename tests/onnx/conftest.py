@@ -36,7 +36,4 @@ def onnx_fp32(fp8_static, tmp_path_factory):
     return result, out
 
 
-def token_feed(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> dict[str, np.ndarray]:
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(0, vocab, (batch, seq)).astype(np.int64)
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+from fp8_folder_maker import token_feed  # noqa: E402,F401  (one home, importable by tests)

@@ -46,3 +46,12 @@ def make_fp8_folder(out: Path, *, scales: str = "calibrate", seed: int = 0) -> P
         np.savez(calib, input_ids=ids.astype(np.int64))
     api.convert(ConvertConfig(checkpoint=src, output=out, scales=scales, calib_data=calib))
     return out
+
+
+def token_feed(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> dict:
+    """Random token ids and an all-ones mask, as numpy int64 arrays."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(0, vocab, (batch, seq)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import token_feed
+from fp8_folder_maker import token_feed
 
 from fp8export.numerics.fp8 import fake_quantize_e4m3
 from fp8export.numerics.metrics import cosine, rel_l2
