@@ -47,7 +47,12 @@ def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, state: Any, modules: lis
             "(Transformer Engine extra_state, Keras float8 variables or torchao buffers). Use "
             "--scales calibrate --calib-data PATH, or --scales weights.")
     policy = _provider("fp8export.checkpoint.training.policy", "ranges_from_history", "history")
-    ranges, notes = policy(state, modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+    try:
+        ranges, notes = policy(state, modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+    except Fp8ExportError as exc:  # policy errors name the layer; add the checkpoint
+        if ckpt.path.name in str(exc):
+            raise
+        raise Fp8ExportError(f"{ckpt.path}: {exc}") from exc
     return dict(ranges), [*getattr(state, "warnings", []), *notes]
 
 

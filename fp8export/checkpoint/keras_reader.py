@@ -520,7 +520,7 @@ def _open_member_h5(archive: SafeZip, path: Path, closers: list) -> h5py.File:
 def _open_h5(src: Any, where: str) -> h5py.File:
     try:
         return h5py.File(src, "r")
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, OverflowError) as exc:
         raise Fp8ExportError(f"{where}: not a readable HDF5 file ({exc}); it is truncated or "
                              "not a Keras weights file. Re-save the model.") from None
 

@@ -28,6 +28,22 @@ TE_HINT = ("It looks like a Transformer Engine checkpoint (it has '_extra_state'
            "or did not recognise the file.")
 
 
+
+def is_zip(path: Path) -> bool:
+    """``zipfile.is_zipfile`` whose failures are ours: a corrupt ZIP64 locator (e.g. a
+    multi-disk marker) makes the stdlib raise BadZipFile instead of answering. Such a file's
+    directory is inconsistent, so it is refused rather than guessed at (it might hide FP8
+    training state that a lenient reader would silently skip)."""
+    try:
+        return zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as exc:
+        raise Fp8ExportError(
+            f"{path}: corrupt zip container ({exc}); the torch checkpoint is damaged. "
+            "Re-save it with torch.save, or convert an intact copy."
+        ) from exc
+    except (OSError, ValueError, EOFError):
+        return False
+
 def _dtype_name(dtype: torch.dtype) -> str | None:
     import torch
 
@@ -44,7 +60,7 @@ def load_state_dict(path: Path) -> Any:
     """``torch.load`` the file safely (weights only, CPU, mmap when possible); errors named."""
     import torch
 
-    mmap = zipfile.is_zipfile(path)
+    mmap = is_zip(path)
     try:
         return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
     except pickle.UnpicklingError as exc:

@@ -550,10 +550,7 @@ def pt_zip64_multidisk(root, cid):
                     "tests/reliability/test_fuzz.py)", "torch")
 
 
-pt_zip64_multidisk.xfail = (
-    "KNOWN BUG: zipfile.is_zipfile raises BadZipFile ('zipfiles that span multiple disks are "
-    "not supported') instead of returning False; te_reader.file_has_fp8_state (and "
-    "torch_reader.py:47, te_reader.py:130) call it unguarded: a traceback for any such .pt")
+# (was a known bug: zipfile.is_zipfile raising BadZipFile; fixed by torch_reader.is_zip)
 
 
 # --- Transformer Engine _extra_state ----------------------------------------------------
@@ -572,7 +569,6 @@ def _te_case(root, cid, fixture: str, expect, note, extra=("--scales", "history"
 
 @case
 def te2_malicious_extra_state(root, cid):
-    # The message names the layer, not the file: see test_te_errors_name_the_file (xfail).
     return _te_case(root, cid, "te2_malicious", ["fc._extra_state", "refused"],
                     "TE 2.x pickled _extra_state whose unpickling writes the marker", name=False)
 
@@ -705,9 +701,7 @@ def keras_h5_superblock_overflow(root, cid):
                      "(found by tests/reliability/test_fuzz.py)")
 
 
-keras_h5_superblock_overflow.xfail = (
-    "KNOWN BUG: h5py's file-object driver raises OverflowError on this superblock and "
-    "keras_reader._open_h5 catches only OSError/ValueError/RuntimeError (a traceback)")
+# (was a known bug: h5py OverflowError escaping keras_reader._open_h5; fixed)
 
 
 @case

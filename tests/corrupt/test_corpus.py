@@ -139,9 +139,6 @@ def test_script_writes_a_case_list(tmp_path):
 
 # ---- gaps found while building the corpus (owned by other modules; see the report) -------
 
-@pytest.mark.xfail(strict=True, reason="TE _extra_state errors name the layer but not the "
-                                       "checkpoint file (checkpoint/training/te_unpickle.py, "
-                                       "training/policy.py); issue 8 wants both")
 @pytest.mark.parametrize("cid", ["te2_malicious_extra_state", "te1_malicious_extra_state",
                                  "te2_unknown_global", "te2_nonfinite_history"])
 def test_te_errors_name_the_file(corpus, cid):

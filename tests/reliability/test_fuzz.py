@@ -227,14 +227,6 @@ def _test_keras_mutated_h5_member(work, keras_valid, data):
     except Fp8ExportError as exc:
         assert "m.keras" in str(exc), str(exc)
         event("refused")
-    except OverflowError as exc:
-        # KNOWN BUG (test_keras_h5_superblock_overflow_is_our_error, xfail): h5py's file-object
-        # driver raises OverflowError for a huge address in the superblock, and
-        # keras_reader._open_h5 catches only OSError/ValueError/RuntimeError. Tolerated here
-        # only in its exact form, so the property keeps hunting for other crashes; remove
-        # this branch when the xfail test passes.
-        assert "C ssize_t" in str(exc), exc
-        event("KNOWN BUG: OverflowError from h5py")
 
 
 test_keras_mutated_h5_member, test_keras_mutated_h5_member_slow = \
@@ -419,23 +411,12 @@ def _test_te_file_byte_mutations_open(work, te_file, data):
         event("opened")
     except Fp8ExportError:
         event("refused")
-    except zipfile.BadZipFile as exc:
-        # KNOWN BUG (test_pt_zip64_multidisk_is_our_error, xfail): zipfile.is_zipfile raises
-        # on a ZIP64 locator claiming several disks. Tolerated only in this exact form.
-        assert "span multiple disks" in str(exc), exc
-        event("KNOWN BUG: BadZipFile from zipfile.is_zipfile")
 
 
 test_te_file_byte_mutations_open, test_te_file_byte_mutations_open_slow = \
     fuzz(150)(_test_te_file_byte_mutations_open)
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="keras_reader._open_h5 (fp8export/checkpoint/keras_reader.py) catches "
-                   "OSError/ValueError/RuntimeError but h5py's file-object driver raises "
-                   "OverflowError ('Python int too large to convert to C ssize_t', "
-                   "h5py/h5fd.pyx) on a superblock whose end-of-file address is damaged: a "
-                   "traceback instead of exit 1")
 def test_keras_h5_superblock_overflow_is_our_error(work, keras_valid):
     """Found by test_keras_mutated_h5_member: one byte of the HDF5 superblock (offset 48, in
     the end-of-file address) set to 0 inside a valid float8 .keras archive."""
@@ -447,11 +428,6 @@ def test_keras_h5_superblock_overflow_is_our_error(work, keras_valid):
         _open_all(path)
 
 
-@pytest.mark.xfail(strict=True, raises=zipfile.BadZipFile,
-                   reason="zipfile.is_zipfile raises BadZipFile('zipfiles that span multiple "
-                   "disks are not supported') instead of returning False; called unguarded in "
-                   "checkpoint/training/te_reader.py:102 (file_has_fp8_state, run for every "
-                   ".pt/.pth/.bin), te_reader.py:130 and torch_reader.py:47")
 def test_pt_zip64_multidisk_is_our_error(work, te_file):
     """Found by test_te_file_byte_mutations_open_slow: the ZIP64 end-of-central-directory
     locator's disk number set to 2 in a torch.save file (any .pt, TE or not)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, _aux_files, _config, weight_files
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile, read_header
 from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
-from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name
+from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name, is_zip
 from fp8export.checkpoint.training import torchao
 from fp8export.checkpoint.training.base import TrainingState
 from fp8export.checkpoint.training.te import EXTRA_STATE, plan_modules, te_training_state
@@ -99,7 +99,7 @@ def file_has_fp8_state(path: Path) -> bool:
         except Fp8ExportError:  # the generic reader reports a broken file
             return False
         return any(_is_state_name(i.name) for i in infos)
-    if not (path.is_file() and path.suffix in TORCH_SUFFIXES and zipfile.is_zipfile(path)):
+    if not (path.is_file() and path.suffix in TORCH_SUFFIXES and is_zip(path)):
         return False
     data = _data_pkl(path)
     return data is not None and _names_fp8_state(data)
@@ -127,7 +127,7 @@ def _load(path: Path) -> Any:
     try:
         with torch.serialization.safe_globals([io.BytesIO, *torchao.safe_globals()]):
             return torch.load(path, weights_only=True, map_location="cpu",
-                              mmap=zipfile.is_zipfile(path))
+                              mmap=is_zip(path))
     except pickle.UnpicklingError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         detail = next((ln for ln in lines if "GLOBAL" in ln or "global" in ln),
@@ -205,6 +205,15 @@ def _is_state_name(name: str) -> bool:
     return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE) or is_torchao_buffer(name)
 
 
+def _naming(exc: Fp8ExportError, path: Path) -> Fp8ExportError:
+    """The same error with the checkpoint path in front, unless it already names a file of it:
+    layer names alone are ambiguous in multi-shard folders."""
+    msg = str(exc)
+    if path.name in msg:
+        return exc
+    return Fp8ExportError(f"{path}: {msg}")
+
+
 class Fp8StateCheckpoint(Checkpoint):
     """State dict(s) with TE ``_extra_state`` or torchao FP8 buffers (see the module doc)."""
 
@@ -217,6 +226,9 @@ class Fp8StateCheckpoint(Checkpoint):
         self._sources: list[_TorchSource | _SafetensorsSource] = []
         try:
             self._open(files)
+        except Fp8ExportError as exc:
+            self.close()
+            raise _naming(exc, path) from exc
         except BaseException:
             self.close()
             raise
