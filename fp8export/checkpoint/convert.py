@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+# libgomp (torch's OpenMP runtime) reads this once, when torch loads. Its default lets idle
+# worker threads spin after every parallel region; convert alternates single-threaded
+# elementwise work with multi-threaded dot products while other threads hash and write, and
+# the spinning took the core those threads need (measured: 2-thread torch.dot on 16 MiB, 8x
+# slower and 3 s of extra CPU per GiB converted). A user's own setting wins.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from fp8export import __version__
 from fp8export._progress import progress
@@ -38,7 +47,7 @@ from fp8export.checkpoint.manifest import (
     write_json,
 )
 from fp8export.checkpoint.providers import provider
-from fp8export.checkpoint.readback import verify_output
+from fp8export.checkpoint.readback import verify_output, verify_shard
 from fp8export.checkpoint.select import Selection, select_targets
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
 from fp8export.checkpoint.weights import scan_weights
@@ -252,8 +261,18 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     atomic = AtomicDir(out, cfg.force)
     try:
         with atomic as tmp:
-            record = write_shards(tmp, plans, ckpt, weight_scales, input_scales,
-                                  on_tensor=lambda: next(ticks, None))
+            # Each shard is read back in a thread as soon as it is fsynced, while the next one
+            # is written; verify_output collects the results below.
+            early: dict[str, Any] = {}
+            with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
+                record = write_shards(
+                    tmp, plans, ckpt, weight_scales, input_scales,
+                    on_tensor=lambda: next(ticks, None),
+                    on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
+                        verify_shard, tmp, plan, ckpt, weight_scales, input_scales,
+                        record=rec)))
+                for fut in early.values():
+                    fut.exception()  # wait, inside the pool's lifetime
             _finish(ticks)
             index = index_json(plans)
             if index is not None:
@@ -275,7 +294,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 written.add(aux.name)
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
-            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record)
+            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record,
+                                 early=early)
             layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
                              plans)
             manifest = {

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -44,18 +45,26 @@ _MAX_LISTED = 10
 def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   *, record: WriteRecord | None = None,
-                  min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
+                  min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
+                  early: dict[str, Future] | None = None) -> dict[str, float]:
     """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
     With ``record`` (what :func:`~fp8export.checkpoint.write.write_shards` returned), every
     tensor's bytes on disk must have the digest recorded when they were written, and the SQNRs
-    are the recorded ones; without it, SQNRs are recomputed from ``ckpt``.
+    are the recorded ones; without it, SQNRs are recomputed from ``ckpt``. ``early`` maps shard
+    names to the result of :func:`verify_shard` already started on them (e.g. in a thread as
+    soon as each shard was fsynced); the others are checked here.
     """
     problems: list[str] = []
     sqnr: dict[str, float] = {}
     for plan in plans:
-        problems.extend(_verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales,
-                                      input_scales, record, min_sqnr_db, sqnr))
+        if early is not None and plan.file_name in early:
+            found, values = early[plan.file_name].result()
+        else:
+            found, values = verify_shard(out_dir, plan, ckpt, weight_scales, input_scales,
+                                         record=record, min_sqnr_db=min_sqnr_db)
+        problems.extend(found)
+        sqnr.update(values)
     index = out_dir / INDEX_NAME
     if len(plans) > 1:
         problems.extend(_check_index(index, plans))
@@ -71,6 +80,16 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             "are much larger, give it its own scale with --no-fuse-scales); any other failure "
             "is a bug or a failing disk.")
     return sqnr
+
+
+def verify_shard(out_dir: Path, plan: ShardPlan, ckpt: Checkpoint,
+                 weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32], *,
+                 record: WriteRecord | None = None, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
+                 ) -> tuple[list[str], dict[str, float]]:
+    """Read one written shard back (see the module docstring): (problems, module -> SQNR)."""
+    sqnr: dict[str, float] = {}
+    return _verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales, input_scales,
+                         record, min_sqnr_db, sqnr), sqnr
 
 
 def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,

@@ -17,6 +17,7 @@ import json
 import os
 import struct
 import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ TORCH_TO_ST = {
 ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
             "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+WRITE_QUEUE = 2  # produced tensors that may wait for the writer thread
 METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
 
 
@@ -103,13 +105,14 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
         dup = sorted({n for n in names if names.count(n) > 1})
         raise Fp8ExportError(f"{path.name}: tensor names repeat in the output plan: {dup[:5]}.")
     total = 0
-    # One writer thread: while it hands tensor i to the file and hashes it (both release the
-    # GIL), this thread produces tensor i + 1. At most two produced tensors are alive.
+    # One writer thread: while it hands earlier tensors to the file and hashes them (both
+    # release the GIL), this thread produces the next one. At most WRITE_QUEUE produced tensors
+    # wait for the writer, which smooths over large tensors without holding many.
     with open(path, "wb") as f, ThreadPoolExecutor(1, "fp8export-write") as io:
         head = header_bytes(plan, metadata)
         f.write(head)
         total += len(head)
-        pending = None
+        pending: deque = deque()
         for planned in plan:
             tensor = produce(planned)
             dtype = TORCH_TO_ST.get(tensor.dtype)
@@ -119,13 +122,13 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                     f"{planned.dtype} {planned.shape}")
             data = _tensor_bytes(tensor) if planned.nbytes else memoryview(b"")
             del tensor
-            if pending is not None:
-                pending.result()  # re-raises the writer's OSError (ENOSPC...) here
-            pending = io.submit(_put, f, data, planned.name, digests)
+            while len(pending) >= WRITE_QUEUE:
+                pending.popleft().result()  # re-raises the writer's OSError (ENOSPC...) here
+            pending.append(io.submit(_put, f, data, planned.name, digests))
             del data
             total += planned.nbytes
-        if pending is not None:
-            pending.result()
+        while pending:
+            pending.popleft().result()
         f.flush()
         os.fsync(f.fileno())
     return total

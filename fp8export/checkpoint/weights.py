@@ -19,6 +19,7 @@ from fp8export.checkpoint.select import Target
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of float32
+SUBCHUNK = 1 << 18  # elementwise pieces of a chunk that stay in cache (1 MiB of float32)
 MIN_WEIGHT_SQNR_DB = 20.0
 """A weight whose FP8 round trip is worse than this is an error (per-tensor E4M3 of a trained
 weight gives ~25-32 dB; below 20 dB the scale is wrong or the tensor has extreme outliers)."""
@@ -100,26 +101,28 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32) -> tuple[torch.Tens
     size = min(CHUNK, n)
     x = torch.empty(size, dtype=torch.float32)
     y = torch.empty(size, dtype=torch.float32)
-    tmp = torch.empty(size, dtype=torch.float32)
+    tmp = torch.empty(min(SUBCHUNK, size), dtype=torch.float32)
     signal = noise = 0.0
     threads = torch.get_num_threads()
     try:
         for start in range(0, n, CHUNK):
             k = min(CHUNK, n - start)
-            xs, ys = x[:k], y[:k]
-            # Elementwise work on one thread: it is memory-bound, and a team of OpenMP threads
-            # waits at every op for its slowest member (badly so on a busy machine). The dot
-            # products below keep the intra-op thread count, whose blocking their float32
-            # sums follow, so the SQNR is the same float as roundtrip_sqnr's.
+            # Elementwise work on one thread, in cache-sized pieces: it is memory-bound, and a
+            # team of OpenMP threads waits at every op for its slowest member (badly so on a
+            # busy machine). The dot products keep the intra-op thread count and the CHUNK
+            # blocking, which their float32 sums follow, so the SQNR is roundtrip_sqnr's float.
             torch.set_num_threads(1)
-            xs.copy_(flat[start:start + k])  # the source chunk in float32
-            torch.div(xs, s, out=ys).clamp_(-E4M3_MAX, E4M3_MAX)
-            q[start:start + k].copy_(ys)  # RNE cast: the written bytes
-            _round_to_e4m3_grid_(ys, tmp[:k])  # == q[chunk].to(float32), exactly
-            ys.mul_(s).sub_(xs)
+            for a in range(0, k, SUBCHUNK):
+                b = min(a + SUBCHUNK, k)
+                xs, ys = x[a:b], y[a:b]
+                xs.copy_(flat[start + a:start + b])  # the source in float32
+                torch.div(xs, s, out=ys).clamp_(-E4M3_MAX, E4M3_MAX)
+                q[start + a:start + b].copy_(ys)  # RNE cast: the written bytes
+                _round_to_e4m3_grid_(ys, tmp[:b - a])  # == q[...].to(float32), exactly
+                ys.mul_(s).sub_(xs)
             torch.set_num_threads(threads)
-            noise += float(torch.dot(ys, ys))
-            signal += float(torch.dot(xs, xs))
+            noise += float(torch.dot(y[:k], y[:k]))
+            signal += float(torch.dot(x[:k], x[:k]))
     finally:
         torch.set_num_threads(threads)
     return q.reshape(w.shape), sqnr_from_sums(signal, noise)

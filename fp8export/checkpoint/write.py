@@ -93,13 +93,19 @@ class WriteRecord:
 
 
 def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(float(value), dtype=torch.float32).reshape(shape)
+    return torch.from_numpy(np.array([value], dtype=np.float32)).reshape(shape)
 
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                 *, on_tensor: Callable[[], None] | None = None) -> WriteRecord:
-    """Write every shard, one tensor in memory at a time; return the digests and SQNRs."""
+                 *, on_tensor: Callable[[], None] | None = None,
+                 on_file: Callable[[ShardPlan, WriteRecord], None] | None = None,
+                 ) -> WriteRecord:
+    """Write every shard, one tensor in memory at a time; return the digests and SQNRs.
+
+    ``on_file(plan, record)`` is called when a shard is complete and fsynced (read-back of that
+    shard can start while the next one is written).
+    """
     record = WriteRecord()
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
     for p in plans:
@@ -133,6 +139,8 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         digests = record.digests.setdefault(plan.file_name, {})
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
                           lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests)
+        if on_file is not None:
+            on_file(plan, record)
     return record
 
 

@@ -127,7 +127,8 @@ def test_readback_catches_one_flipped_weight_byte(tmp_path, dict_ckpt):
 
 def test_readback_catches_a_flipped_copied_tensor_byte(tmp_path, dict_ckpt):
     ckpt, plans, ws, ins, record = _written(tmp_path, dict_ckpt)
-    _patch(tmp_path / "model.safetensors", "x.norm.weight", lambda b: b[:-1] + bytes([b[-1] ^ 0x80]))
+    _patch(tmp_path / "model.safetensors", "x.norm.weight",
+           lambda b: b[:-1] + bytes([b[-1] ^ 0x80]))
     with pytest.raises(Fp8ExportError, match=r"x\.norm\.weight on disk differ"):
         verify_output(tmp_path, plans, ckpt, ws, ins, record=record)
 
