@@ -6,6 +6,13 @@ for its amax (NaN/Inf offenders collected, all-zero weights kept in high precisi
 groups share the max); resolve activation ranges (``activation.py``); plan the shards; write
 them one tensor at a time into a hidden temporary sibling with config, tokenizer files and
 the manifest; read everything back (``readback.py``); and only then rename it into place.
+
+Where the work runs (bench/convert.py measures it): the main thread reads each source tensor
+(positional reads, no mmap) and quantizes it, computing its SQNR from the FP8 values it
+produces; a writer thread hands the bytes to the file and records their sha256; a read-back
+thread re-reads each shard once it is fsynced and compares digests (content identity, see
+``readback.py``); a hashing thread computes the source files' sha256 for the manifest. So the
+source is read twice (amax scan, quantization) plus once by the hasher, the output once.
 """
 
 from __future__ import annotations
@@ -222,7 +229,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
 
     ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
                           desc="scanning weights", unit="tensor"))
-    scan = scan_weights(sel.targets, ckpt.load, sel.groups, on_step=lambda: next(ticks, None))
+    # scan_weights drops each weight before loading the next: a reused read buffer is safe.
+    scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
+                        on_step=lambda: next(ticks, None))
     _finish(ticks)
     if scan.nonfinite:
         raise Fp8ExportError(

@@ -65,6 +65,7 @@ class WeightFilesCheckpoint(Checkpoint):
         self._where: dict[str, WeightFile] = {}
         self._infos: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
+        self._scratch: torch.Tensor | None = None
         try:
             for file_path in files:
                 wf = open_weight_file(file_path)
@@ -116,7 +117,22 @@ class WeightFilesCheckpoint(Checkpoint):
             raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
         return wf.load(name)
 
+    def load_scratch(self, name: str) -> torch.Tensor:
+        """Like :meth:`load`, but safetensors data lands in one buffer reused by the next
+        ``load_scratch`` call: use the tensor (not a view of it) before loading another."""
+        wf = self._where.get(name)
+        if not isinstance(wf, SafetensorsFile):
+            return self.load(name)
+        begin, end = wf.spans[name]
+        if self._scratch is None or self._scratch.numel() < end - begin:
+            import torch
+
+            self._scratch = None  # free the old one first
+            self._scratch = torch.empty(end - begin, dtype=torch.uint8)
+        return wf.load(name, scratch=self._scratch)
+
     def close(self) -> None:
+        self._scratch = None
         for wf in self._files:
             wf.close()
 

@@ -118,6 +118,7 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
     disk_scale: dict[str, float] = {}  # module -> weight scale as read from disk
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
+        scratch = torch.empty(0, dtype=torch.uint8)
         # Scales first (a weight's SQNR uses its scale as read from disk), then the rest.
         order = sorted(planned.values(), key=lambda e: e.kind == "weight")
         for entry in order:
@@ -130,7 +131,10 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                                 f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
                 continue
             begin, end = spans[name]
-            raw = torch.empty(end - begin, dtype=torch.uint8)
+            if scratch.numel() < end - begin:
+                scratch = None  # free the old one first
+                scratch = torch.empty(end - begin, dtype=torch.uint8)
+            raw = scratch[:end - begin]  # one buffer for the shard: no fresh pages per tensor
             if pread_exact(fd, raw.numpy(), begin) != end - begin:
                 problems.append(f"{fname}: {name} is cut short on disk")
                 continue

@@ -219,13 +219,17 @@ class SafetensorsFile:
                                  "reading: re-download it.")
         return buf
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name`` as stored. With ``scratch`` (a flat uint8 tensor at least as large
+        as its bytes) it is read into that buffer instead of a new one: reusing one buffer
+        saves faulting fresh pages in for every tensor."""
         from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH
 
         info = self._dtypes.get(name)
         if info is None:
             raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
-        raw = self.read_raw(name)
+        begin, end = self.spans[name]
+        raw = self.read_raw(name, None if scratch is None else scratch[:end - begin])
         return raw.view(ST_TO_TORCH[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:

@@ -82,23 +82,53 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _put(f, data: memoryview, name: str, digests: dict[str, str] | None) -> None:
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks up front (Linux ``fallocate``): writing into allocated extents
+    costs a fraction of the CPU of extending the file block by block (measured 2.5 GiB: 0.4-1.4 s
+    against 2.3-6.5 s). Best effort: unsupported, or any error, and the writes proceed as they
+    would have (a full disk still fails in ``write``)."""
+    global _fallocate
+    if _fallocate is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
+            fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+            fn.restype = ctypes.c_int
+            _fallocate = fn
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate and size > 0:
+        _fallocate(fd, 0, 0, size)  # mode 0; a failure (-1) is ignored on purpose
+
+
+_fallocate = None
+
+
+def _put(f, data: memoryview, planned: PlannedTensor, tensor: torch.Tensor,
+         digests: dict[str, str] | None,
+         release: Callable[[PlannedTensor, torch.Tensor], None] | None) -> None:
     if digests is not None:
-        digests[name] = digest(data)
+        digests[planned.name] = digest(data)
     if len(data):
         f.write(data)
+    if release is not None:
+        release(planned, tensor)
 
 
 def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                       produce: Callable[[PlannedTensor], torch.Tensor],
                       metadata: dict[str, str] | None = None,
-                      digests: dict[str, str] | None = None) -> int:
+                      digests: dict[str, str] | None = None,
+                      release: Callable[[PlannedTensor, torch.Tensor], None] | None = None,
+                      ) -> int:
     """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return its size.
 
     Each produced tensor must match its planned dtype and shape (the header is already on disk).
     With ``digests``, the :func:`digest` of every tensor's bytes, as handed to the file, is
     stored under its name (read-back compares them with the bytes it reads from disk).
-    The file is fsynced (once) before returning.
+    ``release(planned, tensor)`` is called (from the writer thread) once a tensor's bytes were
+    handed to the file, so its buffer can be reused. The file is fsynced (once) before returning.
     """
     names = [t.name for t in plan]
     if len(set(names)) != len(names):
@@ -110,6 +140,7 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
     # wait for the writer, which smooths over large tensors without holding many.
     with open(path, "wb") as f, ThreadPoolExecutor(1, "fp8export-write") as io:
         head = header_bytes(plan, metadata)
+        _preallocate(f.fileno(), len(head) + sum(t.nbytes for t in plan))
         f.write(head)
         total += len(head)
         pending: deque = deque()
@@ -121,11 +152,10 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                     f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "
                     f"{planned.dtype} {planned.shape}")
             data = _tensor_bytes(tensor) if planned.nbytes else memoryview(b"")
-            del tensor
             while len(pending) >= WRITE_QUEUE:
                 pending.popleft().result()  # re-raises the writer's OSError (ENOSPC...) here
-            pending.append(io.submit(_put, f, data, planned.name, digests))
-            del data
+            pending.append(io.submit(_put, f, data, planned, tensor, digests, release))
+            del data, tensor
             total += planned.nbytes
         while pending:
             pending.popleft().result()

@@ -9,6 +9,7 @@ a few chunk-sized temporaries. The arithmetic per element is that of
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,21 +88,34 @@ def _round_to_e4m3_grid_(y: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return y.add_(m).sub_(m)
 
 
-def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32) -> tuple[torch.Tensor, float]:
+_workspace = threading.local()
+
+
+def _chunk_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's float32 chunk buffers, allocated once: fresh large allocations are fresh
+    mappings, and faulting their pages in cost more than the arithmetic done in them."""
+    bufs = getattr(_workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = (torch.empty(CHUNK, dtype=torch.float32),
+                                  torch.empty(CHUNK, dtype=torch.float32),
+                                  torch.empty(SUBCHUNK, dtype=torch.float32))
+    return bufs
+
+
+def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, float]:
     """:func:`quantize_weight` and :func:`roundtrip_sqnr` of its result, in one pass.
 
     Same bytes as ``quantize_weight(w, scale)`` and the same float as
     ``roundtrip_sqnr(w, q, scale)`` (same chunks, same float32 operations, same dot products),
-    computed while each chunk is in cache instead of reading the source twice.
+    computed while each chunk is in cache instead of reading the source twice. ``out``: a
+    uint8 buffer of at least ``w.numel()`` bytes to hold the result (else one is allocated).
     """
     flat = w.reshape(-1)
     n = flat.numel()
-    q = torch.empty(n, dtype=E4M3_DTYPE)
+    q = (torch.empty(n, dtype=torch.uint8) if out is None else out[:n]).view(E4M3_DTYPE)
     s = float(scale)
-    size = min(CHUNK, n)
-    x = torch.empty(size, dtype=torch.float32)
-    y = torch.empty(size, dtype=torch.float32)
-    tmp = torch.empty(min(SUBCHUNK, size), dtype=torch.float32)
+    x, y, tmp = _chunk_buffers()
     signal = noise = 0.0
     threads = torch.get_num_threads()
     try:

@@ -9,6 +9,7 @@ activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,34 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
     return plans
 
 
+class _BufferPool:
+    """FP8 output buffers handed back once written, reused for later weights (a fresh large
+    buffer is a fresh mapping whose pages must all be faulted in). Holds at most
+    :data:`_POOL_KEEP` buffers; the writer thread returns them, the main thread takes them."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # the smallest that fits (list.remove would compare tensors by value)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def put(self, tensor: torch.Tensor) -> None:
+        base = tensor.view(torch.uint8).reshape(-1)
+        storage = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage())
+        with self._lock:
+            self._free.append(storage)
+            if len(self._free) > _POOL_KEEP:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+
+_POOL_KEEP = 3
+
+
 @dataclass
 class WriteRecord:
     """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, and
@@ -127,18 +156,23 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             return t
         if entry.kind == "weight":
             module = weight_module[entry.source]
-            w = ckpt.load(entry.source)
-            q, record.sqnr[module] = quantize_weight_sqnr(w, weight_scales[module])
+            w = load_scratch(entry.source)  # dropped before the next weight is loaded
+            q, record.sqnr[module] = quantize_weight_sqnr(w, weight_scales[module],
+                                                          out=pool.get(w.numel()))
             del w
             return q
         scales = weight_scales if entry.kind == "weight_scale" else input_scales
         return scale_tensor(scales[entry.source], entry.tensor.shape)
 
+    load_scratch = getattr(ckpt, "load_scratch", ckpt.load)
+    pool = _BufferPool()
     for plan in plans:
         by_name = {e.tensor.name: e for e in plan.entries}
         digests = record.digests.setdefault(plan.file_name, {})
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
-                          lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests)
+                          lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests,
+                          release=lambda pt, t, by_name=by_name: (
+                              pool.put(t) if by_name[pt.name].kind == "weight" else None))
         if on_file is not None:
             on_file(plan, record)
     return record
