@@ -6,6 +6,8 @@ output is ``{"logits": float32 [B, T, V]}`` (``[B, C]`` for classifiers).
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +56,9 @@ class TorchModelRunner(Runner):
         self.model = None
         self.config: dict[str, Any] = {}
 
+    @abstractmethod
     def _build(self):  # -> (model, config)
-        raise NotImplementedError
+        """Build the torch model on ``self.device`` in ``self.dtype``."""
 
     def _activate(self) -> None:
         self.device = resolve_device(self.device_name)
