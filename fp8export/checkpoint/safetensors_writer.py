@@ -12,6 +12,7 @@ the real ``safetensors.safe_open`` before the output is published (``readback.py
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fp8export.errors import Fp8ExportError
@@ -82,6 +84,96 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers are multiples of the block size
+_STAGE = 8 << 20  # bytes gathered before one write
+
+
+class _BlockWriter:
+    """A file written sequentially in large aligned blocks, with ``O_DIRECT`` where the file
+    system allows it: the bytes go from our buffer to the device without being copied into
+    the page cache, which on the benchmark machine cost more CPU than quantizing (measured
+    2.5 GiB: 0.3 s of CPU against 2-2.6 s buffered, plus 0.7 s of fsync). Read-back then
+    reads what reached the device. Where ``O_DIRECT`` is refused (tmpfs, some network file
+    systems) the same aligned writes go through the page cache. ``finish`` writes the last
+    partial block, cuts the file to its exact size and fsyncs it.
+    """
+
+    def __init__(self, path: Path):
+        import mmap
+
+        self.path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            self.fd = os.open(path, flags | direct, 0o644)
+        except OSError:  # EINVAL: no O_DIRECT here
+            self.fd = os.open(path, flags, 0o644)
+        self._stage = mmap.mmap(-1, _STAGE)  # page-aligned, as O_DIRECT needs
+        self._np = np.frombuffer(self._stage, dtype=np.uint8)
+        self._fill = 0
+        self._offset = 0  # bytes of the file already written (a multiple of _ALIGN)
+        self.size = 0
+
+    def write(self, data) -> None:
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        i, n = 0, len(src)
+        while i < n:
+            k = min(n - i, _STAGE - self._fill)
+            self._np[self._fill:self._fill + k] = src[i:i + k]
+            self._fill += k
+            i += k
+            if self._fill == _STAGE:
+                self._flush(_STAGE)
+        self.size += n
+
+    def _flush(self, length: int) -> None:
+        view = memoryview(self._stage)[:length]
+        done = 0
+        while done < length:
+            try:
+                done += os.pwrite(self.fd, view[done:], self._offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._drop_direct():
+                    raise
+        self._offset += length
+        self._fill = 0
+
+    def _drop_direct(self) -> bool:
+        """Some file systems accept O_DIRECT at open and refuse the writes: go buffered."""
+        import fcntl
+
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        direct = getattr(os, "O_DIRECT", 0)
+        if not flags & direct:
+            return False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~direct)
+        return True
+
+    def finish(self) -> None:
+        if self._fill:
+            pad = -self._fill % _ALIGN
+            self._np[self._fill:self._fill + pad] = 0
+            self._flush(self._fill + pad)
+        os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+        self._np = None
+        try:
+            self._stage.close()
+        except BufferError:  # a view is still held (by an exception's traceback): let GC unmap
+            pass
+
+    def __enter__(self) -> _BlockWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _preallocate(fd: int, size: int) -> None:
     """Reserve the file's blocks up front (Linux ``fallocate``): writing into allocated extents
     costs a fraction of the CPU of extending the file block by block (measured 2.5 GiB: 0.4-1.4 s
@@ -138,9 +230,9 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
     # One writer thread: while it hands earlier tensors to the file and hashes them (both
     # release the GIL), this thread produces the next one. At most WRITE_QUEUE produced tensors
     # wait for the writer, which smooths over large tensors without holding many.
-    with open(path, "wb") as f, ThreadPoolExecutor(1, "fp8export-write") as io:
+    with _BlockWriter(path) as f, ThreadPoolExecutor(1, "fp8export-write") as io:
         head = header_bytes(plan, metadata)
-        _preallocate(f.fileno(), len(head) + sum(t.nbytes for t in plan))
+        _preallocate(f.fd, len(head) + sum(t.nbytes for t in plan))
         f.write(head)
         total += len(head)
         pending: deque = deque()
@@ -159,6 +251,5 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
             total += planned.nbytes
         while pending:
             pending.popleft().result()
-        f.flush()
-        os.fsync(f.fileno())
+        f.finish()  # last block, exact size, fsync
     return total
