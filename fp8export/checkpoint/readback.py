@@ -116,9 +116,8 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
     digests = record.digests.get(fname, {}) if record is not None else None
     disk_scale: dict[str, float] = {}  # module -> weight scale as read from disk
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    disk = _DiskReader(path)
     try:
-        scratch = torch.empty(0, dtype=torch.uint8)
         # Scales first (a weight's SQNR uses its scale as read from disk), then the rest.
         order = sorted(planned.values(), key=lambda e: e.kind == "weight")
         for entry in order:
@@ -131,11 +130,8 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                                 f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
                 continue
             begin, end = spans[name]
-            if scratch.numel() < end - begin:
-                scratch = None  # free the old one first
-                scratch = torch.empty(end - begin, dtype=torch.uint8)
-            raw = scratch[:end - begin]  # one buffer for the shard: no fresh pages per tensor
-            if pread_exact(fd, raw.numpy(), begin) != end - begin:
+            raw = disk.read(begin, end)
+            if raw is None:
                 problems.append(f"{fname}: {name} is cut short on disk")
                 continue
             if digests is not None and digests.get(name) != digest(raw.numpy()):
@@ -158,8 +154,78 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                     problems.append(problem)
             del raw
     finally:
-        os.close(fd)
+        disk.close()
     return problems
+
+
+_ALIGN = 4096
+
+
+class _DiskReader:
+    """Reads byte ranges of a written shard into one reused buffer, with ``O_DIRECT`` where
+    the file system allows it: the bytes come from the device, not from pages cached while
+    writing, and no page cache is filled for them. Elsewhere, ordinary positional reads.
+    ``read`` returns a uint8 tensor valid until the next call, or None when the file ends
+    first."""
+
+    def __init__(self, path: Path):
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(path, flags)
+        self.direct = None
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.direct = os.open(path, flags | os.O_DIRECT)
+            except OSError:
+                self.direct = None
+        self._map = None
+        self._buf = None
+
+    def _buffer(self, size: int):
+        import mmap
+
+        if self._map is None or len(self._map) < size:
+            self._release()
+            self._map = mmap.mmap(-1, max(size, _ALIGN))  # page-aligned, as O_DIRECT needs
+        return self._map
+
+    def read(self, begin: int, end: int):
+        import torch
+
+        n = end - begin
+        if self.direct is not None:
+            start = begin - begin % _ALIGN
+            length = -(-(end - start) // _ALIGN) * _ALIGN
+            buf = self._buffer(length)
+            try:
+                got = pread_exact(self.direct, memoryview(buf)[:length], start)
+            except OSError:  # EINVAL: direct reads refused here after all
+                os.close(self.direct)
+                self.direct = None
+            else:
+                if got < end - start:
+                    return None
+                return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=begin - start)
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = None
+            self._buf = torch.empty(n, dtype=torch.uint8)
+        raw = self._buf[:n]
+        return raw if pread_exact(self.fd, raw.numpy(), begin) == n else None
+
+    def _release(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still held: let GC unmap it
+                pass
+            self._map = None
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.direct = None
+        self._release()
+        self._buf = None
 
 
 def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
