@@ -165,3 +165,63 @@ def test_readback_with_record_fails_a_low_sqnr(tmp_path, dict_ckpt):
     ckpt, plans, ws, ins, record = _written(tmp_path, dict_ckpt)
     with pytest.raises(Fp8ExportError, match="x.q_proj.weight: the FP8 weight read back.*SQNR"):
         verify_output(tmp_path, plans, ckpt, ws, ins, record=record, min_sqnr_db=60.0)
+
+
+def _roundtrip_file(path: Path, tensors: dict) -> None:
+    from safetensors import safe_open
+
+    from fp8export.checkpoint.safetensors_writer import (
+        TORCH_TO_ST,
+        PlannedTensor,
+        write_safetensors,
+    )
+
+    plan = [PlannedTensor(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    size = write_safetensors(path, plan, lambda p: tensors[p.name])
+    assert size == path.stat().st_size  # cut to its exact size after the last aligned block
+    with safe_open(str(path), framework="pt") as f:
+        for name, t in tensors.items():
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), t.view(torch.uint8))
+
+
+def test_block_writer_spans_stage_boundaries_and_odd_sizes(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g),
+               "big": torch.randint(0, 255, ((9 << 20) + 5,), dtype=torch.uint8, generator=g),
+               "c": torch.randn(7, generator=g).to(torch.bfloat16)}
+    _roundtrip_file(tmp_path / "x.safetensors", tensors)
+
+
+def test_block_writer_falls_back_when_direct_writes_are_refused(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import os
+
+    real = os.pwrite
+    refused = []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    tensors = {"w": torch.arange(5000, dtype=torch.float32), "s": torch.tensor([0.5])}
+    _roundtrip_file(tmp_path / "y.safetensors", tensors)
+    assert len(refused) <= 1  # refused once at most (where O_DIRECT opened), then buffered
+
+
+def test_disk_reader_reads_unaligned_ranges_and_reports_a_short_file(tmp_path):
+    from fp8export.checkpoint.readback import _DiskReader
+
+    data = bytes(range(256)) * 40 + np.float32(0.125).tobytes() + b"xyz"
+    path = tmp_path / "d.bin"
+    path.write_bytes(data)
+    reader = _DiskReader(path)
+    try:
+        assert float(reader.read(10240, 10244).view(torch.float32)[0]) == 0.125
+        assert bytes(reader.read(4095, 4099).numpy()) == data[4095:4099]
+        assert reader.read(10241, 10249) is None  # past the end of the file
+    finally:
+        reader.close()
