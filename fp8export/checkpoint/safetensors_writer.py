@@ -199,13 +199,14 @@ _fallocate = None
 
 def _put(f, data: memoryview, planned: PlannedTensor, tensor: torch.Tensor,
          digests: dict[str, str] | None,
-         release: Callable[[PlannedTensor, torch.Tensor], None] | None) -> None:
+         release: Callable[[PlannedTensor, torch.Tensor], None] | None) -> int:
     if digests is not None:
         digests[planned.name] = digest(data)
     if len(data):
         f.write(data)
     if release is not None:
         release(planned, tensor)
+    return planned.nbytes
 
 
 def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
@@ -236,6 +237,8 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
         f.write(head)
         total += len(head)
         pending: deque = deque()
+        queued = 0  # bytes of the tensors in ``pending``
+        largest = max((t.nbytes for t in plan), default=0)
         for planned in plan:
             tensor = produce(planned)
             dtype = TORCH_TO_ST.get(tensor.dtype)
@@ -244,12 +247,16 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                     f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "
                     f"{planned.dtype} {planned.shape}")
             data = _tensor_bytes(tensor) if planned.nbytes else memoryview(b"")
-            while len(pending) >= WRITE_QUEUE:
-                pending.popleft().result()  # re-raises the writer's OSError (ENOSPC...) here
+            # Bounded by count and by bytes (at most the file's largest tensor waiting), so
+            # two large copied tensors (embeddings, lm_head) are never queued together.
+            while pending and (len(pending) >= WRITE_QUEUE
+                               or queued + planned.nbytes > largest):
+                queued -= pending.popleft().result()  # re-raises the writer's OSError here
             pending.append(io.submit(_put, f, data, planned, tensor, digests, release))
+            queued += planned.nbytes
             del data, tensor
             total += planned.nbytes
         while pending:
-            pending.popleft().result()
+            queued -= pending.popleft().result()
         f.finish()  # last block, exact size, fsync
     return total
