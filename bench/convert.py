@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import struct
+import dataclasses
 import subprocess
 import sys
 import time
@@ -229,6 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep checkpoint, copy and output")
     ap.add_argument("--convert-arg", action="append", default=[],
                     help="extra argument passed to fp8export convert (repeatable)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of cp -r and of convert, alternating; the best of each is compared")
     args = ap.parse_args(argv)
 
     size = int(args.size_gib * GiB)
@@ -264,26 +267,42 @@ def main(argv=None) -> int:
     warm = read_all(ckpt)
     print(f"warm-up read {fmt_bytes(plan['size_bytes'])} in {warm:.1f}s", flush=True)
 
-    # 3a. cp -r
-    t0 = time.perf_counter()
-    subprocess.run(["cp", "-r", str(ckpt), str(copy)], check=True)
-    cp_s = time.perf_counter() - t0
-    cp_sync = fsync_tree(copy)
-    print(f"cp -r: {cp_s:.2f}s (+ fsync {cp_sync:.2f}s)", flush=True)
-
-    # 3b. fp8export convert
+    # 3. Alternate cp -r and convert, --repeats times each, and keep the best of each. On this
+    #    kind of VM one cold run is not a measurement: memory the guest freed goes back to the
+    #    host, and cp (which needs fresh page cache for its copy) paid 2.2-13.4 s for the same
+    #    copy within one hour. Best-of-N compares both contenders in their warmest state.
     argv_conv = fp8export_argv() + ["convert", str(ckpt), "-o", str(out), "--force",
                                     *args.convert_arg]
     log = args.work / "convert.log"
     env = dict(os.environ, CI="1")  # no progress bar redraws in the log
-    print("running: " + " ".join(argv_conv), flush=True)
-    run = run_measured(argv_conv, log, env=env)
+    cp_runs, conv_runs, run = [], [], None
+    for i in range(args.repeats):
+        shutil.rmtree(copy, ignore_errors=True)
+        t0 = time.perf_counter()
+        subprocess.run(["cp", "-r", str(ckpt), str(copy)], check=True)
+        cp_s = time.perf_counter() - t0
+        cp_runs.append((cp_s, fsync_tree(copy)))
+        print(f"[{i + 1}/{args.repeats}] cp -r: {cp_s:.2f}s (+ fsync {cp_runs[-1][1]:.2f}s)",
+              flush=True)
+        print("running: " + " ".join(argv_conv), flush=True)
+        r = run_measured(argv_conv, log, env=env)
+        ok = r.returncode == 0 and out.is_dir()
+        conv_runs.append((r.seconds, fsync_tree(out) if ok else 0.0))
+        print(f"[{i + 1}/{args.repeats}] convert: exit {r.returncode}, {r.seconds:.2f}s "
+              f"(+ fsync {conv_runs[-1][1]:.2f}s), peak RSS {fmt_bytes(r.peak_rss_bytes)}",
+              flush=True)
+        if run is None or not ok or r.peak_rss_bytes > run.peak_rss_bytes:
+            run_peak = r  # the worst peak RSS counts against the memory target
+        if run is None or (ok and r.seconds < run.seconds):
+            run = r
+        if not ok:
+            print(log.read_text()[-4000:], file=sys.stderr)
+            break
+    cp_s, cp_sync = min(cp_runs, key=sum)
+    conv_best = min(conv_runs, key=sum)
+    conv_sync = conv_best[1]
+    run = dataclasses.replace(run, seconds=conv_best[0], peak_rss_bytes=run_peak.peak_rss_bytes)
     ok = run.returncode == 0 and out.is_dir()
-    conv_sync = fsync_tree(out) if ok else 0.0
-    print(f"convert: exit {run.returncode}, {run.seconds:.2f}s (+ fsync {conv_sync:.2f}s), "
-          f"peak RSS {fmt_bytes(run.peak_rss_bytes)}", flush=True)
-    if not ok:
-        print(log.read_text()[-4000:], file=sys.stderr)
 
     # 4. targets
     largest = plan["largest_tensor_bytes"]
@@ -308,9 +327,12 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "convert", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine,
-        "method": ("page cache warm for both (container cannot drop caches): source fsynced, "
-                   "read once, then cp -r, then convert, in that order; each time also reported "
-                   "with an fsync of every file it wrote; the time target uses the + fsync times"),
+        "method": ("page cache warm for both (container cannot drop caches): source fsynced and "
+                   "read once; then cp -r and convert alternate, --repeats times each, and the "
+                   "best (time + fsync of everything written) of each is compared; peak RSS is "
+                   "the worst of the convert runs"),
+        "runs": {"cp_seconds_plus_fsync": [round(a + b, 2) for a, b in cp_runs],
+                 "convert_seconds_plus_fsync": [round(a + b, 2) for a, b in conv_runs]},
         "checkpoint": {"bytes": plan["size_bytes"], "gib": round(plan["size_bytes"] / GiB, 3),
                        "shards": plan["shards"], "tensors": plan["tensors"],
                        "largest_tensor": plan["largest_tensor"], "largest_tensor_bytes": largest,

@@ -121,10 +121,11 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
     try:
         for start in range(0, n, CHUNK):
             k = min(CHUNK, n - start)
-            # Elementwise work on one thread, in cache-sized pieces: it is memory-bound, and a
-            # team of OpenMP threads waits at every op for its slowest member (badly so on a
-            # busy machine). The dot products keep the intra-op thread count and the CHUNK
-            # blocking, which their float32 sums follow, so the SQNR is roundtrip_sqnr's float.
+            # Everything on one thread, in cache-sized pieces: the elementwise work is
+            # memory-bound, and a team of OpenMP threads waits at every op for its slowest
+            # member (badly so on a busy machine). The dot products stay single-threaded too:
+            # a float32 dot's blocking follows the thread count, and the SQNR lands in the
+            # manifest, which must be byte-identical on machines with other core counts.
             torch.set_num_threads(1)
             for a in range(0, k, SUBCHUNK):
                 b = min(a + SUBCHUNK, k)
@@ -134,7 +135,6 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
                 q[start + a:start + b].copy_(ys)  # RNE cast: the written bytes
                 _round_to_e4m3_grid_(ys, tmp[:b - a])  # == q[...].to(float32), exactly
                 ys.mul_(s).sub_(xs)
-            torch.set_num_threads(threads)
             noise += float(torch.dot(y[:k], y[:k]))
             signal += float(torch.dot(x[:k], x[:k]))
     finally:
@@ -145,19 +145,24 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
 def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float:
     """SQNR (dB) of ``q * scale`` (an FP8 weight as written) against its source, chunked.
 
-    Chunk sums are float32 dot products (blocked accumulation, ample for 4M elements) added
-    up in float64; this is the hot loop of read-back, so it avoids float64 copies.
+    Chunk sums are single-threaded float32 dot products (blocked accumulation, ample for 4M
+    elements; one thread so the float does not depend on the core count) added up in float64.
     """
     ref = source.reshape(-1)
     got = q.reshape(-1)
     s = float(scale)
     signal = noise = 0.0
-    for start in range(0, ref.numel(), CHUNK):
-        x = ref[start:start + CHUNK].to(torch.float32)
-        d = got[start:start + CHUNK].to(torch.float32)
-        d.mul_(s).sub_(x)
-        noise += float(torch.dot(d, d))
-        signal += float(torch.dot(x, x))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # same single-threaded dots as quantize_weight_sqnr: same float
+    try:
+        for start in range(0, ref.numel(), CHUNK):
+            x = ref[start:start + CHUNK].to(torch.float32)
+            d = got[start:start + CHUNK].to(torch.float32)
+            d.mul_(s).sub_(x)
+            noise += float(torch.dot(d, d))
+            signal += float(torch.dot(x, x))
+    finally:
+        torch.set_num_threads(threads)
     return sqnr_from_sums(signal, noise)
 
 

@@ -78,10 +78,6 @@ def test_calibrate(tmp_path, method):
     _same(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="weight_sqnr_db in fp8export.json depends on the CPU "
-                   "thread count: quantize_weight_sqnr / roundtrip_sqnr (checkpoint/weights.py) "
-                   "sum float32 torch.dot chunks with the intra-op thread count restored, and "
-                   "the dot's blocking follows it")
 def test_thread_count_does_not_change_the_bytes(tmp_path):
     """Same input and options on a machine with another core count: same bytes (CI vs desk)."""
     if (os.cpu_count() or 1) < 2:
