@@ -23,10 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp8export.checkpoint.atomic import write_file_atomic
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales import ActivationRange
@@ -103,16 +103,7 @@ def write_amax_file(result: CalibrationResult, path: str | Path, *, force: bool 
     p = Path(path)
     check_output(p, force)
     text = json.dumps(amax_document(result), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_file_atomic(p, text.encode("utf-8"))
     return p
 
 

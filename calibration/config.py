@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from fp8export.config import CalibMethod, Device
+from fp8export.config import CalibMethod, Device, sibling_output
 from fp8export.errors import Fp8ExportError
 
 DEFAULT_CALIB_SAMPLES = 512  # TensorRT / ModelOpt examples calibrate on a few hundred samples
@@ -73,9 +73,7 @@ class CalibrateConfig:
         """``-o`` or the sibling ``<checkpoint>-amax.json``."""
         if self.output is not None:
             return self.output
-        src = self.checkpoint
-        stem = src.name if src.is_dir() else src.stem
-        return src.parent / f"{stem}-amax.json"
+        return sibling_output(self.checkpoint, "-amax.json")
 
     def method_options(self) -> dict:
         if self.calib_method is CalibMethod.PERCENTILE and self.percentile is not None:

@@ -33,6 +33,12 @@ class StrEnum(str, Enum):
         raise Fp8ExportError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
 
 
+def sibling_output(source: Path, tail: str) -> Path:
+    """Default output beside ``source``: ``<name><tail>`` (folder) or ``<stem><tail>`` (file)."""
+    stem = source.name if source.is_dir() else source.stem
+    return source.parent / f"{stem}{tail}"
+
+
 class ScalesMode(StrEnum):
     """Where activation scales come from (``convert --scales``)."""
 
@@ -112,10 +118,12 @@ class ConvertConfig:
             object.__setattr__(self, "output", Path(self.output))
         for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
                            ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device)):
-            object.__setattr__(self, name, enum.parse(getattr(self, name), f"--{name.replace('_', '-')}"))
+            option = f"--{name.replace('_', '-')}"
+            object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "include", tuple(self.include))
-        if self.scales is ScalesMode.CALIBRATE and self.calib_data is None and self.calib_amax is None:
+        no_calib_source = self.calib_data is None and self.calib_amax is None
+        if self.scales is ScalesMode.CALIBRATE and no_calib_source:
             raise Fp8ExportError(
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
@@ -125,11 +133,7 @@ class ConvertConfig:
 
     @property
     def resolved_output(self) -> Path:
-        if self.output is not None:
-            return self.output
-        src = self.checkpoint
-        stem = src.name if src.is_dir() else src.stem
-        return src.parent / f"{stem}-fp8"
+        return self.output if self.output is not None else sibling_output(self.checkpoint, "-fp8")
 
     def to_dict(self) -> dict:
         d = asdict(self)

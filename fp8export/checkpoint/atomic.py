@@ -30,6 +30,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a hidden temporary sibling, fsync, then rename: a crash
+    leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def check_output_target(target: Path, force: bool) -> None:
     """Refuse to touch an existing output without ``force``, and never replace a file."""
     if target.is_symlink() or (target.exists() and not target.is_dir()):

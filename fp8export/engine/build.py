@@ -9,13 +9,13 @@ imported only here and in the TensorRT runner.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8export.checkpoint.atomic import write_file_atomic
 from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
 from fp8export.errors import Fp8ExportError
 
@@ -128,7 +128,8 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
     from fp8export._lazy import lazy_import
 
     if not cfg.onnx.is_file():
-        raise Fp8ExportError(f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
+        raise Fp8ExportError(
+            f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
     out = cfg.resolved_output
     if out.exists() and not cfg.force:
         raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
@@ -153,7 +154,8 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(cfg.workspace_gib * 2**30))
     config.builder_optimization_level = cfg.optimization_level
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the inspector needs it
-    cache_bytes = cfg.timing_cache.read_bytes() if cfg.timing_cache and cfg.timing_cache.exists() else b""
+    has_cache = cfg.timing_cache is not None and cfg.timing_cache.exists()
+    cache_bytes = cfg.timing_cache.read_bytes() if has_cache else b""
     cache = config.create_timing_cache(cache_bytes)
     config.set_timing_cache(cache, ignore_mismatch=False)
     if profile:
@@ -171,18 +173,19 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
             "says why (often: workspace too small — raise --workspace)."
         )
     if cfg.timing_cache:
-        _atomic_write(cfg.timing_cache, bytes(config.get_timing_cache().serialize()))
+        write_file_atomic(cfg.timing_cache, bytes(config.get_timing_cache().serialize()))
 
     runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(blob)
     if engine is None:
-        raise Fp8ExportError("TensorRT built an engine it cannot deserialize; rebuild with --force.")
+        raise Fp8ExportError(
+            "TensorRT built an engine it cannot deserialize; rebuild with --force.")
     inspector = engine.create_engine_inspector()
     info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
     from fp8export.engine.layers import attribute_gemms
 
     layers = attribute_gemms(info, expected_fp8)
-    _atomic_write(out, bytes(blob))
+    write_file_atomic(out, bytes(blob))
     result = BuildEngineResult(
         engine=str(out), report=str(out) + ".build.json", tensorrt_version=str(trt.__version__),
         gpu=gpu, compute_capability=f"{cc[0]}.{cc[1]}", build_seconds=round(seconds, 3),
@@ -192,18 +195,6 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
     )
     report = {**result.to_dict(), "layers": layers.to_dict(), "host": platform.node(),
               "expected_fp8_gemms": expected_fp8}
-    _atomic_write(Path(result.report), json.dumps(report, indent=2, sort_keys=True).encode())
+    write_file_atomic(Path(result.report), json.dumps(report, indent=2, sort_keys=True).encode())
     return result
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
