@@ -1,18 +1,28 @@
 #!/usr/bin/env python3
-"""FP8 runtime vs bf16 on one GPU: prefill throughput and latency of a Llama-shaped model.
+"""FP8 runtime vs bf16 on one GPU: prefill, decode with a KV cache, and the bare GEMMs.
 
 Same process, same random weights: the bf16 model (transformers LlamaForCausalLM, SDPA
-attention) is the baseline; the FP8 model is a copy whose decoder linears are replaced by
-fp8export's ``Fp8Linear`` (E4M3 weights, static per-tensor input scales from a max pass over
-two calibration batches, ``torch._scaled_mm``). lm_head and embeddings stay bf16 (DESIGN.md
-exclusions). Prefill computes logits for the last position only (``logits_to_keep=1``), as a
-server does. Also times bare GEMMs (bf16 matmul vs ``_scaled_mm``) at the model's shapes, so
-the model-level number can be read against the kernel-level ceiling.
+attention) is the baseline; the FP8 model is a copy whose decoder linears are fp8export's
+runtime layers, built the way ``load_fp8_model`` builds them from a converted folder: E4M3
+weights, one weight scale and one static input scale per fused group (q/k/v, gate/up; the
+max over the group, as ``convert`` writes them, input ranges from a max pass over two
+calibration batches), then ``fuse_projections`` (one GEMM per group). lm_head and embeddings
+stay bf16 (DESIGN.md exclusions). Prefill computes logits for the last position only
+(``logits_to_keep=1``), as a server does.
+
+Sections (``--parts``, comma separated):
+  overhead  host microseconds per call of each eager building block (launch cost)
+  gemm      bare GEMMs at the model's projection shapes: bf16 vs ``_scaled_mm`` (+ quantize)
+            vs the small-M Triton kernel, M from 1 to 16384
+  sweep     tile sweep of the small-M Triton kernel (to set its heuristic)
+  prefill   eager at every shape; ``torch.compile(mode="reduce-overhead")`` (Inductor fusion
+            + CUDA graphs) at ``--compile-shapes``
+  decode    single-token steps with a StaticCache after a ``--prompt``-token prefill, batch
+            ``--decode-batches``; eager and compiled + CUDA graphs
 
 Usage (on an H100/H200):
-    python bench/gpu_fp8.py --out bench/results/gpu_fp8.json            # ~1.1 B params
-    python bench/gpu_fp8.py --compile                                  # + torch.compile rows
-Random weights are fine for speed; accuracy is measured separately by `fp8export verify`.
+    python bench/gpu_fp8.py --out bench/results/gpu_fp8.json
+Random weights are fine for speed; accuracy is measured by `fp8export verify` and the tests.
 """
 
 from __future__ import annotations
@@ -24,17 +34,21 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from fp8export.checkpoint.families import family_of, fused_group_of  # noqa: E402
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
+from fp8export.runners import fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runners.fp8_fused import fuse_projections  # noqa: E402
 from fp8export.runners.fp8_linear import Fp8Linear  # noqa: E402
-from fp8export.runners.fp8_quant import quantize_input  # noqa: E402
 
 DEFAULT_SHAPES = "1x128,1x512,1x2048,4x512,4x2048,8x2048,16x2048,32x512,64x256"
+RESULT: dict = {}
 
 
 def build_bf16(args) -> torch.nn.Module:
@@ -53,8 +67,8 @@ def build_bf16(args) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor]) -> tuple[torch.nn.Module, int]:
-    """Copy of ``model`` with every decoder nn.Linear as Fp8Linear (static input scales)."""
+def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True):
+    """Copy of ``model`` with every decoder nn.Linear as the runtime's FP8 layers."""
     targets = {n: m for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and ".layers." in n}
     amax: dict[str, torch.Tensor] = {}
@@ -66,15 +80,27 @@ def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor]) -> tuple[torch.nn.
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
     for h in hooks:
         h.remove()
+    family = family_of({"model_type": "llama"})
+    groups: dict[str, list[str]] = {}
+    for name in targets:
+        g = fused_group_of(name, family)
+        groups.setdefault(g[0] if g else name, []).append(name)
     fp8 = copy.deepcopy(model)
-    for name, lin in targets.items():
-        w_scale = amax_to_scale(float(lin.weight.abs().amax()), name + ".weight")
-        q = quantize_e4m3(lin.weight, w_scale)
-        in_scale = amax_to_scale(float(amax[name]), name + ".input")
-        new = Fp8Linear(q, w_scale, in_scale, lin.bias, mode="scaled_mm", out_dtype=torch.bfloat16)
-        parent, _, child = name.rpartition(".")
-        setattr(fp8.get_submodule(parent), child, new.cuda())
-    return fp8, len(targets)
+    for members in groups.values():  # a group shares the max of its members' scales
+        w_amax = max(float(targets[n].weight.abs().amax()) for n in members)
+        in_amax = max(float(amax[n]) for n in members)
+        w_scale = amax_to_scale(w_amax)
+        in_scale = amax_to_scale(in_amax)
+        for name in members:
+            lin = targets[name]
+            new = Fp8Linear(quantize_e4m3(lin.weight, w_scale), w_scale, in_scale, lin.bias,
+                            mode="scaled_mm", out_dtype=torch.bfloat16)
+            parent, _, child = name.rpartition(".")
+            setattr(fp8.get_submodule(parent), child, new.cuda())
+    fused = {g: m for g, m in groups.items() if len(m) > 1} if fuse else {}
+    skipped = fuse_projections(fp8, fused)
+    assert not skipped, skipped
+    return fp8.eval(), len(targets), len(fused)
 
 
 def time_cuda(fn, min_time: float = 0.5, warmup: int = 3) -> list[float]:
@@ -94,7 +120,164 @@ def time_cuda(fn, min_time: float = 0.5, warmup: int = 3) -> list[float]:
     return times
 
 
-def bench_models(models: dict, shapes, vocab: int) -> list[dict]:
+def median_ms(fn, min_time: float = 0.5) -> float:
+    return round(statistics.median(time_cuda(fn, min_time)), 4)
+
+
+def log_row(row: dict) -> None:
+    print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def save(args) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(RESULT, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------- sections
+def bench_overhead(args) -> list[dict]:
+    """Host cost per call (us): many calls on tiny tensors, one sync at the end."""
+    k = args.hidden
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(k, k, device="cuda", dtype=torch.bfloat16)
+    s = torch.tensor(0.01, device="cuda")
+    wq = quantize_e4m3(w, 0.001)
+    lin = torch.nn.Linear(k, k, bias=False, device="cuda", dtype=torch.bfloat16)
+    f8 = Fp8Linear(wq, 0.001, 0.01, None, mode="scaled_mm").cuda()
+    xq = fp8_quant.quantize_input(x, s)
+    launcher = fp8_quant._launcher()
+
+    def quant_jit():
+        out = torch.empty(x.shape, device="cuda", dtype=torch.float8_e4m3fn)
+        fp8_quant._kernel()[(1,)](x, s, out, x.numel(), BLOCK=fp8_quant._BLOCK)
+
+    def f8_scaled_mm_path():  # the _scaled_mm path at M=1 (prefill-style), not small-M
+        a = fp8_quant.quantize_input(x, s)
+        return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=f8.weight_scale,
+                                out_dtype=torch.bfloat16)
+
+    cases = {
+        "torch.empty": lambda: torch.empty(x.shape, device="cuda", dtype=torch.bfloat16),
+        "nn.Linear bf16": lambda: lin(x),
+        "quantize (Triton JIT launch)": quant_jit,
+        "quantize_input (runtime launch)": lambda: fp8_quant.quantize_input(x, s),
+        "quantize (eager torch ops)": lambda: fp8_quant.quantize_eager(x, s),
+        "_scaled_mm alone": lambda: torch._scaled_mm(xq, wq.t(), scale_a=s, scale_b=s,
+                                                     out_dtype=torch.bfloat16),
+        "quantize + _scaled_mm": f8_scaled_mm_path,
+        "small-M Triton GEMM": lambda: fp8_gemm.small_m_matmul(
+            x, wq, s, f8.weight_scale, None, torch.bfloat16),
+        "Fp8Linear forward (M=1)": lambda: f8(x),
+    }
+    rows = []
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 2000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        rows.append({"op": name, "host_us_per_call": round(host, 2)})
+        log_row(rows[-1])
+    rows.append({"op": "direct launch in use", "host_us_per_call": bool(launcher.direct)})
+    log_row(rows[-1])
+    return rows
+
+
+def gemm_shapes(args):
+    h, i = args.hidden, args.intermediate
+    kv = h // args.heads * args.kv_heads
+    return (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * i), ("down", i, h))
+
+
+def bench_gemms(args) -> list[dict]:
+    """bf16 matmul vs quantize+_scaled_mm vs the small-M kernel, per shape and M."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m in (1, 8, 16, 32, 64, 128, 2048, 8192, 16384):
+        for name, k, n in gemm_shapes(args):
+            # several weight copies so that small-M timings read HBM, not the 50 MB L2
+            copies = max(1, min(8, int(4 * 2**27 // (n * k * 2))))
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(copies)]
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+                  for _ in range(copies)]
+            sx = torch.tensor(float(amax_to_scale(float(xs[0].abs().amax()))), device="cuda")
+            sw = torch.tensor(float(amax_to_scale(float(ws[0].abs().amax()))), device="cuda")
+            wqs = [quantize_e4m3(w, sw) for w in ws]
+            it = iter(range(10**9))
+
+            def pick(lst):
+                return lst[next(it) % copies]
+
+            bf = median_ms(lambda: pick(xs) @ pick(ws).t(), 0.2)
+            f8 = median_ms(lambda: torch._scaled_mm(
+                fp8_quant.quantize_input(pick(xs), sx), pick(wqs).t(), scale_a=sx, scale_b=sw,
+                out_dtype=torch.bfloat16), 0.2)
+            row = {"gemm": name, "M": m, "K": k, "N": n, "bf16_ms": bf,
+                   "scaled_mm_with_quant_ms": f8, "speedup_scaled_mm": round(bf / f8, 3)}
+            if m <= 128 and fp8_gemm.SMALL_M:
+                tri = median_ms(lambda: fp8_gemm.small_m_matmul(
+                    pick(xs), pick(wqs), sx, sw, None, torch.bfloat16), 0.2)
+                row.update(triton_small_m_ms=tri, speedup_triton=round(bf / tri, 3))
+                # weight bytes over time: how close each gets to HBM bandwidth
+                row["triton_weight_gb_s"] = round(n * k / tri / 1e6, 1)
+                row["bf16_weight_gb_s"] = round(2 * n * k / bf / 1e6, 1)
+                ref = (fp8_quant.quantize_eager(xs[0], sx).float() * sx) @ \
+                    (wqs[0].float() * sw).t()
+                got = fp8_gemm.small_m_matmul(xs[0], wqs[0], sx, sw, None, torch.float32)
+                row["triton_rel_err"] = float((got - ref).norm() / ref.norm())
+            flops = 2 * m * k * n
+            row["bf16_tflops"] = round(flops / bf / 1e9, 1)
+            rows.append(row)
+            log_row(row)
+    return rows
+
+
+def bench_sweep(args) -> list[dict]:
+    """Tile sweep of the small-M kernel at decode sizes; the heuristic's pick is marked."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 16, 32, 64):
+        for name, k, n in gemm_shapes(args):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ws = [quantize_e4m3(torch.randn(n, k, device="cuda") * 0.02, 0.001)
+                  for _ in range(max(1, min(8, int(4 * 2**27 // (n * k)))))]
+            sx = torch.tensor(0.01, device="cuda")
+            sw = torch.tensor(0.001, device="cuda")
+            pick = fp8_gemm.small_m_config(m, n, k, sms)
+            best = None
+            for bn in (16, 32, 64, 128):
+                for bk in (128, 256, 512):
+                    for stages, warps in ((3, 4), (4, 4), (6, 4), (4, 8)):
+                        cfg = {"BLOCK_M": pick["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk,
+                               "num_warps": warps, "num_stages": stages}
+                        i = [0]
+
+                        def run(cfg=cfg, i=i):
+                            i[0] += 1
+                            return fp8_gemm.small_m_matmul(x, ws[i[0] % len(ws)], sx, sw, None,
+                                                           torch.bfloat16, cfg)
+                        try:
+                            ms = median_ms(run, 0.05)
+                        except Exception as exc:  # out of shared memory etc.
+                            ms = None
+                            err = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+                        row = {"gemm": name, "M": m, **cfg, "ms": ms,
+                               "gb_s": round(n * k / ms / 1e6, 1) if ms else err,
+                               "heuristic": cfg == pick}
+                        rows.append(row)
+                        if ms and (best is None or ms < best["ms"]):
+                            best = row
+            heur = next((r for r in rows if r["heuristic"] and r["gemm"] == name
+                         and r["M"] == m), None)
+            print(f"  sweep {name} M={m}: best {best} | heuristic {heur}", flush=True)
+    return rows
+
+
+def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for b, s in shapes:
@@ -102,45 +285,62 @@ def bench_models(models: dict, shapes, vocab: int) -> list[dict]:
         row = {"batch": b, "seq": s, "tokens": b * s}
         for label, model in models.items():
             with torch.no_grad():
-                t = time_cuda(lambda m=model: m(input_ids=ids, use_cache=False, logits_to_keep=1))
-            ms = statistics.median(t)
-            row[f"{label}_ms"] = round(ms, 4)
-            row[f"{label}_tok_s"] = round(b * s / ms * 1e3, 1)
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize()
+                row[f"{label}_first_call_s"] = round(time.perf_counter() - t0, 2)
+                t = time_cuda(lambda m=model: m(input_ids=ids, use_cache=False,
+                                                logits_to_keep=1), min_time)
+            row[f"{label}_ms"] = round(statistics.median(t), 4)
         base = next(iter(models))
         for label in list(models)[1:]:
             row[f"speedup_{label}"] = round(row[f"{base}_ms"] / row[f"{label}_ms"], 3)
         rows.append(row)
-        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        log_row(row)
     return rows
 
 
-def bench_gemms(args) -> list[dict]:
-    """Bare GEMMs at the model's projection shapes: bf16 vs _scaled_mm (+ input quantize)."""
-    h, i = args.hidden, args.intermediate
-    kv = h // args.heads * args.kv_heads
-    rows = []
-    for m in (128, 2048, 8192, 16384):
-        for name, k, n in (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * i), ("down", i, h)):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            sx = amax_to_scale(float(x.abs().amax()))
-            sw = amax_to_scale(float(w.abs().amax()))
-            xq, wq = quantize_e4m3(x, sx), quantize_e4m3(w, sw)
-            tsx = torch.tensor(sx, device="cuda")
-            tsw = torch.tensor(sw, device="cuda")
-            bf = statistics.median(time_cuda(lambda: x @ w.t(), 0.2))
-            f8 = statistics.median(time_cuda(
-                lambda: torch._scaled_mm(xq, wq.t(), scale_a=tsx, scale_b=tsw, out_dtype=torch.bfloat16), 0.2))
-            f8q = statistics.median(time_cuda(
-                lambda: torch._scaled_mm(quantize_input(x, tsx), wq.t(), scale_a=tsx, scale_b=tsw,
-                                         out_dtype=torch.bfloat16), 0.2))
-            flops = 2 * m * k * n
-            rows.append({"gemm": name, "M": m, "K": k, "N": n, "bf16_ms": round(bf, 4),
-                         "fp8_ms": round(f8, 4), "fp8_with_quant_ms": round(f8q, 4),
-                         "bf16_tflops": round(flops / bf / 1e9, 1), "fp8_tflops": round(flops / f8 / 1e9, 1),
-                         "speedup": round(bf / f8, 3), "speedup_with_quant": round(bf / f8q, 3)})
-            print("  " + "  ".join(f"{k_}={v}" for k_, v in rows[-1].items()), flush=True)
-    return rows
+@torch.no_grad()
+def bench_decode(model, label: str, batch: int, args, compiled: bool) -> dict:
+    """Median ms of one greedy decode step (batch ``batch``) after a ``--prompt`` prefill."""
+    from transformers import StaticCache
+
+    steps, warm = args.decode_steps, 4
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + warm + steps + 1)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cuda", generator=g)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                cache_position=torch.arange(args.prompt, device="cuda"))
+    tok = out.logits[:, -1:].argmax(-1)
+    fwd = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
+    times, first_s = [], None
+    for i in range(warm + steps):
+        pos = torch.tensor([args.prompt + i], device="cuda")
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        out = fwd(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                  cache_position=pos, position_ids=pos.expand(batch, 1))
+        tok = out.logits[:, -1:].argmax(-1)
+        b.record()
+        b.synchronize()
+        if i == 0:
+            first_s = round(time.perf_counter() - t0, 2)
+        if i >= warm:
+            times.append(a.elapsed_time(b))
+    return {f"{label}_ms": round(statistics.median(times), 4), f"{label}_first_call_s": first_s}
+
+
+def section(name: str, fn, args):
+    print(f"== {name}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        RESULT[name] = fn()
+    except Exception:  # keep what the other sections measured
+        RESULT.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+        print(RESULT["errors"][name], flush=True)
+    RESULT.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
+    save(args)
 
 
 def main() -> int:
@@ -151,9 +351,15 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--parts", default="overhead,gemm,prefill,decode")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS list, comma separated")
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
-    ap.add_argument("--compile-shapes", default="1x128,1x2048,8x2048,32x512,64x256")
+    ap.add_argument("--compile-shapes", default="1x128,8x2048,32x512")
+    ap.add_argument("--decode-batches", default="1,8,32,128")
+    ap.add_argument("--decode-compiled", default="1,8,32,128",
+                    help="batches also timed compiled + CUDA graphs ('' for none)")
+    ap.add_argument("--prompt", type=int, default=256, help="prefill tokens before decoding")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--unfused", action="store_true", help="also time FP8 without fused groups")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -163,57 +369,87 @@ def main() -> int:
     if cc < (8, 9):
         print(f"FP8 GEMMs need compute capability >= 8.9; this GPU is {cc}", file=sys.stderr)
         return 1
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    parts = set(args.parts.split(","))
+    RESULT.update({
+        "device": torch.cuda.get_device_name(), "compute_capability": f"{cc[0]}.{cc[1]}",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
+        "small_m": fp8_gemm.SMALL_M,
+        "method": "median of CUDA-event timings over >=0.5 s per point after 3 warm-ups "
+                  "(decode: median of --decode-steps steps after 4 warm-up steps); "
+                  "logits_to_keep=1; static per-tensor input scales; same process and weights",
+    })
+    if "overhead" in parts:
+        section("overhead", lambda: bench_overhead(args), args)
+    if "gemm" in parts:
+        section("gemms", lambda: bench_gemms(args), args)
+    if "sweep" in parts:
+        section("sweep", lambda: bench_sweep(args), args)
+    if not parts & {"prefill", "decode"}:
+        return 0
     model = build_bf16(args)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e9:.3f} B params on {torch.cuda.get_device_name()}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)
     calib = [torch.randint(0, args.vocab, (4, 512), device="cuda", generator=g) for _ in range(2)]
     t0 = time.perf_counter()
-    fp8, n_fp8 = to_fp8(model, calib)
-    quant_s = time.perf_counter() - t0
-    mem = {"bf16_weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters())
-                                     / 2**30, 3),
-           "fp8_weights_gib": round((sum(p.numel() * p.element_size() for p in fp8.parameters())
-                                     + sum(b.numel() * b.element_size() for b in fp8.buffers()))
-                                    / 2**30, 3)}
-    print(f"fp8 copy: {n_fp8} linears in {quant_s:.1f}s; weights {mem}", flush=True)
+    fp8, n_fp8, n_groups = to_fp8(model, calib)
+    models = {"bf16": model, "fp8": fp8}
+    if args.unfused:
+        models["fp8_unfused"] = to_fp8(model, calib, fuse=False)[0]
+    RESULT["model"] = {"params": params, "hidden": args.hidden, "intermediate": args.intermediate,
+                       "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+                       "vocab": args.vocab, "fp8_linears": n_fp8, "fused_groups": n_groups,
+                       "build_s": round(time.perf_counter() - t0, 1)}
+    RESULT["memory"] = {
+        "bf16_weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters())
+                                  / 2**30, 3),
+        "fp8_weights_gib": round((sum(p.numel() * p.element_size() for p in fp8.parameters())
+                                  + sum(b.numel() * b.element_size() for b in fp8.buffers()))
+                                 / 2**30, 3)}
+    print(f"model: {params / 1e9:.3f} B params on {torch.cuda.get_device_name()}; "
+          f"{RESULT['model']}; {RESULT['memory']}", flush=True)
     with torch.no_grad():
         ids = calib[0][:1, :256]
-        a = model(input_ids=ids, use_cache=False).logits.float()
-        b = fp8(input_ids=ids, use_cache=False).logits.float()
-    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-    print(f"random-weight logits cosine bf16 vs fp8: {cos:.5f}", flush=True)
-    print("eager prefill:", flush=True)
-    rows = bench_models({"bf16": model, "fp8": fp8}, shapes, args.vocab)
-    compiled_rows, graph_rows = [], []
-    if args.compile:
-        cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",")]
-        print("torch.compile prefill (default mode: Inductor fuses the quantize into its producer):",
-              flush=True)
-        cm = {"bf16c": torch.compile(model, dynamic=False), "fp8c": torch.compile(fp8, dynamic=False)}
-        compiled_rows = bench_models(cm, cshapes, args.vocab)
-        torch._dynamo.reset()
-        print("torch.compile mode=reduce-overhead (CUDA graphs; removes launch overhead):", flush=True)
-        gm = {"bf16g": torch.compile(model, mode="reduce-overhead", dynamic=False),
-              "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
-        graph_rows = bench_models(gm, cshapes, args.vocab)
-    print("bare GEMMs:", flush=True)
-    gemms = bench_gemms(args)
-    result = {
-        "device": torch.cuda.get_device_name(), "compute_capability": f"{cc[0]}.{cc[1]}",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
-        "model": {"params": params, "hidden": args.hidden, "intermediate": args.intermediate,
-                  "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-                  "vocab": args.vocab, "fp8_linears": n_fp8},
-        "memory": mem, "logits_cosine_random_weights": round(cos, 6),
-        "prefill_eager": rows, "prefill_compiled": compiled_rows, "prefill_cudagraphs": graph_rows,
-        "fused_quantize": __import__("fp8export.runners.fp8_quant", fromlist=["x"]).fused_enabled(), "gemms": gemms,
-        "method": "median of CUDA-event timings over >=0.5 s per point after 3 warm-ups; "
-                  "logits_to_keep=1; static per-tensor input scales; same process and weights",
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        ref = model(input_ids=ids, use_cache=False).logits.float()
+        outs = {k: m(input_ids=ids, use_cache=False).logits.float() for k, m in models.items()}
+    RESULT["logits_cosine_random_weights"] = {
+        k: round(torch.nn.functional.cosine_similarity(ref.flatten(), v.flatten(), dim=0).item(),
+                 6) for k, v in outs.items() if k != "bf16"}
+    print(f"logits cosine vs bf16: {RESULT['logits_cosine_random_weights']}", flush=True)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
+    if "prefill" in parts:
+        section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab), args)
+        if cshapes:
+            def graphs():
+                torch._dynamo.reset()
+                gm = {"bf16g": torch.compile(model, mode="reduce-overhead", dynamic=False),
+                      "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
+                return bench_prefill(gm, cshapes, args.vocab)
+            section("prefill_cudagraphs", graphs, args)
+    if "decode" in parts:
+        def decode():
+            rows = []
+            cb = {int(b) for b in args.decode_compiled.split(",") if b}
+            for batch in (int(b) for b in args.decode_batches.split(",")):
+                row = {"batch": batch, "prompt": args.prompt}
+                for label, m in (("bf16", model), ("fp8", fp8)):
+                    row.update(bench_decode(m, f"{label}_eager", batch, args, False))
+                row["speedup_eager"] = round(row["bf16_eager_ms"] / row["fp8_eager_ms"], 3)
+                if batch in cb:
+                    torch._dynamo.reset()
+                    for label, m in (("bf16", model), ("fp8", fp8)):
+                        row.update(bench_decode(m, f"{label}_graphs", batch, args, True))
+                    row["speedup_graphs"] = round(row["bf16_graphs_ms"] / row["fp8_graphs_ms"],
+                                                  3)
+                    row["graph_skips"] = int(sum(
+                        torch._dynamo.utils.counters["inductor"].get(k, 0)
+                        for k in ("cudagraph_skips",)))
+                rows.append(row)
+                log_row(row)
+                RESULT["decode"] = rows
+                save(args)
+            return rows
+        section("decode", decode, args)
     print(f"wrote {args.out}")
     return 0
 

@@ -9,11 +9,10 @@ Two execution paths compute the same function (DESIGN.md "Conventions": scale = 
   to float32, the matmul in float32, the result cast to the layer's output dtype. This is the
   function the ONNX Q/DQ graph computes (QuantizeLinear → DequantizeLinear → MatMul).
 
-``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
-use_fast_accum=False)`` needs ``a`` row-major ``[M, K]`` and ``b`` column-major ``[K, N]``;
-our weight is stored ``[N, K]`` row-major, so ``weight.t()`` is exactly that, without a copy.
-K and N must be multiples of 16: a layer that is not falls back to emulation and says so in
-``fallback_reason``.
+The GEMM itself (``torch._scaled_mm``, or a Triton kernel for a few rows) is in
+``fp8_gemm.py``. K and N must be multiples of 16: a layer that is not falls back to emulation
+and says so in ``fallback_reason``. Projections that share one input and one pair of scales
+(q/k/v, gate/up) run as one GEMM: ``fp8_fused.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, quantize_e4m3
-from fp8export.runners.fp8_quant import quantize_input
+from fp8export.runners.fp8_gemm import fp8_matmul
 
 MODES = ("auto", "emulate", "scaled_mm")
 
@@ -74,6 +73,8 @@ class Fp8Linear(nn.Module):
                              f"{tuple(weight.shape)}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", _scalar(weight_scale))
@@ -121,17 +122,11 @@ class Fp8Linear(nn.Module):
         return y.to(self.out_dtype)
 
     def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """Real FP8 GEMM with ``torch._scaled_mm`` (fp32 accumulate, ``out_dtype`` result)."""
-        s_in = self.input_scale_for(x)
-        lead = x.shape[:-1]
-        a = quantize_input(x.reshape(-1, self.in_features), s_in.reshape(()).float())
-        out_dtype = self.out_dtype if self.out_dtype in (torch.bfloat16, torch.float16,
-                                                         torch.float32) else torch.bfloat16
-        y = torch._scaled_mm(a, self.weight.t(), scale_a=s_in.reshape(()).float(),
-                             scale_b=self.weight_scale.reshape(()).float(), out_dtype=out_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features).to(self.out_dtype)
+        """Real FP8 GEMM (fp32 accumulate, ``out_dtype`` result): ``fp8_gemm.fp8_matmul``."""
+        s_in = self.input_scale if self.input_scale is not None else dynamic_scale(x)
+        y = fp8_matmul(x.reshape(-1, self.in_features), self.weight, s_in, self.weight_scale,
+                       self.bias, self.out_dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.to(torch.float32) * self.weight_scale).to(dtype)

@@ -4,6 +4,8 @@ The architecture comes from the folder's ``config.json`` (``quantization_config`
 high-precision tensors are loaded as they are, and every module the manifest lists under
 ``quantized`` is replaced by :class:`~fp8export.runners.fp8_linear.Fp8Linear` holding its E4M3
 weight and scales. GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
+Members of a fused group (the manifest's ``fused_group``: q/k/v, gate/up) that share their
+scales then run as one GEMM (``fp8_fused.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
 from fp8export.runners.fp8_linear import MODES, Fp8Linear, scaled_mm_available
 
 MANIFEST = "fp8export.json"
@@ -91,7 +94,7 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
 
 
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.bfloat16, mode: str = "auto"):
+                   dtype: torch.dtype = torch.bfloat16, mode: str = "auto", fuse: bool = True):
     """Build the FP8 folder's model with quantized linears as :class:`Fp8Linear`.
 
     Args:
@@ -100,6 +103,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         dtype: dtype of everything left in high precision and of each Fp8Linear's output.
         mode: "auto" (``torch._scaled_mm`` on CC >= 8.9, emulation elsewhere), "emulate" or
             "scaled_mm".
+        fuse: run each fused group (q/k/v, gate/up) whose members share scales as one GEMM.
 
     Returns:
         ``(model, config, manifest, info)``; ``info`` says which path ran and which layers fell
@@ -155,13 +159,37 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     if tied:
         model.tie_weights()
     model = model.to(dev).eval()
+    groups = fused_groups(quantized, config) if fuse else {}
+    unfused = fuse_projections(model, groups)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
-            "activation_scheme": manifest.get("activation_scheme")}
+            "activation_scheme": manifest.get("activation_scheme"),
+            "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused}
     return model, config, manifest, info
 
 
+def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
+                 ) -> dict[str, list[str]]:
+    """Fused group → its quantized members, from the manifest's ``fused_group`` fields; members
+    in the family's order (q, k, v) where the family is known."""
+    from fp8export.checkpoint.families import family_of, fused_group_of
+
+    family = family_of(config)
+    groups: dict[str, list[str]] = {}
+    for name, entry in quantized.items():
+        if entry.get("fused_group"):
+            groups.setdefault(entry["fused_group"], []).append(name)
+    ordered = {}
+    for g, members in groups.items():
+        known = fused_group_of(members[0], family)
+        order = known[1] if known and known[0] == g else ()
+        ordered[g] = sorted(members, key=lambda n: order.index(n) if n in order else len(order))
+    return {g: members for g, members in ordered.items() if len(members) > 1}
+
+
 def fp8_modules(model: torch.nn.Module) -> dict[str, Fp8Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    """The model's quantized linears by name (members of a fused group, not the group)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, Fp8Linear) and not isinstance(m, Fp8FusedLinear)}
 
 
 def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:

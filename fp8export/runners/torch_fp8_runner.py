@@ -6,24 +6,42 @@ from typing import Any
 
 from fp8export.runners.torch_runner import TorchModelRunner
 
+COMPILE_MODES = (False, True, "auto", "default", "reduce-overhead", "max-autotune",
+                 "max-autotune-no-cudagraphs")
+
+# Why "auto" runs eager: measured on an H100 (bench/results/gpu_fp8.md) compiling the 1.1 B
+# Llama takes tens of seconds for each new input shape, while a whole eager verify run of
+# dozens of batches takes about a second; eager FP8 is at least as fast as eager bf16 there.
+AUTO_EAGER_REASON = ("eager: verify feeds a few batches of varying shapes, and torch.compile / "
+                     "CUDA graphs pay a compile of tens of seconds per shape, more than eager "
+                     "spends on the whole run")
+
 
 class TorchFp8Runner(TorchModelRunner):
     """Runs an FP8 folder. ``mode``: "auto" | "emulate" | "scaled_mm" (see fp8_linear.py).
 
-    ``compile``: False, True (``torch.compile`` default mode) or a ``torch.compile`` mode name;
-    ``"reduce-overhead"`` captures CUDA graphs (fixed shapes pay off; each new shape recompiles).
-    Numerics match up to float rounding (fusion reorders bf16 operations).
+    ``compile``: "auto" (eager; see ``AUTO_EAGER_REASON``), False, True (``torch.compile``
+    default mode: Inductor fuses each activation quantize into its producer) or a
+    ``torch.compile`` mode name; ``"reduce-overhead"`` also captures CUDA graphs (fixed shapes
+    pay off; each new shape recompiles). Numerics match up to float rounding (fusion reorders
+    bf16 operations). ``describe()`` says which path ran.
     """
 
     backend = "torch-fp8"
 
     def __init__(self, path, *, dtype: str = "bf16", device: str = "auto", mode: str = "auto",
-                 compile: bool | str = False, name: str | None = None):
+                 compile: bool | str = "auto", name: str | None = None):
         super().__init__(path, dtype=dtype, device=device, name=name)
+        if compile not in COMPILE_MODES:
+            from fp8export.errors import Fp8ExportError
+
+            raise Fp8ExportError(f"compile={compile!r} is unknown; use one of "
+                                 f"{', '.join(map(str, COMPILE_MODES))}.")
         self.mode = mode
         self.compile = compile
         self.info: dict[str, Any] = {}
         self.manifest: dict[str, Any] = {}
+        self.execution: dict[str, str] = {}
 
     def _build(self):
         import torch
@@ -32,12 +50,39 @@ class TorchFp8Runner(TorchModelRunner):
 
         model, config, self.manifest, self.info = load_fp8_model(
             self.path, device=self.device, dtype=self.dtype, mode=self.mode)
-        if self.compile:
+        if self.compile in (False, "auto"):
+            why = AUTO_EAGER_REASON if self.compile == "auto" else "eager: compile=False"
+            if self.info["mode"] == "emulate":
+                why = "eager: emulation (no FP8 GEMMs on this device)"
+            self.execution = {"execution": "eager", "execution_reason": why}
+        else:
             mode = self.compile if isinstance(self.compile, str) else None
             model = torch.compile(model, mode=mode)
+            graphs = mode == "reduce-overhead"
+            self.execution = {"execution": "torch.compile" + (" + CUDA graphs" if graphs else ""),
+                              "execution_reason": f"compile={self.compile!r}"}
         return model, config
+
+    def fp8_path(self) -> str:
+        """One line: which FP8 GEMM path runs, and what is fused."""
+        info = self.info
+        if not info:
+            return "not loaded"
+        if info.get("mode") == "emulate":
+            gemm = "emulated FP8 (fake-quantize + fp32 matmul)"
+        else:
+            from fp8export.runners.fp8_gemm import SMALL_M
+
+            gemm = "torch._scaled_mm" + (f", Triton FP8 GEMM for <= {SMALL_M} rows"
+                                         if SMALL_M else "")
+        fused = info.get("fused_groups", 0)
+        return (f"{gemm}; {fused} fused q/k/v and gate/up groups" if fused else gemm) + \
+            f"; {self.execution.get('execution', 'eager')}"
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d.update(mode=self.info.get("mode", self.mode), fallbacks=self.info.get("fallbacks", {}))
+        d.update(mode=self.info.get("mode", self.mode), fallbacks=self.info.get("fallbacks", {}),
+                 fused_groups=self.info.get("fused_groups", 0),
+                 unfused_groups=self.info.get("unfused_groups", {}),
+                 fp8_path=self.fp8_path(), **self.execution)
         return d

@@ -94,6 +94,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         t_load = time.perf_counter() - t0
         ref_cfg = ref_runner.config
         _check_same_model(ref_cfg, cand_runner, cfg.reference, cfg.candidate)
+        if kind == "fp8-folder":
+            info(f"candidate runs: {cand_runner.fp8_path()}")
         task = task_of(ref_cfg)
         samples, data_info = load_verify_samples(cfg.data, cfg.reference, ref_cfg,
                                                  samples=cfg.samples, seq_len=cfg.seq_len)

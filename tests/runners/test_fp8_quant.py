@@ -37,3 +37,18 @@ def test_fused_is_bit_identical_on_gpu(dtype):
     one = torch.tensor(1.0, device="cuda")
     assert torch.equal(quantize_input(edges, one).view(torch.uint8),
                        quantize_e4m3(edges, one).view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_runtime_launch_skips_the_jit_and_stays_bit_identical():
+    """After the first call of a shape class, quantize_input launches the compiled kernel
+    directly (checked against the JIT once); many fresh inputs later it is still exact."""
+    from fp8export.runners.fp8_quant import _launcher
+
+    torch.manual_seed(1)
+    s = torch.tensor(0.02, device="cuda")
+    for i in range(20):
+        x = torch.randn(3 + 16 * i, 512, device="cuda", dtype=torch.bfloat16) * 4
+        assert torch.equal(quantize_input(x, s).view(torch.uint8),
+                           quantize_e4m3(x, s).view(torch.uint8))
+    assert _launcher().direct and _launcher().compiled, "fell back to the JIT launch path"

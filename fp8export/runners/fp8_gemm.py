@@ -1,0 +1,155 @@
+"""The FP8 GEMM of the GPU runtime: ``torch._scaled_mm``, and a Triton kernel for few rows.
+
+``fp8_matmul(x, weight, input_scale, weight_scale, bias)`` computes the function the emulated
+path computes (DESIGN.md quantize of ``x`` with the static or dynamic per-tensor scale, E4M3
+codes multiplied with fp32 accumulation, times both scales, plus bias, rounded once to the
+output dtype) in one of two ways:
+
+* ``torch._scaled_mm`` (cuBLASLt FP8) after the one-launch input quantize, for most shapes;
+* for at most ``SMALL_M`` rows (decode), a Triton kernel that reads the bf16 activation,
+  quantizes it in registers with the same arithmetic and runs the FP8 dot itself: one launch
+  instead of two, and tiles sized for a weight-bandwidth-bound GEMM (cuBLASLt's FP8 kernels are
+  tuned for large M). Which one wins at which M was measured on an H100
+  (``bench/gpu_fp8.py``, ``bench/results/gpu_fp8.md``); FP8EXPORT_SMALL_M=0 turns it off.
+
+Both take ``weight`` as stored, ``[N, K]`` row-major, i.e. the column-major ``[K, N]``
+operand both cuBLASLt and Hopper's FP8 tensor-core instructions want (K-major B), no copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from fp8export.runners.fp8_quant import Launcher, quantize_input
+
+# A plain module constant, not a cached probe: torch.compile reads it while tracing.
+SMALL_M = (int(os.environ.get("FP8EXPORT_SMALL_M", "64"))
+           if importlib.util.find_spec("triton") is not None else 0)
+"""Rows up to which the Triton kernel runs instead of ``_scaled_mm`` (0: never)."""
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, K]`` activation (bf16/fp16/fp32, CUDA) times E4M3 ``weight [N, K]`` → ``[M, N]``.
+
+    ``input_scale``/``weight_scale`` are float32 0-d tensors on the same device; ``bias`` is
+    ``[N]`` in ``out_dtype`` or None.
+    """
+    if x.shape[0] <= SMALL_M:
+        if torch.compiler.is_compiling():  # opaque to Inductor, captured in CUDA graphs
+            return torch.ops.fp8export.small_m_matmul(x, weight, input_scale, weight_scale,
+                                                      bias, out_dtype)
+        return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
+    a = quantize_input(x, input_scale)
+    if bias is not None and bias.dtype == out_dtype == torch.bfloat16:
+        # bias in the epilogue: added to the fp32 result before the one rounding, as emulated
+        return torch._scaled_mm(a, weight.t(), scale_a=input_scale, scale_b=weight_scale,
+                                bias=bias, out_dtype=out_dtype)
+    y = torch._scaled_mm(a, weight.t(), scale_a=input_scale, scale_b=weight_scale,
+                         out_dtype=out_dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# --------------------------------------------------------------------------- small-M kernel
+@functools.cache
+def _small_m_kernel():
+    """The Triton kernel, or None without Triton (CPU-only machines)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _fp8_gemm_small_m(x_ptr, w_ptr, out_ptr, bias_ptr, sx_ptr, sw_ptr, M, N, K,
+                          stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        sx = tl.load(sx_ptr)
+        sw = tl.load(sw_ptr)
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        m_ok = rm[:, None] < M
+        n_ok = rn[:, None] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk)[None, :] < K
+            x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok & k_ok, other=0.0)
+            # the DESIGN.md quantize, bit for bit: fp32 divide, clamp, RNE cast
+            xq = tl.clamp(x.to(tl.float32) / sx, -448.0, 448.0).to(tl.float8e4nv)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok & k_ok, other=0.0)
+            acc = tl.dot(xq, tl.trans(w), acc)
+        y = acc * (sx * sw)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+    return _fp8_gemm_small_m
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def small_m_config(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile sizes for ``m`` rows: enough column tiles to cover every SM, deep K tiles.
+
+    Memory-bound: each program streams ``BLOCK_N x K`` weight bytes, so the widest column tile
+    that still gives about two programs per SM, and K tiles of 256 E4M3 bytes a row.
+    """
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128
+    while block_n > 16 and -(-n // block_n) * -(-m // block_m) < 2 * sms:
+        block_n //= 2
+    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "num_warps": 4, "num_stages": 4}
+
+
+def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype, config: dict[str, int] | None = None) -> torch.Tensor:
+    """The fused quantize + FP8 GEMM kernel (any M; meant for M <= ``SMALL_M``)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    cfg = config or small_m_config(m, n, k, _sm_count(x.device.index or 0))
+    grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
+    _launcher()(grid, (x, weight, out, bias if bias is not None else out, input_scale,
+                       weight_scale, m, n, k, x.stride(0), weight.stride(0), out.stride(0)),
+                {"HAS_BIAS": bias is not None, "BLOCK_M": cfg["BLOCK_M"],
+                 "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]},
+                {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    return out
+
+
+@functools.cache
+def _launcher() -> Launcher:
+    return Launcher(_small_m_kernel(), out_arg=2)
+
+
+@torch.library.custom_op("fp8export::small_m_matmul", mutates_args=())
+def _small_m_op(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
+                weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
+
+
+@_small_m_op.register_fake
+def _(x, weight, input_scale, weight_scale, bias, out_dtype):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
