@@ -124,6 +124,25 @@ def median_ms(fn, min_time: float = 0.5) -> float:
     return round(statistics.median(time_cuda(fn, min_time)), 4)
 
 
+def graph_ms(fn, reps: int = 20, min_time: float = 0.2) -> float:
+    """Device time per call of ``fn``: ``reps`` calls captured in one CUDA graph, replayed.
+
+    Single kernels of a few microseconds cannot be timed with events around a Python call:
+    the host's launch cost (20-50 us on the benchmark host) lands inside the interval.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return round(statistics.median(time_cuda(graph.replay, min_time)) / reps, 5)
+
+
 def log_row(row: dict) -> None:
     print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
@@ -181,9 +200,48 @@ def bench_overhead(args) -> list[dict]:
         torch.cuda.synchronize()
         rows.append({"op": name, "host_us_per_call": round(host, 2)})
         log_row(rows[-1])
-    rows.append({"op": "direct launch in use", "host_us_per_call": bool(launcher.direct)})
+    rows.append({"op": "direct launch in use", "host_us_per_call": bool(launcher.direct),
+                 "error": launcher.error})
     log_row(rows[-1])
     return rows
+
+
+def bench_profile(models: dict, args) -> dict:
+    """Where eager host time goes at 1x128: cProfile's top functions, and launches per forward."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, args.vocab, (1, 128), device="cuda")
+    report = {}
+    for label, model in models.items():
+        with torch.no_grad():
+            for _ in range(3):
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            host_ms = (time.perf_counter() - t0) / 10 * 1e3
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            prof.disable()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as tp:
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize()
+        kernels = sum(e.count for e in tp.key_averages() if e.device_type.name == "CUDA")
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+        report[label] = {"host_ms_per_forward": round(host_ms, 3), "cuda_kernels": kernels}
+        print(f"-- {label}: host {host_ms:.2f} ms/forward, {kernels} kernels/forward", flush=True)
+        print("\n".join(text.getvalue().splitlines()[6:34]), flush=True)
+    return report
 
 
 def gemm_shapes(args):
@@ -196,7 +254,7 @@ def bench_gemms(args) -> list[dict]:
     """bf16 matmul vs quantize+_scaled_mm vs the small-M kernel, per shape and M."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for m in (1, 8, 16, 32, 64, 128, 2048, 8192, 16384):
+    for m in (1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192, 16384):
         for name, k, n in gemm_shapes(args):
             # several weight copies so that small-M timings read HBM, not the 50 MB L2
             copies = max(1, min(8, int(4 * 2**27 // (n * k * 2))))
@@ -212,15 +270,15 @@ def bench_gemms(args) -> list[dict]:
             def pick(lst):
                 return lst[next(it) % copies]
 
-            bf = median_ms(lambda: pick(xs) @ pick(ws).t(), 0.2)
-            f8 = median_ms(lambda: torch._scaled_mm(
+            bf = graph_ms(lambda: pick(xs) @ pick(ws).t())
+            f8 = graph_ms(lambda: torch._scaled_mm(
                 fp8_quant.quantize_input(pick(xs), sx), pick(wqs).t(), scale_a=sx, scale_b=sw,
-                out_dtype=torch.bfloat16), 0.2)
+                out_dtype=torch.bfloat16))
             row = {"gemm": name, "M": m, "K": k, "N": n, "bf16_ms": bf,
                    "scaled_mm_with_quant_ms": f8, "speedup_scaled_mm": round(bf / f8, 3)}
-            if m <= 128 and fp8_gemm.SMALL_M:
-                tri = median_ms(lambda: fp8_gemm.small_m_matmul(
-                    pick(xs), pick(wqs), sx, sw, None, torch.bfloat16), 0.2)
+            if m <= 2048:
+                tri = graph_ms(lambda: fp8_gemm.small_m_matmul(
+                    pick(xs), pick(wqs), sx, sw, None, torch.bfloat16))
                 row.update(triton_small_m_ms=tri, speedup_triton=round(bf / tri, 3))
                 # weight bytes over time: how close each gets to HBM bandwidth
                 row["triton_weight_gb_s"] = round(n * k / tri / 1e6, 1)
@@ -240,7 +298,7 @@ def bench_sweep(args) -> list[dict]:
     """Tile sweep of the small-M kernel at decode sizes; the heuristic's pick is marked."""
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m in (1, 16, 32, 64):
+    for m in (1, 32, 64, 128, 256):
         for name, k, n in gemm_shapes(args):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ws = [quantize_e4m3(torch.randn(n, k, device="cuda") * 0.02, 0.001)
@@ -250,8 +308,8 @@ def bench_sweep(args) -> list[dict]:
             pick = fp8_gemm.small_m_config(m, n, k, sms)
             best = None
             for bn in (16, 32, 64, 128):
-                for bk in (128, 256, 512):
-                    for stages, warps in ((3, 4), (4, 4), (6, 4), (4, 8)):
+                for bk in (128, 256):
+                    for stages, warps in ((4, 4), (6, 4), (4, 8)):
                         cfg = {"BLOCK_M": pick["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk,
                                "num_warps": warps, "num_stages": stages}
                         i = [0]
@@ -261,7 +319,7 @@ def bench_sweep(args) -> list[dict]:
                             return fp8_gemm.small_m_matmul(x, ws[i[0] % len(ws)], sx, sw, None,
                                                            torch.bfloat16, cfg)
                         try:
-                            ms = median_ms(run, 0.05)
+                            ms = graph_ms(run, 10, 0.05)
                         except Exception as exc:  # out of shared memory etc.
                             ms = None
                             err = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
@@ -384,7 +442,7 @@ def main() -> int:
         section("gemms", lambda: bench_gemms(args), args)
     if "sweep" in parts:
         section("sweep", lambda: bench_sweep(args), args)
-    if not parts & {"prefill", "decode"}:
+    if not parts & {"prefill", "decode", "profile"}:
         return 0
     model = build_bf16(args)
     params = sum(p.numel() for p in model.parameters())
@@ -417,6 +475,8 @@ def main() -> int:
     print(f"logits cosine vs bf16: {RESULT['logits_cosine_random_weights']}", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
+    if "profile" in parts:
+        section("profile", lambda: bench_profile(models, args), args)
     if "prefill" in parts:
         section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab), args)
         if cshapes:

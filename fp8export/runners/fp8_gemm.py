@@ -30,28 +30,32 @@ from fp8export.runners.fp8_quant import Launcher, quantize_input
 SMALL_M = (int(os.environ.get("FP8EXPORT_SMALL_M", "64"))
            if importlib.util.find_spec("triton") is not None else 0)
 """Rows up to which the Triton kernel runs instead of ``_scaled_mm`` (0: never)."""
+EAGER_M = max(SMALL_M, int(os.environ.get("FP8EXPORT_EAGER_M", "0"))) if SMALL_M else 0
+"""Rows up to which eager calls (no compile, no graph capture) use it: one launch, not two."""
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
                weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, weight_t: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, K]`` activation (bf16/fp16/fp32, CUDA) times E4M3 ``weight [N, K]`` → ``[M, N]``.
 
     ``input_scale``/``weight_scale`` are float32 0-d tensors on the same device; ``bias`` is
-    ``[N]`` in ``out_dtype`` or None.
+    ``[N]`` in ``out_dtype`` or None; ``weight_t``: ``weight.t()`` if the caller keeps one.
     """
-    if x.shape[0] <= SMALL_M:
+    m = x.shape[0]
+    if m <= SMALL_M or (m <= EAGER_M and not torch.compiler.is_compiling()
+                        and not torch.cuda.is_current_stream_capturing()):
         if torch.compiler.is_compiling():  # opaque to Inductor, captured in CUDA graphs
             return torch.ops.fp8export.small_m_matmul(x, weight, input_scale, weight_scale,
                                                       bias, out_dtype)
         return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
     a = quantize_input(x, input_scale)
+    wt = weight.t() if weight_t is None else weight_t
     if bias is not None and bias.dtype == out_dtype == torch.bfloat16:
         # bias in the epilogue: added to the fp32 result before the one rounding, as emulated
-        return torch._scaled_mm(a, weight.t(), scale_a=input_scale, scale_b=weight_scale,
-                                bias=bias, out_dtype=out_dtype)
-    y = torch._scaled_mm(a, weight.t(), scale_a=input_scale, scale_b=weight_scale,
-                         out_dtype=out_dtype)
+        return torch._scaled_mm(a, wt, scale_a=input_scale, scale_b=weight_scale, bias=bias,
+                                out_dtype=out_dtype)
+    y = torch._scaled_mm(a, wt, scale_a=input_scale, scale_b=weight_scale, out_dtype=out_dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -79,7 +83,7 @@ def _small_m_kernel():
         x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         m_ok = rm[:, None] < M
-        n_ok = rn[:, None] < N
+        n_ok = rn[:, None] < N  # rows of the weight tile
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk)[None, :] < K
@@ -92,7 +96,7 @@ def _small_m_kernel():
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok)
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N))
 
     return _fp8_gemm_small_m
 

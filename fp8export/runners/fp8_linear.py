@@ -86,6 +86,33 @@ class Fp8Linear(nn.Module):
         if self.in_features % 16 or self.out_features % 16:
             self.fallback_reason = (f"in/out features {self.in_features}x{self.out_features} "
                                     "are not multiples of 16 (torch._scaled_mm needs that)")
+        self._refresh()
+
+    # -- the eager fast path ------------------------------------------------------------------
+    # Eager decode and short prefill are bound by host time per layer, so the GPU forward reads
+    # plain attributes prepared here (buffers live behind nn.Module.__getattr__) and checks the
+    # device once per move, not per call. Kept current by _apply (.to/.cuda/.half) and
+    # __setattr__ (a buffer replaced by assignment); in-place updates keep the same tensors.
+    _BUFFERS = ("weight", "weight_scale", "input_scale", "bias")
+
+    def _refresh(self) -> None:
+        fast = None
+        w = self._buffers.get("weight")
+        if (w is not None and w.is_cuda and self.mode != "emulate"
+                and self.fallback_reason is None and scaled_mm_available(w.device)):
+            b = self._buffers
+            fast = (w, w.t(), b["weight_scale"], b["input_scale"], b["bias"])
+        self.__dict__["_fast"] = fast
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._refresh()
+        return out
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in self._BUFFERS and "_fast" in self.__dict__:
+            self._refresh()
 
     def extra_repr(self) -> str:
         act = "static" if self.input_scale is not None else "dynamic"
@@ -107,6 +134,14 @@ class Fp8Linear(nn.Module):
         return self.input_scale if self.input_scale is not None else dynamic_scale(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast
+        if fast is not None and x.is_cuda:
+            w, wt, ws, s_in, bias = fast
+            if s_in is None:
+                s_in = dynamic_scale(x)
+            y = fp8_matmul(x.reshape(-1, self.in_features), w, s_in, ws, bias, self.out_dtype,
+                           weight_t=wt)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.uses_scaled_mm(x.device):
             return self.forward_scaled_mm(x)
         return self.forward_emulated(x)

@@ -74,6 +74,7 @@ class Launcher:
         self.out_arg = out_arg
         self.compiled: dict = {}
         self.direct = os.environ.get("FP8EXPORT_DIRECT_LAUNCH", "1") != "0"
+        self.error: str | None = None  # why the direct path was given up, for benchmarks
 
     @staticmethod
     def key(args, constexprs: dict, options: dict) -> tuple:
@@ -85,14 +86,14 @@ class Launcher:
                 parts.append((a == 1, a % 16 == 0, a >= 2**31))
             else:
                 parts.append(a)
-        return (torch.cuda.current_device(), *parts, *constexprs.values(), *options.values())
+        return (*parts, *constexprs.values(), *options.values())
 
     def __call__(self, grid, args, constexprs: dict, options: dict | None = None) -> None:
         options = options or {}
         if not self.direct:
             self.kernel[grid](*args, **constexprs, **options)
             return
-        key = self.key(args, constexprs, options)
+        key = (torch.cuda.current_device(), *self.key(args, constexprs, options))
         entry = self.compiled.get(key)
         if entry is not None:
             entry[0][grid](*args, *entry[1])
@@ -105,22 +106,25 @@ class Launcher:
         want = out.clone()
         try:
             compiled = self.kernel.warmup(*args, **constexprs, **options, grid=grid)
-        except Exception:  # a Triton API difference: keep the JIT path, which is correct
-            self.direct = False
+        except Exception as exc:  # a Triton API difference: keep the JIT path, which is correct
+            self.direct, self.error = False, f"warmup: {type(exc).__name__}: {exc}"[:300]
             return
         # Triton versions differ in whether the compiled entry takes the constexprs too
+        errors = []
         for extra in (tuple(constexprs.values()), ()):
             try:
                 out.view(torch.uint8).fill_(0x7F)  # poison: NaN in E4M3, huge in bf16
                 compiled[grid](*args, *extra)
                 same = torch.equal(want.view(torch.uint8), out.view(torch.uint8))
-            except Exception:
+                errors.append("output differs")
+            except Exception as exc:
                 same = False
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
             if same:
                 self.compiled[key] = (compiled, extra)
                 return
         out.copy_(want)
-        self.direct = False
+        self.direct, self.error = False, "; ".join(errors)
 
 
 @functools.cache
