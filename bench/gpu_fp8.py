@@ -276,7 +276,7 @@ def bench_gemms(args) -> list[dict]:
                 out_dtype=torch.bfloat16))
             row = {"gemm": name, "M": m, "K": k, "N": n, "bf16_ms": bf,
                    "scaled_mm_with_quant_ms": f8, "speedup_scaled_mm": round(bf / f8, 3)}
-            if m <= 2048:
+            if m <= 2048:  # the eager one-launch kernel, timed in a graph for device time
                 tri = graph_ms(lambda: fp8_gemm.small_m_matmul(
                     pick(xs), pick(wqs), sx, sw, None, torch.bfloat16))
                 row.update(triton_small_m_ms=tri, speedup_triton=round(bf / tri, 3))
@@ -333,6 +333,41 @@ def bench_sweep(args) -> list[dict]:
                          and r["M"] == m), None)
             print(f"  sweep {name} M={m}: best {best} | heuristic {heur}", flush=True)
     return rows
+
+
+class WithEagerM(torch.nn.Module):
+    """Runs ``model`` with the runtime's eager one-launch threshold set to ``rows``."""
+
+    def __init__(self, model, rows: int):
+        super().__init__()
+        self.model, self.rows = model, rows
+
+    def forward(self, **kwargs):
+        saved, fp8_gemm.EAGER_M = fp8_gemm.EAGER_M, self.rows
+        try:
+            return self.model(**kwargs)
+        finally:
+            fp8_gemm.EAGER_M = saved
+
+
+def decode_gemm_ms(args, m: int) -> dict:
+    """Device time of one decode step's decoder GEMMs as each model runs them (graph-timed):
+    bf16 q, k, v, o, gate, up, down separately; FP8 quantize + fused qkv, o, gate_up, down."""
+    h, i = args.hidden, args.intermediate
+    kv = h // args.heads * args.kv_heads
+    x = {k_: torch.randn(m, k_, device="cuda", dtype=torch.bfloat16) for k_ in (h, i)}
+    s = torch.tensor(0.01, device="cuda")
+    bf16 = fp8 = 0.0
+    for k_, n in ((h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)):
+        w = torch.randn(n, k_, device="cuda", dtype=torch.bfloat16)
+        bf16 += graph_ms(lambda: x[k_] @ w.t(), 10, 0.1)
+    for k_, n in ((h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)):
+        wq = quantize_e4m3(torch.randn(n, k_, device="cuda") * 0.02, 0.001)
+        fp8 += graph_ms(lambda: torch._scaled_mm(fp8_quant.quantize_input(x[k_], s), wq.t(),
+                                                 scale_a=s, scale_b=s, out_dtype=torch.bfloat16),
+                        10, 0.1)
+    return {"bf16_gemm_ms": round(bf16 * args.layers, 4),
+            "fp8_gemm_ms": round(fp8 * args.layers, 4)}
 
 
 def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5) -> list[dict]:
@@ -418,6 +453,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prefill tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--unfused", action="store_true", help="also time FP8 without fused groups")
+    ap.add_argument("--eager-m-alt", type=int, default=0,
+                    help="also time eager FP8 with this one-launch row threshold")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -431,7 +468,7 @@ def main() -> int:
     RESULT.update({
         "device": torch.cuda.get_device_name(), "compute_capability": f"{cc[0]}.{cc[1]}",
         "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
-        "small_m": fp8_gemm.SMALL_M,
+        "eager_m": fp8_gemm.EAGER_M,
         "method": "median of CUDA-event timings over >=0.5 s per point after 3 warm-ups "
                   "(decode: median of --decode-steps steps after 4 warm-up steps); "
                   "logits_to_keep=1; static per-tensor input scales; same process and weights",
@@ -453,6 +490,8 @@ def main() -> int:
     models = {"bf16": model, "fp8": fp8}
     if args.unfused:
         models["fp8_unfused"] = to_fp8(model, calib, fuse=False)[0]
+    if args.eager_m_alt:
+        models[f"fp8_eagerM{args.eager_m_alt}"] = WithEagerM(fp8, args.eager_m_alt)
     RESULT["model"] = {"params": params, "hidden": args.hidden, "intermediate": args.intermediate,
                        "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                        "vocab": args.vocab, "fp8_linears": n_fp8, "fused_groups": n_groups,
@@ -469,6 +508,16 @@ def main() -> int:
         ids = calib[0][:1, :256]
         ref = model(input_ids=ids, use_cache=False).logits.float()
         outs = {k: m(input_ids=ids, use_cache=False).logits.float() for k, m in models.items()}
+        emu = {n: m for n, m in fp8.named_modules() if isinstance(m, Fp8Linear)}
+        for m in emu.values():
+            m.mode = "emulate"
+            m._refresh()
+        outs["fp8_emulated"] = fp8(input_ids=ids, use_cache=False).logits.float()
+        for m in emu.values():
+            m.mode = "scaled_mm"
+            m._refresh()
+    RESULT["logits_cosine_fp8_vs_emulated"] = round(torch.nn.functional.cosine_similarity(
+        outs["fp8"].flatten(), outs["fp8_emulated"].flatten(), dim=0).item(), 6)
     RESULT["logits_cosine_random_weights"] = {
         k: round(torch.nn.functional.cosine_similarity(ref.flatten(), v.flatten(), dim=0).item(),
                  6) for k, v in outs.items() if k != "bf16"}
@@ -479,6 +528,7 @@ def main() -> int:
         section("profile", lambda: bench_profile(models, args), args)
     if "prefill" in parts:
         section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab), args)
+        models = {"bf16": model, "fp8": fp8}
         if cshapes:
             def graphs():
                 torch._dynamo.reset()
@@ -491,7 +541,7 @@ def main() -> int:
             rows = []
             cb = {int(b) for b in args.decode_compiled.split(",") if b}
             for batch in (int(b) for b in args.decode_batches.split(",")):
-                row = {"batch": batch, "prompt": args.prompt}
+                row = {"batch": batch, "prompt": args.prompt, **decode_gemm_ms(args, batch)}
                 for label, m in (("bf16", model), ("fp8", fp8)):
                     row.update(bench_decode(m, f"{label}_eager", batch, args, False))
                 row["speedup_eager"] = round(row["bf16_eager_ms"] / row["fp8_eager_ms"], 3)

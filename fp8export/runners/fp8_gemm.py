@@ -1,16 +1,22 @@
-"""The FP8 GEMM of the GPU runtime: ``torch._scaled_mm``, and a Triton kernel for few rows.
+"""The FP8 GEMM of the GPU runtime: ``torch._scaled_mm``, and a one-launch kernel for eager.
 
 ``fp8_matmul(x, weight, input_scale, weight_scale, bias)`` computes the function the emulated
 path computes (DESIGN.md quantize of ``x`` with the static or dynamic per-tensor scale, E4M3
 codes multiplied with fp32 accumulation, times both scales, plus bias, rounded once to the
 output dtype) in one of two ways:
 
-* ``torch._scaled_mm`` (cuBLASLt FP8) after the one-launch input quantize, for most shapes;
-* for at most ``SMALL_M`` rows (decode), a Triton kernel that reads the bf16 activation,
-  quantizes it in registers with the same arithmetic and runs the FP8 dot itself: one launch
-  instead of two, and tiles sized for a weight-bandwidth-bound GEMM (cuBLASLt's FP8 kernels are
-  tuned for large M). Which one wins at which M was measured on an H100
-  (``bench/gpu_fp8.py``, ``bench/results/gpu_fp8.md``); FP8EXPORT_SMALL_M=0 turns it off.
+* ``torch._scaled_mm`` (cuBLASLt FP8) after the one-launch input quantize. This is the path
+  under ``torch.compile`` (Inductor fuses the quantize into its producer) and inside CUDA graph
+  capture: measured on an H100 in CUDA graphs (``bench/results/gpu_fp8.md``), cuBLASLt's FP8
+  GEMM beats bf16 at every M from 1 to 16384 and beat every tile shape we tried of the Triton
+  kernel below on device time, so no small-M GEMM is needed there.
+* In eager, for at most ``EAGER_M`` rows, a Triton kernel that reads the bf16 activation,
+  quantizes it in registers with the same arithmetic and runs the FP8 dot itself. At those
+  sizes eager is bound by host time per launch (20-50 us each on the benchmark host), and this
+  is one launch where quantize + ``_scaled_mm`` is two, with cuBLASLt's heuristic query on top.
+  Its row tiles stay at 16/32 rows, where Triton uses MMA instructions with full fp32
+  accumulation (64-row tiles take Hopper's wgmma path, whose FP8 accumulation lost ~1e-3
+  relative accuracy in the GPU tests). FP8EXPORT_EAGER_M=0 turns it off.
 
 Both take ``weight`` as stored, ``[N, K]`` row-major, i.e. the column-major ``[K, N]``
 operand both cuBLASLt and Hopper's FP8 tensor-core instructions want (K-major B), no copy.
@@ -26,12 +32,9 @@ import torch
 
 from fp8export.runners.fp8_quant import Launcher, quantize_input
 
-# A plain module constant, not a cached probe: torch.compile reads it while tracing.
-SMALL_M = (int(os.environ.get("FP8EXPORT_SMALL_M", "64"))
+EAGER_M = (int(os.environ.get("FP8EXPORT_EAGER_M", "128"))
            if importlib.util.find_spec("triton") is not None else 0)
-"""Rows up to which the Triton kernel runs instead of ``_scaled_mm`` (0: never)."""
-EAGER_M = max(SMALL_M, int(os.environ.get("FP8EXPORT_EAGER_M", "0"))) if SMALL_M else 0
-"""Rows up to which eager calls (no compile, no graph capture) use it: one launch, not two."""
+"""Rows up to which eager calls use the one-launch Triton kernel (0: never)."""
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
@@ -42,12 +45,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
     ``input_scale``/``weight_scale`` are float32 0-d tensors on the same device; ``bias`` is
     ``[N]`` in ``out_dtype`` or None; ``weight_t``: ``weight.t()`` if the caller keeps one.
     """
-    m = x.shape[0]
-    if m <= SMALL_M or (m <= EAGER_M and not torch.compiler.is_compiling()
-                        and not torch.cuda.is_current_stream_capturing()):
-        if torch.compiler.is_compiling():  # opaque to Inductor, captured in CUDA graphs
-            return torch.ops.fp8export.small_m_matmul(x, weight, input_scale, weight_scale,
-                                                      bias, out_dtype)
+    if (x.shape[0] <= EAGER_M and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()):
         return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
     a = quantize_input(x, input_scale)
     wt = weight.t() if weight_t is None else weight_t
@@ -107,24 +106,26 @@ def _sm_count(index: int) -> int:
 
 
 def small_m_config(m: int, n: int, k: int, sms: int) -> dict[str, int]:
-    """Tile sizes for ``m`` rows: enough column tiles to cover every SM, deep K tiles.
+    """Tile sizes for ``m`` rows, from the H100 tile sweep (``bench/gpu_fp8.py --parts sweep``).
 
-    Memory-bound: each program streams ``BLOCK_N x K`` weight bytes, so the widest column tile
-    that still gives about two programs per SM, and K tiles of 256 E4M3 bytes a row.
+    Row tiles of 16/32 (full-precision MMA accumulation, see the module docstring); column
+    tiles of 32, or 64 for wide weights, which the sweep found fastest at 1-32 rows; 256 E4M3
+    bytes of K per step.
     """
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128
-    while block_n > 16 and -(-n // block_n) * -(-m // block_m) < 2 * sms:
-        block_n //= 2
+    block_m = 16 if m <= 16 else 32
+    block_n = 64 if n >= 8 * sms * 8 else 32
     block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
             "num_warps": 4, "num_stages": 4}
 
 
+_CONFIGS: dict[tuple[int, int, int, int], dict[str, int]] = {}
+
+
 def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
                    weight_scale: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype, config: dict[str, int] | None = None) -> torch.Tensor:
-    """The fused quantize + FP8 GEMM kernel (any M; meant for M <= ``SMALL_M``)."""
+    """The fused quantize + FP8 GEMM kernel (any M; meant for M <= ``EAGER_M`` in eager)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -132,7 +133,12 @@ def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Ten
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     if m == 0:
         return out
-    cfg = config or small_m_config(m, n, k, _sm_count(x.device.index or 0))
+    if config is None:
+        key = (m, n, k, x.get_device())
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _CONFIGS[key] = small_m_config(m, n, k, _sm_count(key[3]))
+    cfg = config
     grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
     _launcher()(grid, (x, weight, out, bias if bias is not None else out, input_scale,
                        weight_scale, m, n, k, x.stride(0), weight.stride(0), out.stride(0)),
@@ -146,14 +152,3 @@ def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Ten
 def _launcher() -> Launcher:
     return Launcher(_small_m_kernel(), out_arg=2)
 
-
-@torch.library.custom_op("fp8export::small_m_matmul", mutates_args=())
-def _small_m_op(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
-                weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
-
-
-@_small_m_op.register_fake
-def _(x, weight, input_scale, weight_scale, bias, out_dtype):
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)

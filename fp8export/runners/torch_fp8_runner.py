@@ -71,10 +71,10 @@ class TorchFp8Runner(TorchModelRunner):
         if info.get("mode") == "emulate":
             gemm = "emulated FP8 (fake-quantize + fp32 matmul)"
         else:
-            from fp8export.runners.fp8_gemm import SMALL_M
+            from fp8export.runners.fp8_gemm import EAGER_M
 
-            gemm = "torch._scaled_mm" + (f", Triton FP8 GEMM for <= {SMALL_M} rows"
-                                         if SMALL_M else "")
+            gemm = "torch._scaled_mm" + (f" (eager, <= {EAGER_M} rows: one-launch Triton FP8 "
+                                         "GEMM)" if EAGER_M else "")
         fused = info.get("fused_groups", 0)
         return (f"{gemm}; {fused} fused q/k/v and gate/up groups" if fused else gemm) + \
             f"; {self.execution.get('execution', 'eager')}"

@@ -157,8 +157,10 @@ def _needs_fp8_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 300])  # small-M Triton kernel and _scaled_mm
-def test_gpu_paths_are_bit_identical_to_emulation(rows):
+def test_gpu_paths_are_bit_identical_to_emulation(rows, monkeypatch):
     _needs_fp8_gpu()
+    from fp8export.runners import fp8_gemm
+
     members = [m.cuda() for m in _integer_members()]
     x = (torch.randint(-6, 7, (rows, 256)).float() * 0.5).to("cuda", torch.bfloat16)
     want = [m.forward_emulated(x) for m in members]
@@ -168,6 +170,18 @@ def test_gpu_paths_are_bit_identical_to_emulation(rows):
     parent = _Parent(members).cuda()
     fuse_projections(parent, {"qkv": ["q", "k", "v"]})
     for got, w in zip((parent.q(x), parent.k(x), parent.v(x)), want):
+        assert torch.equal(got, w)
+    # _scaled_mm at every row count (as in compiled code and CUDA graphs), warmed up eagerly
+    monkeypatch.setattr(fp8_gemm, "EAGER_M", 0)
+    for got, w in zip((parent.q(x), parent.k(x), parent.v(x)), want):
+        assert torch.equal(got, w)
+    monkeypatch.undo()
+    # inside CUDA graph capture the GEMM is always _scaled_mm: same bits after replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = (parent.q(x), parent.k(x), parent.v(x))
+    graph.replay()
+    for got, w in zip(captured, want):
         assert torch.equal(got, w)
 
 
