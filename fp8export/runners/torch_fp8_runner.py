@@ -9,12 +9,11 @@ from fp8export.runners.torch_runner import TorchModelRunner
 COMPILE_MODES = (False, True, "auto", "default", "reduce-overhead", "max-autotune",
                  "max-autotune-no-cudagraphs")
 
-# Why "auto" runs eager: measured on an H100 (bench/results/gpu_fp8.md) compiling the 1.1 B
-# Llama takes tens of seconds for each new input shape, while a whole eager verify run of
-# dozens of batches takes about a second; eager FP8 is at least as fast as eager bf16 there.
-AUTO_EAGER_REASON = ("eager: verify feeds a few batches of varying shapes, and torch.compile / "
-                     "CUDA graphs pay a compile of tens of seconds per shape, more than eager "
-                     "spends on the whole run")
+# Why "auto" runs eager: on an H100 (bench/results/gpu_fp8.md) torch.compile with CUDA graphs
+# took 21-25 s per new input shape for the 1.1 B Llama and saved at most ~20 ms a forward, while
+# verify feeds tens of batches whose shapes vary: compiling never pays back within one run.
+AUTO_EAGER_REASON = ("eager: verify feeds a few batches of varying shapes; torch.compile / "
+                     "CUDA graphs cost ~20 s of compile per shape, more than they save")
 
 
 class TorchFp8Runner(TorchModelRunner):
