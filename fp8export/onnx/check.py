@@ -7,16 +7,20 @@ docs/onnx.md and ``shared/reference/tensorrt_fp8_onnx.md`` sections 1, 2, 5):
 ``ir-version``       IR version <= 13, the newest onnxruntime 1.31 loads (export writes 10, or 11
                      at opset 23).
 ``custom-domain``    no custom-domain ops: TensorRT would need a plugin (onnx-tensorrt importer).
-``axis``             every Q/DQ writes ``axis`` (TRT 10.1 parser defaulted a missing axis to 0).
-``scale``            scales are constant initializers, positive and finite, FP32/FP16/BF16
-                     (NvInfer.h IQuantizeLayer; TRT #4817), per-tensor for activations
-                     ("activations cannot be quantized per-channel").
+``axis``             every per-channel Q/DQ writes ``axis`` (TRT 10.1 parser defaulted a missing
+                     axis to 0, later parsers to 1); a scalar scale makes ``axis`` meaningless, so
+                     per-tensor Q/DQ may omit it (ModelOpt does).
+``scale``            scales are constants, positive and finite, FP32/FP16/BF16 (NvInfer.h
+                     IQuantizeLayer; TRT #4817), per-tensor for activations ("activations cannot be
+                     quantized per-channel"); only a DQ rooted at a constant (an initializer, or a Q
+                     of one) may be per-channel.
 ``scale-dtype``      a Q's scale dtype equals its input dtype (TRT <= 10.12 strongly typed rule;
                      opset < 23 ONNX rule); an fp32 scale with 16-bit input is allowed from opset
                      23 and TRT 10.13 (warning).
 ``zero-point``       the quantized type is FLOAT8E4M3FN, taken from a zero point (else
-                     ``output_dtype``, else TRT reads INT8: onnx-tensorrt QuantDequantLinearHelper);
-                     zero points are constant and 0; E5M2/FNUZ are rejected (TRT: E4M3FN only).
+                     ``output_dtype``, which exists only from opset 21, else TRT reads INT8:
+                     onnx-tensorrt QuantDequantLinearHelper); zero points are constant and 0;
+                     E5M2/FNUZ are rejected (TRT: E4M3FN only).
 ``quantized-constant`` FP8 initializers feed only DequantizeLinear ("Quantized constant is only
                      allowed before DQ or PLUGIN_V2 node", TRT #3919).
 ``gemm-inputs``      a GEMM fed by a DQ has both inputs straight from DQs, nothing between (a Cast
@@ -176,13 +180,31 @@ def _attr(node, name: str):
     return None
 
 
+def _weight_root(g: _Graph, name: str):
+    """The constant a Q/DQ input is rooted at: itself, or the constant behind a Q; else None.
+
+    TensorRT quantizes per-channel only along a constant (a weight): an FP8 initializer -> DQ
+    (our export) or a float initializer -> Q -> DQ (ModelOpt's ONNX quantizer).
+    """
+    t = g.const(name)
+    if t is not None:
+        return t
+    p = g.producer.get(name)
+    if p is not None and p.op_type == "QuantizeLinear" and p.domain in _STANDARD_DOMAINS:
+        return g.const(p.input[0])
+    return None
+
+
 def _check_scale(g: _Graph, node, issues: list[Issue], *, activation: bool) -> None:
     name = node.input[1] if len(node.input) > 1 else ""
     where = node.name or node.output[0]
     t = g.const(name)
     if t is None:
+        src = g.producer.get(name)
+        made = f" (computed by {src.op_type} {src.name or src.output[0]!r})" if src else \
+            " (a graph input)"
         issues.append(Issue("error", "scale", where, f"scale {name!r} is not a constant "
-                            "initializer; TensorRT needs build-time constant scales."))
+                            f"initializer{made}; TensorRT needs build-time constant scales."))
         return
     if t.data_type not in _FLOAT_SCALES:
         issues.append(Issue("error", "scale", where, f"scale {name} has ONNX type "
@@ -199,27 +221,40 @@ def _check_scale(g: _Graph, node, issues: list[Issue], *, activation: bool) -> N
         issues.append(Issue("error", "scale", where, f"scale {name} has rank {v.ndim}; use a "
                             "scalar (per-tensor) or 1-D (per-channel) scale."))
     elif v.ndim == 1 and v.size > 1:  # per-channel weight: one scale per slice along axis
-        w = g.const(node.input[0])
+        w = _weight_root(g, node.input[0])
         axis = _attr(node, "axis")
-        axis = 1 if axis is None else axis
+        if axis is None:
+            issues.append(Issue("error", "axis", where, f"per-channel {node.op_type} has no "
+                                "explicit axis; TensorRT 10.1 defaulted it to 0, later parsers "
+                                "to 1. Write axis."))
+            return
         if w is not None and len(w.dims) > 0 and w.dims[axis % len(w.dims)] != v.size:
             issues.append(Issue("error", "scale", where, f"per-channel scale {name} has "
                                 f"{v.size} values but the weight has {w.dims[axis % len(w.dims)]} "
                                 f"along axis {axis}."))
 
 
-def _check_zero_point(g: _Graph, node, issues: list[Issue]) -> None:
+def _check_zero_point(g: _Graph, node, issues: list[Issue], opset: int) -> None:
     where = node.name or node.output[0]
     zp = node.input[2] if len(node.input) > 2 and node.input[2] else None
     if zp is None:
         if node.op_type == "QuantizeLinear":
             od = _attr(node, "output_dtype")
-            if od == _E4M3FN:
+            if od == _E4M3FN and opset >= 21:
+                return
+            if od is not None and opset < 21:
+                issues.append(Issue(
+                    "error", "zero-point", where,
+                    f"QuantizeLinear has no zero point, and output_dtype does not exist before "
+                    f"opset 21 (this graph: {opset}); at opset 19/20 only an FLOAT8E4M3FN zero "
+                    "point makes the output FP8, else TensorRT's parser quantizes to INT8. Add "
+                    "the zero point."))
                 return
             issues.append(Issue(
                 "error", "zero-point", where,
                 "QuantizeLinear has neither an FP8 zero point nor output_dtype=FLOAT8E4M3FN; "
-                "TensorRT's parser then quantizes to INT8 (and onnxruntime to uint8)."))
+                "TensorRT's parser then quantizes to INT8 (and onnxruntime to uint8). Add an "
+                "all-zero FLOAT8E4M3FN zero point."))
         return
     t = g.const(zp)
     if t is None:
@@ -247,6 +282,9 @@ def _dq_out_dtype(g: _Graph, node) -> int | None:
 def _layer_name(g: _Graph, node, dq_b) -> str:
     if dq_b is not None:
         src = dq_b.input[0]
+        p = g.producer.get(src)
+        if p is not None and p.op_type == "QuantizeLinear":  # float weight -> Q -> DQ
+            src = p.input[0]
         if src in g.inits or src in g.constants:
             return src[: -len(".weight")] if src.endswith(".weight") else src
     return node.name or node.output[0]
@@ -312,14 +350,11 @@ def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
                         f"FP8 initializer {name} feeds {node.op_type} (input {i}); a quantized "
                         "constant may only feed DequantizeLinear (TensorRT #3919)."))
             continue
-        if _attr(node, "axis") is None:
-            issues.append(Issue("error", "axis", where, f"{node.op_type} has no explicit axis; "
-                                "TensorRT 10.1 defaulted it to 0, later parsers to 1."))
         is_q = node.op_type == "QuantizeLinear"
         x = node.input[0]
-        _check_zero_point(g, node, issues)
+        _check_zero_point(g, node, issues, opset)
         if is_q:
-            _check_scale(g, node, issues, activation=x not in g.inits)
+            _check_scale(g, node, issues, activation=g.const(x) is None)
             xt, st = g.types.get(x), _scale_dtype(g, node)
             if xt and st and xt != st:
                 if opset >= 23 and st == 1:
@@ -336,10 +371,7 @@ def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
                 kind = _FP8_TYPES.get(xt, f"ONNX type {xt}")
                 issues.append(Issue("error", "zero-point", where, f"DequantizeLinear input {x} "
                                     f"is {kind}; TensorRT's FP8 type is FLOAT8E4M3FN."))
-            const_x = x in g.inits or x in g.constants
-            _check_scale(g, node, issues, activation=not const_x)
-            if const_x and any(c.op_type != "DequantizeLinear" for c in g.consumers.get(x, [])):
-                pass  # reported by the quantized-constant rule on the other consumer
+            _check_scale(g, node, issues, activation=_weight_root(g, x) is None)
     _check_gemms(g, report)
     return report
 

@@ -53,9 +53,12 @@ def test_checks_a_saved_file(model, tmp_path):
     assert check_model(path).ok
 
 
-def test_missing_axis(model):
+def test_missing_axis_matters_only_per_channel(model):
     dq = _node(model, "lin/weight_dq")
     del dq.attribute[:]
+    assert check_model(model).ok  # scalar scale: axis is ignored by ONNX and TensorRT alike
+    _init(model, "lin.weight_scale").CopyFrom(
+        numpy_helper.from_array(np.full((6,), 0.01, dtype=np.float32), "lin.weight_scale"))
     r = check_model(model)
     assert not r.ok and "axis" in _rules(r)
 
