@@ -1,14 +1,19 @@
 """``build-engine``: a strongly typed TensorRT FP8 engine from a Q/DQ ONNX graph.
 
-Written against the real ``tensorrt`` Python API for 10.x (STRONGLY_TYPED network flag, no
+Two builders, one report. The ``tensorrt`` Python API for 10.x (STRONGLY_TYPED network flag, no
 precision builder flags — they were deprecated in 10.12) and 11.x (networks are always strongly
-typed; the precision flags are gone). See reference/tensorrt_fp8_onnx.md §3. TensorRT is
-imported only here and in the TensorRT runner.
+typed; the precision flags are gone), see reference/tensorrt_fp8_onnx.md §3; or, where only the
+``trtexec`` binary is installed (NVIDIA's containers), the same build through it
+(:mod:`fp8export.engine.trtexec`). Both export the engine inspector's JSON, which
+:mod:`fp8export.engine.layers` turns into ``<engine>.build.json``. TensorRT is imported only here
+and in the TensorRT runner.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -33,13 +38,13 @@ class BuildEngineConfig:
     optimization_level: int = 3
     timing_cache: Path | None = None
     force: bool = False
+    trtexec: Path | None = None  # build through this trtexec binary instead of the Python API
 
     def __post_init__(self):
         object.__setattr__(self, "onnx", Path(self.onnx))
-        if self.output is not None:
-            object.__setattr__(self, "output", Path(self.output))
-        if self.timing_cache is not None:
-            object.__setattr__(self, "timing_cache", Path(self.timing_cache))
+        for name in ("output", "timing_cache", "trtexec"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
         if not 0 <= self.optimization_level <= 5:
             raise Fp8ExportError(f"--opt-level must be 0..5, got {self.optimization_level}.")
         if self.workspace_gib is not None and self.workspace_gib <= 0:
@@ -63,6 +68,8 @@ class BuildEngineResult:
     fallback_gemms: list[str] = field(default_factory=list)
     unattributed_gemms: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    builder: str = "tensorrt"  # "tensorrt" (Python API) or "trtexec"
+    command: list[str] = field(default_factory=list)  # the trtexec argv, when trtexec built it
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -123,19 +130,88 @@ def _structural_check(onnx_path: Path) -> list[str]:
     return list(d.get("fp8_gemms", []))
 
 
-def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
-    """Parse, build, inspect and save an engine; write ``<engine>.build.json`` beside it."""
-    from fp8export._lazy import lazy_import
+@dataclass(frozen=True)
+class _Plan:
+    """What both builders need, checked before either starts."""
 
+    out: Path
+    profile: list[ShapeRange]
+    expected_fp8: list[str]
+
+
+def _plan(cfg: BuildEngineConfig, *, for_print: bool = False) -> _Plan:
     if not cfg.onnx.is_file():
         raise Fp8ExportError(
             f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
     out = cfg.resolved_output
-    if out.exists() and not cfg.force:
+    if out.exists() and not cfg.force and not for_print:
         raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
     inputs = graph_inputs(cfg.onnx)
     profile = default_profile(inputs, list(cfg.shapes))
-    expected_fp8 = _structural_check(cfg.onnx)
+    return _Plan(out, profile, _structural_check(cfg.onnx))
+
+
+def choose_builder(cfg: BuildEngineConfig) -> str:
+    """"trtexec" when asked for or when only trtexec is installed, else "tensorrt"."""
+    from fp8export.engine.trtexec import find_trtexec
+
+    if cfg.trtexec is not None:
+        find_trtexec(cfg.trtexec)
+        return "trtexec"
+    if importlib.util.find_spec("tensorrt") is not None:
+        return "tensorrt"
+    if find_trtexec() is not None:
+        return "trtexec"
+    raise Fp8ExportError(
+        "TensorRT is not installed here: neither the Python package 'tensorrt' nor a 'trtexec' "
+        "binary on PATH. Install it (pip install 'fp8export[tensorrt]', TensorRT 10.x/11.x from "
+        "NVIDIA's index), pass --trtexec PATH, or print the build command with --print-command "
+        "and run it where TensorRT lives (README: the TensorRT container recipe).")
+
+
+def trtexec_command_for(cfg: BuildEngineConfig) -> list[str]:
+    """The trtexec command that builds ``cfg``'s engine (final paths), after the same checks."""
+    from fp8export.engine.trtexec import (
+        TRTEXEC,
+        find_trtexec,
+        layer_info_path,
+        trtexec_command,
+    )
+
+    plan = _plan(cfg, for_print=True)
+    exe = find_trtexec(cfg.trtexec) or TRTEXEC
+    return trtexec_command(exe, cfg.onnx, plan.out, layer_info_path(plan.out), plan.profile,
+                           optimization_level=cfg.optimization_level,
+                           workspace_gib=cfg.workspace_gib, timing_cache=cfg.timing_cache)
+
+
+def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
+    """Parse, build, inspect and save an engine; write ``<engine>.build.json`` beside it."""
+    plan = _plan(cfg)
+    if choose_builder(cfg) == "trtexec":
+        return _build_trtexec(cfg, plan)
+    return _build_python(cfg, plan)
+
+
+def _result(plan: _Plan, info, **fields) -> BuildEngineResult:
+    """The result and its JSON report, from the inspector's JSON (either builder)."""
+    from fp8export.engine.layers import attribute_gemms
+
+    layers = attribute_gemms(info, plan.expected_fp8)
+    notes = list(fields.pop("notes", [])) + layers.notes
+    result = BuildEngineResult(
+        engine=str(plan.out), report=str(plan.out) + ".build.json",
+        profile=[r.to_dict() for r in plan.profile], fp8_gemms=len(layers.fp8_gemms),
+        fallback_gemms=layers.fallback_gemms, unattributed_gemms=layers.unattributed,
+        notes=notes, **fields)
+    report = {**result.to_dict(), "layers": layers.to_dict(), "host": platform.node(),
+              "expected_fp8_gemms": plan.expected_fp8}
+    write_file_atomic(Path(result.report), json.dumps(report, indent=2, sort_keys=True).encode())
+    return result
+
+
+def _build_python(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
+    from fp8export._lazy import lazy_import
 
     trt = lazy_import("tensorrt", "build-engine")
     gpu, cc = check_gpu()
@@ -158,9 +234,9 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
     cache_bytes = cfg.timing_cache.read_bytes() if has_cache else b""
     cache = config.create_timing_cache(cache_bytes)
     config.set_timing_cache(cache, ignore_mismatch=False)
-    if profile:
+    if plan.profile:
         p = builder.create_optimization_profile()
-        for r in profile:
+        for r in plan.profile:
             p.set_shape(r.name, r.min, r.opt, r.max)
         config.add_optimization_profile(p)
 
@@ -182,19 +258,69 @@ def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
             "TensorRT built an engine it cannot deserialize; rebuild with --force.")
     inspector = engine.create_engine_inspector()
     info = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
-    from fp8export.engine.layers import attribute_gemms
+    write_file_atomic(plan.out, bytes(blob))
+    return _result(plan, info, tensorrt_version=str(trt.__version__), gpu=gpu,
+                   compute_capability=f"{cc[0]}.{cc[1]}", build_seconds=round(seconds, 3))
 
-    layers = attribute_gemms(info, expected_fp8)
-    write_file_atomic(out, bytes(blob))
-    result = BuildEngineResult(
-        engine=str(out), report=str(out) + ".build.json", tensorrt_version=str(trt.__version__),
-        gpu=gpu, compute_capability=f"{cc[0]}.{cc[1]}", build_seconds=round(seconds, 3),
-        profile=[r.to_dict() for r in profile], fp8_gemms=len(layers.fp8_gemms),
-        fallback_gemms=layers.fallback_gemms, unattributed_gemms=layers.unattributed,
-        notes=layers.notes,
+
+def _build_trtexec(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
+    from fp8export.checkpoint.atomic import fsync_dir
+    from fp8export.engine.trtexec import (
+        find_trtexec,
+        gpu_from_nvidia_smi,
+        layer_info_path,
+        log_path,
+        parse_log,
+        read_layer_info,
+        run_trtexec,
+        trtexec_command,
     )
-    report = {**result.to_dict(), "layers": layers.to_dict(), "host": platform.node(),
-              "expected_fp8_gemms": expected_fp8}
-    write_file_atomic(Path(result.report), json.dumps(report, indent=2, sort_keys=True).encode())
-    return result
 
+    exe = find_trtexec(cfg.trtexec)
+    gpu = gpu_from_nvidia_smi()
+    if gpu is not None and gpu[1] < MIN_FP8_CC:
+        raise Fp8ExportError(
+            f"GPU {gpu[0]} has compute capability {gpu[1][0]}.{gpu[1][1]}; TensorRT FP8 needs "
+            ">= 8.9 (Ada, Hopper, Blackwell). Build on the GPU that will run the engine.")
+    out, info_path, log = plan.out, layer_info_path(plan.out), log_path(plan.out)
+    tag = f".tmp-{os.getpid()}"
+    tmp_engine = out.with_name(f".{out.name}{tag}")
+    tmp_info = info_path.with_name(f".{info_path.name}{tag}")
+    tmp_cache = None
+    if cfg.timing_cache is not None:
+        tmp_cache = cfg.timing_cache.with_name(f".{cfg.timing_cache.name}{tag}")
+        if cfg.timing_cache.is_file():
+            tmp_cache.write_bytes(cfg.timing_cache.read_bytes())
+    cmd = trtexec_command(exe, cfg.onnx, tmp_engine, tmp_info, plan.profile,
+                          optimization_level=cfg.optimization_level,
+                          workspace_gib=cfg.workspace_gib, timing_cache=tmp_cache)
+    try:
+        seconds = run_trtexec(cmd, log)
+        facts = parse_log(log.read_text(errors="replace"))
+        if not tmp_engine.is_file() or tmp_engine.stat().st_size == 0:
+            raise Fp8ExportError(f"trtexec exited 0 but wrote no engine; see its log {log}.")
+        if facts.compute_capability != "unknown" and \
+                tuple(int(x) for x in facts.compute_capability.split(".")) < MIN_FP8_CC:
+            raise Fp8ExportError(
+                f"trtexec built on {facts.gpu} (compute capability {facts.compute_capability}); "
+                "TensorRT FP8 needs >= 8.9, so this engine has no FP8 GEMMs. Build on an Ada, "
+                "Hopper or Blackwell GPU.")
+        info, why = read_layer_info(tmp_info)
+        os.replace(tmp_engine, out)
+        if tmp_info.exists():
+            os.replace(tmp_info, info_path)
+        if tmp_cache is not None and tmp_cache.is_file():
+            os.replace(tmp_cache, cfg.timing_cache)
+        fsync_dir(out.parent)
+    finally:
+        for t in (tmp_engine, tmp_info, tmp_cache):
+            if t is not None and t.exists():
+                t.unlink()
+    notes = [why] if why else []
+    final_cmd = trtexec_command(exe, cfg.onnx, out, info_path, plan.profile,
+                                optimization_level=cfg.optimization_level,
+                                workspace_gib=cfg.workspace_gib, timing_cache=cfg.timing_cache)
+    return _result(plan, info if info is not None else {"Layers": []}, notes=notes,
+                   tensorrt_version=facts.tensorrt_version, gpu=facts.gpu,
+                   compute_capability=facts.compute_capability,
+                   build_seconds=round(seconds, 3), builder="trtexec", command=final_cmd)

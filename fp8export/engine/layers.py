@@ -2,8 +2,12 @@
 
 TensorRT never reports a quantized GEMM that fell back to 16-bit kernels; this module does.
 Schemas (reference/tensorrt_fp8_onnx.md §3.5): 10.x tensors carry one ``"Format/Datatype"``
-string and the top level lists ``"Bindings"``; 11.x splits it into ``"Datatype"`` and
-``"Format"`` and renames ``"Bindings"`` to ``"I/O Tensors"``. A layer runs in FP8 when its
+string and the top level lists ``"Bindings"``; 11.x splits it into a data type and a format
+field and renames ``"Bindings"`` to ``"I/O Tensors"`` (TensorRT docs, "Migrating
+IEngineInspector Usage from TensorRT 10.x to 11.x", spell the type key ``DataType``; we accept
+either capitalisation). ``trtexec --profilingVerbosity=detailed --exportLayerInfo=F`` writes the
+same document (``{"Layers": [...], "Bindings": [...]}``, e.g. NVIDIA/TensorRT#4020). A layer runs
+in FP8 when its
 tactic name contains ``e4m3`` (e.g. ``sm90_xmma_gemm_e4m3bf16_e4m3f32_f32``) or its GEMM
 inputs are FP8. Engines built without DETAILED profiling verbosity list only layer names;
 then nothing can be said and the report says so.
@@ -20,9 +24,18 @@ _FP8_WORDS = ("fp8", "float8", "e4m3")
 _GEMM_TYPES = ("gemm", "matrixmultiply", "matmul", "fullyconnected")
 
 
+_DTYPE_KEYS = ("datatype", "format/datatype")
+
+
 def tensor_dtype(tensor: dict[str, Any]) -> str:
-    """Normalised dtype of one inspector tensor entry: FP8/FP16/BF16/FP32/INT8/INT32/INT64/unknown."""
-    text = str(tensor.get("Datatype") or tensor.get("Format/Datatype") or "").lower()
+    """Normalised dtype of one inspector tensor entry.
+
+    One of FP8, FP16, BF16, FP32, INT8, INT32, INT64, unknown.
+    """
+    if not isinstance(tensor, dict):
+        return "unknown"
+    fields = {str(k).lower(): v for k, v in tensor.items()}
+    text = str(next((fields[k] for k in _DTYPE_KEYS if fields.get(k)), "")).lower()
     if any(w in text for w in _FP8_WORDS):
         return "FP8"
     if "bf16" in text or "bfloat16" in text:
@@ -72,7 +85,7 @@ class EngineLayerReport:
         return {
             "schema": self.schema,
             "layer_count": len(self.layers),
-            "fp8_layers": [l.name for l in self.layers if l.is_fp8],
+            "fp8_layers": [layer.name for layer in self.layers if layer.is_fp8],
             "fp8_gemms": self.fp8_gemms,
             "fallback_gemms": self.fallback_gemms,
             "unattributed_gemms": self.unattributed,
@@ -84,7 +97,8 @@ class EngineLayerReport:
 def precision_histogram(layers: list[LayerPrecision]) -> dict[str, int]:
     hist: dict[str, int] = {}
     for layer in layers:
-        key = "FP8" if layer.is_fp8 else (layer.input_dtypes[0] if layer.input_dtypes else "unknown")
+        first = layer.input_dtypes[0] if layer.input_dtypes else "unknown"
+        key = "FP8" if layer.is_fp8 else first
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items()))
 
@@ -101,11 +115,18 @@ def _onnx_nodes(layer: dict[str, Any]) -> tuple[str, ...]:
 def parse_engine_information(info: str | dict[str, Any]) -> tuple[str, list[LayerPrecision]]:
     """Parse ``inspector.get_engine_information(JSON)`` output into layers and a schema tag."""
     data = json.loads(info) if isinstance(info, str) else info
+    if isinstance(data, list):  # one layer per entry, as get_layer_information concatenated
+        data = {"Layers": data}
+    if not isinstance(data, dict) or not isinstance(data.get("Layers", []), list):
+        raise ValueError("engine information must be an object with a 'Layers' list")
     raw_layers = data.get("Layers", [])
-    if raw_layers and isinstance(raw_layers[0], str):
+    if raw_layers and all(isinstance(r, str) for r in raw_layers):
         return "names-only", [LayerPrecision(n, "", "", (), (), ()) for n in raw_layers]
+    raw_layers = [r for r in raw_layers if isinstance(r, dict)]
     split_fields = any(
-        "Datatype" in t for raw in raw_layers for t in raw.get("Inputs", []) + raw.get("Outputs", [])
+        str(k).lower() == "datatype"
+        for raw in raw_layers for t in raw.get("Inputs", []) + raw.get("Outputs", [])
+        if isinstance(t, dict) for k in t
     )
     schema = "11.x" if "I/O Tensors" in data or split_fields else "10.x"
     layers = []
@@ -142,7 +163,7 @@ def attribute_gemms(info: str | dict[str, Any], expected_fp8: list[str]) -> Engi
         layer = owner.get(node)
         if layer is None:
             # Myelin "ForeignNode" regions hide their inner layers; name matching may fail too.
-            match = [l for l in layers if node in l.name]
+            match = [candidate for candidate in layers if node in candidate.name]
             layer = match[0] if match else None
         if layer is None:
             report.unattributed.append(node)

@@ -37,7 +37,8 @@ class ShapeRange:
                 )
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+        return {"name": self.name, "min": list(self.min), "opt": list(self.opt),
+                "max": list(self.max)}
 
 
 def _parse_dims(text: str, spec: str) -> tuple[int, ...]:

@@ -5,42 +5,17 @@ missing.
 """
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from qdq_graphs import qdq_matmul_graph  # noqa: E402
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-
-
-def qdq_matmul_graph(path, opset=21):
-    """x[B,16] -> Q/DQ (FP8) -> MatMul with an FP8 weight initializer -> DQ. fp32 activations."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((16, 8)).astype(np.float32)
-    w_scale = np.float32(np.abs(w).max() / 448)
-    w8 = (w / w_scale).astype(ml_dtypes.float8_e4m3fn)
-    inits = [
-        helper.make_tensor("w_fp8", TensorProto.FLOAT8E4M3FN, w8.shape, w8.view(np.uint8).tobytes(), raw=True),
-        numpy_helper.from_array(np.array(w_scale, dtype=np.float32), "w_scale"),
-        numpy_helper.from_array(np.array(0.01, dtype=np.float32), "x_scale"),
-        helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], b"\x00", raw=True),
-    ]
-    nodes = [
-        helper.make_node("QuantizeLinear", ["x", "x_scale", "zp"], ["xq"], axis=1, saturate=1),
-        helper.make_node("DequantizeLinear", ["xq", "x_scale", "zp"], ["xdq"], axis=1),
-        helper.make_node("DequantizeLinear", ["w_fp8", "w_scale", "zp"], ["wdq"], axis=1),
-        helper.make_node("MatMul", ["xdq", "wdq"], ["y"], name="/fc/MatMul"),
-    ]
-    graph = helper.make_graph(
-        nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    onnx.save(model, path)
-    return path
 
 
 def test_missing_onnx_is_exit_1(run_cli, tmp_path):
@@ -59,12 +34,13 @@ def test_existing_engine_needs_force(run_cli, tmp_path):
 
 
 @pytest.mark.skipif(HAS_TRT, reason="checks the message shown when TensorRT is absent")
-def test_without_tensorrt_says_how_to_install(run_cli, tmp_path):
-    pytest.importorskip("fp8export.onnx.check")
+def test_without_tensorrt_says_how_to_install(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no trtexec either
     g = qdq_matmul_graph(tmp_path / "m.onnx")
     r = run_cli("build-engine", g)
     assert r.exit_code == 1
     assert "tensorrt" in r.output.lower() and "pip install" in r.output
+    assert "trtexec" in r.output and "--print-command" in r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "m.engine").exists()
 

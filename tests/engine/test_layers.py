@@ -14,8 +14,10 @@ from fp8export.engine.layers import attribute_gemms, parse_engine_information, t
 def _layer10(name, onnx_node, tactic, dtype):
     return {
         "Name": name, "LayerType": "CaskGemmMatrixMultiply",
-        "Inputs": [{"Name": "a", "Dimensions": [-1, 64], "Format/Datatype": f"Row major linear {dtype}"}],
-        "Outputs": [{"Name": "b", "Dimensions": [-1, 64], "Format/Datatype": "Row major linear BF16"}],
+        "Inputs": [{"Name": "a", "Dimensions": [-1, 64],
+                    "Format/Datatype": f"Row major linear {dtype}"}],
+        "Outputs": [{"Name": "b", "Dimensions": [-1, 64],
+                     "Format/Datatype": "Row major linear BF16"}],
         "TacticName": tactic, "Metadata": f"[ONNX Layer: {onnx_node}]",
     }
 
@@ -23,8 +25,10 @@ def _layer10(name, onnx_node, tactic, dtype):
 def _layer11(name, onnx_node, tactic, dtype):
     return {
         "Name": name, "LayerType": "gemm",
-        "Inputs": [{"Name": "a", "Dimensions": [-1, 64], "Datatype": dtype, "Format": "Row major linear"}],
-        "Outputs": [{"Name": "b", "Dimensions": [-1, 64], "Datatype": "BFloat16", "Format": "Row major linear"}],
+        "Inputs": [{"Name": "a", "Dimensions": [-1, 64], "Datatype": dtype,
+                    "Format": "Row major linear"}],
+        "Outputs": [{"Name": "b", "Dimensions": [-1, 64], "Datatype": "BFloat16",
+                     "Format": "Row major linear"}],
         "TacticName": tactic, "Metadata": f"[ONNX Layer: {onnx_node}]",
     }
 
@@ -53,7 +57,8 @@ def test_schema_10x_fp8_and_fallback():
 
 
 def test_schema_11x():
-    info = {"Layers": [_layer11("q", "/q_proj/MatMul", "sm90_gemm_e4m3", "FP8")], "I/O Tensors": ["x"]}
+    info = {"Layers": [_layer11("q", "/q_proj/MatMul", "sm90_gemm_e4m3", "FP8")],
+            "I/O Tensors": ["x"]}
     rep = attribute_gemms(info, ["/q_proj/MatMul"])
     assert rep.schema == "11.x" and rep.fp8_gemms == ["/q_proj/MatMul"] and not rep.fallback_gemms
     assert rep.to_dict()["precision_histogram"] == {"FP8": 1}

@@ -31,7 +31,8 @@ def test_parse_shape_spec():
     assert r == ShapeRange("input_ids", (1, 1), (2, 128), (8, 512))
 
 
-@pytest.mark.parametrize("bad", ["input_ids", "input_ids:1x1,2x2", "x:1xa,1x1,1x1", "x:2,1,3", "x:1x1,1x1,1"])
+@pytest.mark.parametrize("bad", ["input_ids", "input_ids:1x1,2x2", "x:1xa,1x1,1x1", "x:2,1,3",
+                                 "x:1x1,1x1,1"])
 def test_bad_shape_specs(bad):
     with pytest.raises(Fp8ExportError, match="--shapes"):
         parse_shape_spec(bad)
