@@ -83,8 +83,9 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
         raise Fp8ExportError(
             f"{path}: a TensorRT engine, but TensorRT is not installed here, so it cannot run. "
             "Install it (pip install 'fp8export[tensorrt]', TensorRT 10.x/11.x from NVIDIA's "
-            "index) on the GPU machine the engine was built for, or verify the FP8 folder or "
-            "its ONNX on this machine instead.")
+            "index) on the GPU machine the engine was built for, or build and verify it in "
+            "NVIDIA's TensorRT container (scripts/trt-container.sh), or verify the FP8 folder "
+            "or its ONNX on this machine instead.")
     from fp8export.runners.trt_runner import TrtRunner
 
     return TrtRunner(path)

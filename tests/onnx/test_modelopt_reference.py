@@ -269,6 +269,14 @@ def _weight_dq_gemm(model):
     raise AssertionError("no weight DQ -> MatMul in the graph")
 
 
+def _insert_before(model, anchor, node) -> None:
+    """Put ``node`` just before ``anchor`` (graph order stays topological)."""
+    nodes = list(model.graph.node)
+    nodes.insert(nodes.index(anchor), node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
 def _errors(model) -> dict[str, str]:
     """Error messages by rule, joined."""
     out: dict[str, str] = {}
@@ -312,10 +320,7 @@ def test_cast_between_dq_and_gemm(mo19):
     cast = helper.make_node("Cast", [dq.output[0]], [dq.output[0] + "_cast"],
                             to=TensorProto.FLOAT16, name="cast_before_gemm")
     gemm.input[1] = cast.output[0]
-    nodes = list(mo19.graph.node)
-    nodes.insert(nodes.index(gemm), cast)
-    del mo19.graph.node[:]
-    mo19.graph.node.extend(nodes)
+    _insert_before(mo19, gemm, cast)
     report = check_model(mo19)
     assert "gemm-inputs" in {i.rule for i in report.errors}
     assert [g.fp8 for g in report.gemms if g.node == gemm.name] == [False]
@@ -346,13 +351,10 @@ def test_non_constant_scale(mo19, how):
     if how == "graph-input":
         mo19.graph.initializer.remove(scale)
         mo19.graph.input.append(helper.make_tensor_value_info(scale.name, scale.data_type, []))
-    else:  # a scale computed at run time (x * 1), as a dynamic-quantization graph would
+    else:  # a scale computed at run time, as a dynamic-quantization graph would have
         mul = helper.make_node("Mul", [scale.name, scale.name], [scale.name + "_sq"], name="sq")
         q.input[1] = mul.output[0]
-        nodes = list(mo19.graph.node)
-        nodes.insert(nodes.index(q), mul)
-        del mo19.graph.node[:]
-        mo19.graph.node.extend(nodes)
+        _insert_before(mo19, q, mul)
     errors = _errors(mo19)
     assert "scale" in errors and "not a constant" in errors["scale"]
 
