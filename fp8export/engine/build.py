@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -171,18 +170,11 @@ def choose_builder(cfg: BuildEngineConfig) -> str:
 
 def trtexec_command_for(cfg: BuildEngineConfig) -> list[str]:
     """The trtexec command that builds ``cfg``'s engine (final paths), after the same checks."""
-    from fp8export.engine.trtexec import (
-        TRTEXEC,
-        find_trtexec,
-        layer_info_path,
-        trtexec_command,
-    )
+    from fp8export.engine.trtexec import TRTEXEC, find_trtexec, layer_info_path
 
     plan = _plan(cfg, for_print=True)
     exe = find_trtexec(cfg.trtexec) or TRTEXEC
-    return trtexec_command(exe, cfg.onnx, plan.out, layer_info_path(plan.out), plan.profile,
-                           optimization_level=cfg.optimization_level,
-                           workspace_gib=cfg.workspace_gib, timing_cache=cfg.timing_cache)
+    return _trtexec_argv(cfg, plan, exe, plan.out, layer_info_path(plan.out), cfg.timing_cache)
 
 
 def build_engine(cfg: BuildEngineConfig) -> BuildEngineResult:
@@ -264,63 +256,27 @@ def _build_python(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
 
 
 def _build_trtexec(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
-    from fp8export.checkpoint.atomic import fsync_dir
-    from fp8export.engine.trtexec import (
-        find_trtexec,
-        gpu_from_nvidia_smi,
-        layer_info_path,
-        log_path,
-        parse_log,
-        read_layer_info,
-        run_trtexec,
-        trtexec_command,
-    )
+    from fp8export.engine.trtexec import build_with_trtexec, find_trtexec, gpu_from_nvidia_smi
 
-    exe = find_trtexec(cfg.trtexec)
     gpu = gpu_from_nvidia_smi()
     if gpu is not None and gpu[1] < MIN_FP8_CC:
         raise Fp8ExportError(
             f"GPU {gpu[0]} has compute capability {gpu[1][0]}.{gpu[1][1]}; TensorRT FP8 needs "
             ">= 8.9 (Ada, Hopper, Blackwell). Build on the GPU that will run the engine.")
-    out, info_path, log = plan.out, layer_info_path(plan.out), log_path(plan.out)
-    tag = f".tmp-{os.getpid()}"
-    tmp_engine = out.with_name(f".{out.name}{tag}")
-    tmp_info = info_path.with_name(f".{info_path.name}{tag}")
-    tmp_cache = None
-    if cfg.timing_cache is not None:
-        tmp_cache = cfg.timing_cache.with_name(f".{cfg.timing_cache.name}{tag}")
-        if cfg.timing_cache.is_file():
-            tmp_cache.write_bytes(cfg.timing_cache.read_bytes())
-    cmd = trtexec_command(exe, cfg.onnx, tmp_engine, tmp_info, plan.profile,
-                          optimization_level=cfg.optimization_level,
-                          workspace_gib=cfg.workspace_gib, timing_cache=tmp_cache)
-    try:
-        seconds = run_trtexec(cmd, log)
-        facts = parse_log(log.read_text(errors="replace"))
-        if not tmp_engine.is_file() or tmp_engine.stat().st_size == 0:
-            raise Fp8ExportError(f"trtexec exited 0 but wrote no engine; see its log {log}.")
-        if facts.compute_capability != "unknown" and \
-                tuple(int(x) for x in facts.compute_capability.split(".")) < MIN_FP8_CC:
-            raise Fp8ExportError(
-                f"trtexec built on {facts.gpu} (compute capability {facts.compute_capability}); "
-                "TensorRT FP8 needs >= 8.9, so this engine has no FP8 GEMMs. Build on an Ada, "
-                "Hopper or Blackwell GPU.")
-        info, why = read_layer_info(tmp_info)
-        os.replace(tmp_engine, out)
-        if tmp_info.exists():
-            os.replace(tmp_info, info_path)
-        if tmp_cache is not None and tmp_cache.is_file():
-            os.replace(tmp_cache, cfg.timing_cache)
-        fsync_dir(out.parent)
-    finally:
-        for t in (tmp_engine, tmp_info, tmp_cache):
-            if t is not None and t.exists():
-                t.unlink()
-    notes = [why] if why else []
-    final_cmd = trtexec_command(exe, cfg.onnx, out, info_path, plan.profile,
-                                optimization_level=cfg.optimization_level,
-                                workspace_gib=cfg.workspace_gib, timing_cache=cfg.timing_cache)
-    return _result(plan, info if info is not None else {"Layers": []}, notes=notes,
-                   tensorrt_version=facts.tensorrt_version, gpu=facts.gpu,
-                   compute_capability=facts.compute_capability,
-                   build_seconds=round(seconds, 3), builder="trtexec", command=final_cmd)
+    exe = find_trtexec(cfg.trtexec)
+    build = build_with_trtexec(lambda *paths: _trtexec_argv(cfg, plan, exe, *paths), plan.out,
+                               cfg.timing_cache, MIN_FP8_CC)
+    return _result(plan, build.info, notes=build.notes,
+                   tensorrt_version=build.log.tensorrt_version, gpu=build.log.gpu,
+                   compute_capability=build.log.compute_capability,
+                   build_seconds=round(build.seconds, 3), builder="trtexec",
+                   command=build.command)
+
+
+def _trtexec_argv(cfg: BuildEngineConfig, plan: _Plan, exe, engine: Path, layer_info: Path,
+                  timing_cache: Path | None) -> list[str]:
+    from fp8export.engine.trtexec import trtexec_command
+
+    return trtexec_command(exe, cfg.onnx, engine, layer_info, plan.profile,
+                           optimization_level=cfg.optimization_level,
+                           workspace_gib=cfg.workspace_gib, timing_cache=timing_cache)

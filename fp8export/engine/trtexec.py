@@ -40,7 +40,8 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp8export.engine.shapes import ShapeRange
@@ -200,3 +201,62 @@ def read_layer_info(path: Path) -> tuple[dict | list | None, str]:
     except (json.JSONDecodeError, ValueError, AttributeError, TypeError) as exc:
         return None, f"trtexec's layer information {path.name} is not inspector JSON ({exc})"
     return info, ""
+
+
+@dataclass
+class TrtexecBuild:
+    """One finished trtexec build: its outputs are in place under their final names."""
+
+    seconds: float
+    log: TrtexecLog
+    info: dict | list  # the inspector JSON ({"Layers": []} when trtexec wrote none)
+    command: list[str]  # the argv with the final paths (what --print-command prints)
+    notes: list[str] = field(default_factory=list)
+
+
+def build_with_trtexec(argv: Callable[[Path, Path, Path | None], list[str]], engine: Path,
+                       timing_cache: Path | None, min_cc: tuple[int, int]) -> TrtexecBuild:
+    """Run the trtexec build on hidden temporary names; rename them into place on success.
+
+    ``argv(engine, layer_info, timing_cache)`` gives the command for a set of paths. The engine,
+    layer information and timing cache are renamed into place only when trtexec exits 0, wrote an
+    engine, and ran on a GPU of compute capability >= ``min_cc``; otherwise the previous files
+    stay as they were and the temporaries are removed. The log stays beside the engine.
+    """
+    from fp8export.checkpoint.atomic import fsync_dir
+
+    info_path, log = layer_info_path(engine), log_path(engine)
+    tag = f".tmp-{os.getpid()}"
+    tmp_engine = engine.with_name(f".{engine.name}{tag}")
+    tmp_info = info_path.with_name(f".{info_path.name}{tag}")
+    tmp_cache = None
+    if timing_cache is not None:
+        tmp_cache = timing_cache.with_name(f".{timing_cache.name}{tag}")
+        if timing_cache.is_file():
+            shutil.copyfile(timing_cache, tmp_cache)
+    try:
+        seconds = run_trtexec(argv(tmp_engine, tmp_info, tmp_cache), log)
+        facts = parse_log(log.read_text(errors="replace"))
+        if not tmp_engine.is_file() or tmp_engine.stat().st_size == 0:
+            raise Fp8ExportError(f"trtexec exited 0 but wrote no engine; see its log {log}.")
+        if facts.compute_capability != "unknown" and \
+                tuple(int(x) for x in facts.compute_capability.split(".")) < min_cc:
+            raise Fp8ExportError(
+                f"trtexec built on {facts.gpu} (compute capability {facts.compute_capability}); "
+                f"TensorRT FP8 needs >= {min_cc[0]}.{min_cc[1]}, so this engine has no FP8 "
+                "GEMMs. Build on an Ada, Hopper or Blackwell GPU.")
+        info, why = read_layer_info(tmp_info)
+        os.replace(tmp_engine, engine)
+        if tmp_info.exists():
+            os.replace(tmp_info, info_path)
+        if tmp_cache is not None and tmp_cache.is_file():
+            os.replace(tmp_cache, timing_cache)
+        fsync_dir(engine.parent)
+    finally:
+        for t in (tmp_engine, tmp_info, tmp_cache):
+            if t is not None and t.exists():
+                t.unlink()
+    return TrtexecBuild(seconds=seconds, log=facts,
+                        info=info if info is not None else {"Layers": []},
+                        command=argv(engine, info_path, timing_cache),
+                        notes=[why] if why else [])
