@@ -78,6 +78,7 @@ class AmaxAlgo(StrEnum):
 
     MAX = "max"
     MOST_RECENT = "most-recent"
+    STORED = "stored"  # the framework's stored scale: what its own FP8 inference uses
 
 
 class Device(StrEnum):

@@ -34,10 +34,17 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--batch-size", type=click.IntRange(min=1), help="Calibration batch size.")
 @click.option("--seq-len", type=click.IntRange(min=1),
               help="Truncate calibration samples to N tokens.")
-@click.option("--amax-algo", type=_choice("max", "most-recent"), default="max",
-              show_default=True, help="How a training amax history becomes one amax.")
+@click.option("--amax-algo", type=_choice("max", "most-recent", "stored"), default="max",
+              show_default=True,
+              help="How a training amax history becomes one amax: its max, its newest entry, "
+                   "or the scale the framework stored (what its own FP8 inference uses).")
 @click.option("--margin", type=click.IntRange(min=0), default=0, show_default=True,
               help="Extra headroom for history scales: amax * 2**N.")
+@click.option("--weight-scales-from-history", is_flag=True,
+              help="Weight scales from the FP8 training state's weight amax histories (the "
+                   "scales Keras / Transformer Engine computed with) instead of the final "
+                   "weights' amax/448 (default): the FP8 model then matches the framework's own "
+                   "FP8 inference.")
 @click.option("--format", "fmt", type=_choice("compressed-tensors", "vllm", "modelopt"),
               default="compressed-tensors", show_default=True,
               help="quantization_config dialect: compressed-tensors (vLLM, transformers), "
@@ -60,8 +67,8 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
-            calib_samples, batch_size, seq_len, amax_algo, margin, fmt, exclude, include,
-            no_fuse_scales, device, accuracy_budget, force):
+            calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
+            fmt, exclude, include, no_fuse_scales, device, accuracy_budget, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
@@ -81,8 +88,9 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,
         calib_amax=calib_amax, calib_method=calib_method, calib_samples=calib_samples,
         batch_size=batch_size, seq_len=seq_len, percentile=percentile, amax_algo=amax_algo,
-        margin=margin, format=fmt, exclude=tuple(exclude), include=tuple(include),
-        fuse_scales=not no_fuse_scales, device=device, force=force,
+        margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
+        exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
+        device=device, force=force,
         accuracy_budget=accuracy_budget,
     )
     render(api.convert(cfg))

@@ -8,6 +8,9 @@ that every framework skips when it updates its scale. Both are ignored:
   default ``max`` algorithm, ModelOpt's max calibration and Flax's inference behaviour, and it
   removes the one-step lag of the stored Keras/Flax scale (reference §5).
 * ``most-recent`` — the newest finite, non-zero entry.
+* ``stored`` — the scale the framework stored (``amax = scale · 448``), where it stored an
+  updated one: what its own FP8 inference computes with (Keras's and Flax's lag the history
+  by one step; TE's includes its margin). Layers without one fall back to ``max``.
 * ``margin`` — headroom: ``amax · 2**margin``.
 
 When a history holds no usable entry but the framework stored an updated scale (TE with
@@ -84,7 +87,15 @@ def amax_from_history(h: AmaxHistory, *, amax_algo: AmaxAlgo = AmaxAlgo.MAX, mar
     nonfinite = int(np.sum(~np.isfinite(values)))
     if nonfinite:
         details["nonfinite_entries"] = nonfinite
-    if filled:
+    stored_ok = h.stored_scale is not None and math.isfinite(float(h.stored_scale)) \
+        and float(h.stored_scale) > 0
+    if amax_algo is AmaxAlgo.STORED and stored_ok:
+        amax = float(h.stored_scale) * E4M3_MAX
+        details.update(derived_from="stored-scale", stored_scale=float(h.stored_scale))
+        if filled:
+            details["staleness"] = int(np.argmax(usable))
+            details["stored_vs_history"] = amax / float(values[usable].max())
+    elif filled:
         first = int(np.argmax(usable))  # newest usable entry
         details["staleness"] = first  # newest entries that recorded nothing
         if amax_algo is AmaxAlgo.MOST_RECENT:
@@ -149,7 +160,7 @@ def ranges_from_history(state: TrainingState, modules: Iterable[str], *,
             empty.append(module)
             continue
         amax, details = got
-        if details["derived_from"] == "stored-scale":
+        if details["derived_from"] == "stored-scale" and not details["filled"]:
             from_stored.append(module)
         ranges[module] = ActivationRange(
             module=module, amax=amax, source=ScaleSource.HISTORY,

@@ -63,6 +63,20 @@ def test_most_recent_and_margin():
     assert ranges["m"].amax == 6.0
 
 
+def test_stored_uses_the_frameworks_own_scale_else_max():
+    # Keras-style: the stored scale lags one step, so it misses the newest amax (9.0)
+    state = _state(_h([9.0, 0, 5.0, 7.0], stored=7.0 / 448), _h([0, 4.0], module="n"))
+    ranges, notes = ranges_from_history(state, ["m", "n"], amax_algo="stored", margin=1)
+    assert ranges["m"].amax == pytest.approx(14.0) and notes == []
+    d = ranges["m"].details
+    assert d["derived_from"] == "stored-scale" and d["amax_algo"] == "stored"
+    assert d["stored_vs_history"] == pytest.approx(7.0 / 9.0)
+    assert ranges["n"].amax == 8.0 and ranges["n"].details["derived_from"] == "history"
+    weights = weight_scales_from_history(
+        _state(_h([3.0, 2.0], role="weight", stored=2.0 / 448)), ["m"], amax_algo="stored")
+    assert weights["m"] == pytest.approx(2.0 / 448)
+
+
 def test_non_finite_entries_are_skipped_and_counted():
     ranges, _ = ranges_from_history(_state(_h([np.inf, 2.0, np.nan, 4.0])), ["m"])
     assert ranges["m"].amax == 4.0 and ranges["m"].details["nonfinite_entries"] == 2
