@@ -1,7 +1,8 @@
 """``export-onnx``: FP8 folder → standard ONNX Q/DQ graph (issue 5, DESIGN.md "ONNX profile").
 
 Steps: read and validate the FP8 folder (:mod:`fp8export.onnx.fp8dir`); build the transformers
-model from its config.json with the dequantized weights; trace it with torch's ONNX exporter
+model from its config.json with the dequantized weights (a Keras config: the model rebuilt by
+:mod:`fp8export.keras_model`, no Keras); trace it with torch's ONNX exporter
 (dynamic batch and sequence, no KV cache); rewrite every quantized linear into the FP8 Q/DQ
 pattern (:mod:`fp8export.onnx.qdq`); check the result with ``onnx.checker`` (full check) and our
 TensorRT-rule checker (:mod:`fp8export.onnx.check`); write it atomically.
@@ -66,8 +67,8 @@ class ExportOnnxConfig:
 
     fp8_dir: Path
     output: Path | None = None  # default: sibling "<fp8_dir>.onnx"
-    dtype: OnnxDtype | None = None  # default fp16 (fp32 for Keras sources)
-    opset: int | None = None  # default 21 (23 for bf16)
+    dtype: OnnxDtype | None = None  # default fp16 (fp32 for Keras sources): resolved_dtype
+    opset: int | None = None  # default 21 (23 for bf16): resolved_opset
     force: bool = False
 
     def __post_init__(self):
@@ -88,15 +89,16 @@ class ExportOnnxConfig:
             return self.output
         return self.fp8_dir.parent / f"{self.fp8_dir.name}.onnx"
 
-    @property
-    def resolved_dtype(self) -> OnnxDtype:
-        return self.dtype if self.dtype is not None else OnnxDtype.FP16
+    def resolved_dtype(self, keras: bool) -> OnnxDtype:
+        """``--dtype``, else fp16 (fp32 for models converted from Keras)."""
+        if self.dtype is not None:
+            return self.dtype
+        return OnnxDtype.FP32 if keras else OnnxDtype.FP16
 
-    @property
-    def resolved_opset(self) -> int:
+    def resolved_opset(self, dtype: OnnxDtype) -> int:
         if self.opset is not None:
             return int(self.opset)
-        return BF16_OPSET if self.resolved_dtype is OnnxDtype.BF16 else DEFAULT_OPSET
+        return BF16_OPSET if dtype is OnnxDtype.BF16 else DEFAULT_OPSET
 
 
 @dataclass
@@ -180,16 +182,11 @@ def _wrapper(model):
     return _Logits(model)
 
 
-def torch_export(folder, dtype: OnnxDtype, opset: int):
-    """Trace the model of ``folder`` to an ``onnx.ModelProto`` (dequantized weights, no Q/DQ).
-
-    Returns ``(model_proto, output_name)``. The ``model.`` prefix of the node name scopes is the
-    wrapper's; :func:`fp8export.onnx.qdq.module_of` strips it.
-    """
+def _hf_traceable(folder, dtype: OnnxDtype):
+    """(module, example args, input names, dynamic shapes, output name) of a transformers model."""
     import torch
 
     model = build_torch_model(folder, dtype.torch_dtype)
-    wrapped = _wrapper(model)
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(vocab, 2), (2, 8), generator=gen, dtype=torch.int64)
@@ -199,7 +196,53 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     output_name = "logits" if getattr(probe, "logits", None) is not None else "last_hidden_state"
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    arch = (folder.config.get("architectures") or [folder.config.get("model_type", "?")])[0]
+    return _wrapper(model), (ids, mask), list(INPUT_NAMES), dynamic, output_name
+
+
+def _keras_traceable(folder, dtype: OnnxDtype):
+    """The same for a folder converted from Keras: the model rebuilt from its config, no Keras.
+
+    One input, ``input_ids`` (a Keras model reads token ids only); the output is the Keras
+    model's: ``probabilities`` behind a sigmoid/softmax head, else ``logits``.
+    """
+    import torch
+
+    from fp8export.keras_model.build import keras_model_from_folder
+
+    model = keras_model_from_folder(folder, dtype.torch_dtype)
+
+    class _Ids(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner  # name scopes start with "model.": qdq strips it
+
+        def forward(self, input_ids):
+            return self.model(input_ids)
+
+    longest = model.max_positions
+    ids = torch.zeros((2, min(8, longest or 8)), dtype=torch.int64)
+    seq = torch.export.Dim("sequence", max=longest) if longest else torch.export.Dim("sequence")
+    dynamic = {"input_ids": {0: torch.export.Dim("batch"), 1: seq}}
+    output_name = "probabilities" if model.output_activation in ("sigmoid", "softmax") \
+        else "logits"
+    return _Ids(model), (ids,), ["input_ids"], dynamic, output_name
+
+
+def torch_export(folder, dtype: OnnxDtype, opset: int):
+    """Trace the model of ``folder`` to an ``onnx.ModelProto`` (dequantized weights, no Q/DQ).
+
+    Returns ``(model_proto, output_name)``. The ``model.`` prefix of the node name scopes is the
+    wrapper's; :func:`fp8export.onnx.qdq.module_of` strips it.
+    """
+    import torch
+
+    from fp8export.keras_model.config import is_keras_config
+
+    keras = is_keras_config(folder.config)
+    wrapped, args, input_names, dynamic, output_name = (
+        _keras_traceable if keras else _hf_traceable)(folder, dtype)
+    arch = "Keras " + str(folder.config.get("class_name")) if keras else \
+        (folder.config.get("architectures") or [folder.config.get("model_type", "?")])[0]
     sink = io.StringIO()
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
@@ -208,9 +251,9 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(sink):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                wrapped, (ids, mask), dynamo=True, opset_version=opset,
-                input_names=list(INPUT_NAMES), output_names=[output_name],
-                dynamic_shapes=dynamic, optimize=True, verbose=False, report=False)
+                wrapped, args, dynamo=True, opset_version=opset, input_names=input_names,
+                output_names=[output_name], dynamic_shapes=dynamic, optimize=True,
+                verbose=False, report=False)
     except Exception as exc:  # the exporter raises many types; all mean "cannot trace"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Fp8ExportError(
@@ -286,6 +329,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
+    from fp8export.keras_model.config import is_keras_config
     from fp8export.onnx.check import check_model
     from fp8export.onnx.fp8dir import read_fp8_folder
     from fp8export.onnx.qdq import rewrite_qdq
@@ -297,9 +341,9 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
     folder = read_fp8_folder(cfg.fp8_dir)
-    if is_keras_config(folder.config):
-        return _export_keras(cfg, start)
-    dtype, opset = cfg.resolved_dtype, cfg.resolved_opset
+    keras = is_keras_config(folder.config)
+    dtype = cfg.resolved_dtype(keras)
+    opset = cfg.resolved_opset(dtype)
     proto, output_name = torch_export(folder, dtype, opset)
     rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
     strip_metadata(proto)
@@ -329,6 +373,8 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     fp8 = [g.layer for g in report.gemms if g.fp8 and g.layer]
     sixteen = {g.layer: g.reason for g in report.gemms if not g.fp8 and g.layer}
     notes = list(rewrite.notes)
+    if keras:
+        notes.insert(0, "Keras model rebuilt in torch from config.json (Keras not needed)")
     if sixteen:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
@@ -336,41 +382,3 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
                         output_name=output_name, check=report.to_dict(), notes=notes)
-
-
-# --------------------------------------------------------------------------------------------
-# Keras sources (helper H5's fp8export.onnx.keras_export)
-
-def is_keras_config(config: dict[str, Any]) -> bool:
-    """A Keras model config (``class_name`` + ``config``) rather than a transformers one."""
-    return "class_name" in config and "config" in config and "model_type" not in config
-
-
-def _export_keras(cfg: ExportOnnxConfig, start: float) -> ExportResult:
-    """FP8 folders converted from ``.keras`` / ``.weights.h5``: Keras rebuilds the model."""
-    import onnx
-
-    from fp8export.onnx.keras_export import OPSET, export_keras_onnx
-
-    if cfg.dtype not in (None, OnnxDtype.FP32):
-        raise Fp8ExportError(
-            f"{cfg.fp8_dir}: --dtype {cfg.dtype}: folders converted from Keras export in fp32 "
-            "only (Keras rebuilds the model in float32). Use --dtype fp32 (or leave it out).")
-    if cfg.opset not in (None, OPSET):
-        raise Fp8ExportError(f"{cfg.fp8_dir}: --opset {cfg.opset}: Keras sources export at "
-                             f"opset {OPSET}. Use --opset {OPSET} (or leave it out).")
-    res = export_keras_onnx(None, cfg.fp8_dir, cfg.resolved_output, force=cfg.force)
-    header = onnx.load(str(res.output), load_external_data=False)
-    gemms = res.check.get("gemms", [])
-    sixteen = {g["layer"]: g["reason"] for g in gemms if not g["fp8"]}
-    data = res.output.parent / (res.output.name + ".data")
-    data = data if data.is_file() and any(
-        t.data_location == onnx.TensorProto.EXTERNAL for t in header.graph.initializer) else None
-    size = res.output.stat().st_size + (data.stat().st_size if data else 0)
-    return ExportResult(output=res.output, external_data=data, dtype="fp32", opset=res.opset,
-                        ir_version=int(header.ir_version), file_bytes=size,
-                        seconds=time.perf_counter() - start, fp8_gemms=list(res.fp8_gemms),
-                        sixteen_bit=sixteen, output_name=header.graph.output[0].name,
-                        check=res.check, notes=["Keras source: exported through Keras 3 "
-                                                "(torch backend), weights bound by content",
-                                                *res.notes])

@@ -76,8 +76,10 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 
 def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor], *,
-                    mode: str, dtype: torch.dtype, where: Path) -> Fp8Linear:
-    """One Fp8Linear from the manifest entry of module ``name`` and the folder's tensors."""
+                    mode: str, dtype: torch.dtype, where: Path,
+                    bias: torch.Tensor | None = None) -> Fp8Linear:
+    """One Fp8Linear from the manifest entry of module ``name`` and the folder's tensors
+    (``bias``: the bias to use instead of the folder's ``<name>.bias``)."""
     wname = entry.get("weight", f"{name}.weight")
     try:
         w = tensors[wname]
@@ -89,7 +91,7 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
         raise Fp8ExportError(f"{where}: {wname} is {w.dtype}, expected F8_E4M3.")
     if entry.get("layout", "out_in") == "in_out":
         w = w.t().contiguous()
-    bias = tensors.get(f"{name}.bias")
+    bias = tensors.get(f"{name}.bias") if bias is None else bias
     return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype)
 
 
@@ -109,32 +111,22 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         ``(model, config, manifest, info)``; ``info`` says which path ran and which layers fell
         back to emulation, and why (JSON-serialisable).
     """
-    from fp8export.models import empty_model
+    from fp8export.keras_model.config import is_keras_config
 
     where = Path(fp8_dir)
-    manifest = read_manifest(where)
-    config = read_config(where)
     dev = torch.device(device)
     resolved = resolve_mode(mode, dev)
+    manifest = read_manifest(where)
+    config = read_config(where)
+    if is_keras_config(config):
+        return _load_keras_fp8(where, dev, dtype, resolved)
+    from fp8export.models import empty_model
+
     tensors = load_fp8_tensors(where)
     model = empty_model(config, where, dtype=dtype)
     quantized = manifest.get("quantized") or {}
-    fallbacks = {}
-    for name, entry in quantized.items():
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            raise Fp8ExportError(f"{where}: the manifest quantizes {name}, which the architecture "
-                                 "in config.json does not have.") from None
-        new = make_fp8_linear(name, entry, tensors, mode=resolved, dtype=dtype, where=where)
-        expected = _linear_shape(old)
-        if expected is not None and expected != (new.out_features, new.in_features):
-            raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
-                                 f" but the architecture expects {expected[0]}x{expected[1]}.")
-        if new.fallback_reason and resolved == "scaled_mm":
-            fallbacks[name] = new.fallback_reason
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+    fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
+                                 where=where)
     state = model.state_dict()
     loadable = {}
     for key, t in tensors.items():
@@ -184,6 +176,52 @@ def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
         order = known[1] if known and known[0] == g else ()
         ordered[g] = sorted(members, key=lambda n: order.index(n) if n in order else len(order))
     return {g: members for g, members in ordered.items() if len(members) > 1}
+
+
+def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
+                     tensors: dict[str, torch.Tensor], *, mode: str, dtype: torch.dtype,
+                     where: Path, keep_bias: bool = False) -> dict[str, str]:
+    """Replace every manifest-listed module of ``model`` by its Fp8Linear; returns fallbacks.
+
+    ``keep_bias``: the new layer takes the replaced module's bias (already loaded) rather than
+    the folder's tensor.
+    """
+    fallbacks = {}
+    for name, entry in quantized.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise Fp8ExportError(f"{where}: the manifest quantizes {name}, which the architecture "
+                                 "in config.json does not have.") from None
+        bias = getattr(old, "bias", None) if keep_bias else None
+        new = make_fp8_linear(name, entry, tensors, mode=mode, dtype=dtype, where=where,
+                              bias=None if bias is None else bias.detach())
+        expected = _linear_shape(old)
+        if expected is not None and expected != (new.out_features, new.in_features):
+            raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
+                                 f" but the architecture expects {expected[0]}x{expected[1]}.")
+        if new.fallback_reason and mode == "scaled_mm":
+            fallbacks[name] = new.fallback_reason
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return fallbacks
+
+
+def _load_keras_fp8(where: Path, device: torch.device, dtype: torch.dtype, mode: str):
+    """An FP8 folder converted from Keras: the model rebuilt from its config (no Keras)."""
+    from fp8export.keras_model.build import keras_model_from_folder
+    from fp8export.keras_model.weights import read_folder
+
+    folder = read_folder(where)
+    model = keras_model_from_folder(folder, dtype)
+    quantized = folder.manifest.get("quantized") or {}
+    # the rebuilt layers hold the biases as the Keras layers compute with them
+    fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
+                                 where=where, keep_bias=True)
+    info = {"mode": mode, "quantized_layers": len(quantized), "fallbacks": fallbacks,
+            "activation_scheme": folder.manifest.get("activation_scheme"),
+            "fused_groups": 0, "unfused_groups": {}}  # Keras runs q, k, v as separate GEMMs
+    return model.to(device).eval(), folder.config, folder.manifest, info
 
 
 def fp8_modules(model: torch.nn.Module) -> dict[str, Fp8Linear]:

@@ -7,7 +7,6 @@ output is ``{"logits": float32 [B, T, V]}`` (``[B, C]`` for classifiers).
 from __future__ import annotations
 
 from abc import abstractmethod
-
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,10 @@ class TorchModelRunner(Runner):
         with torch.inference_mode():
             out = self.model(**kwargs, use_cache=False) if self._takes_cache() else \
                 self.model(**kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0]
+        if isinstance(out, torch.Tensor):  # a rebuilt Keras model returns its output
+            logits = out
+        else:
+            logits = out.logits if hasattr(out, "logits") else out[0]
         return {"logits": logits.float().cpu().numpy()}
 
     def _takes_cache(self) -> bool:

@@ -142,3 +142,21 @@ def save_tokenizer(path: Path, vocab: list[str], sequence_length: int) -> None:
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_eval_npz(path: Path, rows: list[dict], vocab: list[str], sequence_length: int) -> None:
+    """The eval split as the model sees it: ``input_ids`` padded to ``sequence_length`` with
+    ``[PAD]`` = 0 (no ``attention_mask``: the model reads the padding, as in training) and
+    ``labels``. This is the ``--data`` file for ``fp8export verify``."""
+    import numpy as np
+
+    ids = encode([r["text"] for r in rows], vocab, sequence_length)
+    labels = np.array([r["label"] for r in rows], dtype="int64")
+    np.savez_compressed(path, input_ids=ids, labels=labels)
+
+
+if __name__ == "__main__":  # rebuild data/eval.npz from data/eval.jsonl and data/vocab.json
+    here = Path(__file__).resolve().parent / "data"
+    tok = json.loads((here / "vocab.json").read_text())
+    rows = [json.loads(line) for line in (here / "eval.jsonl").read_text().splitlines()]
+    write_eval_npz(here / "eval.npz", rows, tok["vocab"], tok["sequence_length"])

@@ -7,6 +7,7 @@ E5M2 output gradients, delayed scaling from 1024-step amax histories). Prints th
 table and writes:
 
   data/eval.jsonl, data/vocab.json          the eval split (text, label) and the tokenizer
+  data/eval.npz                             the eval split tokenised and padded (verify --data)
   model/float8_model.keras                  the float8-trained model (zip: config + weights)
   model/float8_model.weights.h5, model/config.json   the same weights and config, unzipped
   model/bf16_model.weights.h5               the mixed-bf16 model's weights (reference)
@@ -90,6 +91,8 @@ def main(argv=None):
     (args.out / "data").mkdir(parents=True, exist_ok=True)
     data_gen.write_jsonl(args.out / "data" / "eval.jsonl", rows["eval"])
     data_gen.save_tokenizer(args.out / "data" / "vocab.json", vocab, MAX_SEQUENCE_LENGTH)
+    data_gen.write_eval_npz(args.out / "data" / "eval.npz", rows["eval"], vocab,
+                            MAX_SEQUENCE_LENGTH)
     print(f"vocabulary: {len(vocab)} words; splits: "
           + ", ".join(f"{k}={len(v)}" for k, v in rows.items()))
 
