@@ -92,7 +92,11 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
 
 
 def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto") -> Runner:
-    """The torch reference runner; the reference must be an unquantized checkpoint."""
+    """The torch reference runner; the reference must be an unquantized checkpoint.
+
+    A Keras ``.keras`` / ``.weights.h5`` file is rebuilt in torch from its config (float8
+    layers with their full-precision kernels, as Keras keeps them).
+    """
     p = Path(path)
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such reference checkpoint. Give the bf16/fp32 model the "
@@ -103,6 +107,10 @@ def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto") -> 
     if p.suffix.lower() in (".onnx",) + ENGINE_SUFFIXES:
         raise Fp8ExportError(f"{p}: the reference must be a torch checkpoint (a Hugging Face "
                              "folder), not an ONNX graph or an engine.")
+    from fp8export.runners.keras_runner import KerasRunner, is_keras_file
+
+    if is_keras_file(p):
+        return KerasRunner(p, dtype=dtype, device=device, name="reference")
     from fp8export.runners.torch_runner import TorchRunner
 
     return TorchRunner(p, dtype=dtype, device=device, name="reference")

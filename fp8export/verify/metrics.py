@@ -14,7 +14,12 @@ numbers and lists (JSON-serialisable). Definitions (``p`` = softmax of the refer
   ``top5_overlap``: mean |top5(ref) ∩ top5(cand)| / 5.
 * causal LMs: ``ppl_reference`` / ``ppl_candidate`` = exp(mean next-token NLL) over positions
   whose next token is real (not padding); ``ppl_ratio`` = candidate / reference.
+* ``prob_max_abs`` = max |softmax(ref) − softmax(cand)|: the largest change of any predicted
+  probability (for a sigmoid classifier, of its output).
 * sequence labels: ``accuracy_reference`` / ``accuracy_candidate`` and ``accuracy_drop``.
+
+A model whose output is already probabilities (a Keras sigmoid or softmax head) is compared
+through :func:`class_logits`, whose softmax gives back those probabilities.
 """
 
 from __future__ import annotations
@@ -30,6 +35,26 @@ from fp8export.errors import Fp8ExportError
 SCATTER_POINTS = 20000  # logit pairs kept for the scatter plot
 
 
+_PROB_FLOOR = 1e-30  # log(0) would make every divergence infinite
+
+
+def class_logits(out: np.ndarray, activation: str) -> np.ndarray:
+    """Logits whose softmax is the model's class probabilities.
+
+    ``activation`` is the output layer's: "sigmoid" turns ``p`` [..., 1] into
+    ``[log(1 - p), log(p)]`` (two classes; the argmax is ``p > 0.5``, Keras's binary accuracy),
+    "softmax" gives ``log(p)``; anything else is returned unchanged.
+    """
+    if activation not in ("sigmoid", "softmax"):
+        return out
+    p = np.asarray(out, dtype=np.float64)
+    if activation == "sigmoid":
+        if p.shape[-1] != 1:
+            return np.log(np.clip(p, _PROB_FLOOR, 1.0))  # multi-label: per-output log p
+        p = np.concatenate([1.0 - p, p], axis=-1)
+    return np.log(np.clip(p, _PROB_FLOOR, 1.0))
+
+
 def token_metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-position metrics of ``[N, V]`` logit rows (float64 inside). Returns tensors [N]."""
     r = ref.to(torch.float64)
@@ -37,13 +62,14 @@ def token_metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tens
     lp = torch.log_softmax(r, dim=-1)
     lq = torch.log_softmax(c, dim=-1)
     kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # rounding can give -1e-17
+    prob = (lp.exp() - lq.exp()).abs().amax(-1)
     cos = torch.nn.functional.cosine_similarity(r, c, dim=-1, eps=1e-30)
     top1 = (r.argmax(-1) == c.argmax(-1)).to(torch.float64)
     k = min(5, r.shape[-1])
     tr = r.topk(k, dim=-1).indices
     tc = c.topk(k, dim=-1).indices
     overlap = (tr.unsqueeze(-1) == tc.unsqueeze(-2)).any(-1).sum(-1).to(torch.float64) / k
-    return {"kl": kl, "cosine": cos, "top1": top1, "top5": overlap}
+    return {"kl": kl, "cosine": cos, "top1": top1, "top5": overlap, "prob": prob}
 
 
 def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor,
@@ -71,7 +97,8 @@ class Comparison:
     def __init__(self, *, causal: bool, seed: int = 0):
         self.causal = causal
         self._rng = np.random.default_rng(seed)
-        self._tok: dict[str, list[np.ndarray]] = {"kl": [], "cosine": [], "top1": [], "top5": []}
+        self._tok: dict[str, list[np.ndarray]] = {"kl": [], "cosine": [], "top1": [], "top5": [],
+                                                  "prob": []}
         self.per_sample: list[dict[str, Any]] = []
         self._err_sq = 0.0
         self._ref_sq = 0.0
@@ -177,7 +204,8 @@ class Comparison:
             "max_abs": _f(self._max_abs),
             "top1_agreement": _f(tok["top1"].mean()), "top5_overlap": _f(tok["top5"].mean()),
             "kl_mean": _f(tok["kl"].mean()), "kl_p99": _f(np.percentile(tok["kl"], 99)),
-            "kl_max": _f(tok["kl"].max()), "tokens": int(tok["kl"].size),
+            "kl_max": _f(tok["kl"].max()), "prob_max_abs": _f(tok["prob"].max()),
+            "tokens": int(tok["kl"].size),
         }
         if self._nll_count:
             pr = math.exp(self._nll[0] / self._nll_count)

@@ -14,7 +14,7 @@ from typing import Any
 JSON_KEYS_ORDER = ("passed", "backend", "samples", "metrics", "thresholds", "failures",
                    "per_layer")
 METRIC_ORDER = ("cosine_mean", "cosine_min", "cosine_token_min", "rel_l2", "max_abs",
-                "top1_agreement", "top5_overlap", "kl_mean", "kl_p99", "kl_max",
+                "prob_max_abs", "top1_agreement", "top5_overlap", "kl_mean", "kl_p99", "kl_max",
                 "ppl_reference", "ppl_candidate", "ppl_ratio", "accuracy_reference",
                 "accuracy_candidate", "accuracy_drop", "tokens", "ppl_tokens")
 

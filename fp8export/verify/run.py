@@ -55,6 +55,14 @@ def _first_output(out: dict, who: str):
 
 def _check_same_model(ref_cfg: dict, cand_runner, reference, candidate) -> None:
     cand_cfg = getattr(cand_runner, "config", None) or {}
+    ref_layers, cand_layers = _keras_layers(ref_cfg), _keras_layers(cand_cfg)
+    if ref_layers is not None and cand_layers is not None and ref_layers != cand_layers:
+        diff = next((a, b) for a, b in zip(ref_layers + [None], cand_layers + [None],
+                                           strict=False) if a != b)
+        raise Fp8ExportError(
+            f"reference {reference} and candidate {candidate} are different Keras models "
+            f"(first difference: {diff[0]} vs {diff[1]}). Verify the candidate against the "
+            "checkpoint it was converted from.")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "model_type"):
         a, b = ref_cfg.get(key), cand_cfg.get(key)
         if a is not None and b is not None and a != b:
@@ -62,6 +70,15 @@ def _check_same_model(ref_cfg: dict, cand_runner, reference, candidate) -> None:
                 f"reference {reference} and candidate {candidate} are different models: "
                 f"{key} is {a!r} vs {b!r}. Verify the candidate against the checkpoint it was "
                 "converted from.")
+
+
+def _keras_layers(config: dict) -> list | None:
+    """(name, class, options) of each layer of a Keras config; None for other configs."""
+    from fp8export.keras_model.config import is_keras_config, parse_keras_config
+
+    if not is_keras_config(config):
+        return None
+    return [(s.name, s.kind, s.options) for s in parse_keras_config(config, "config").layers]
 
 
 def verify(cfg: VerifyConfig) -> VerifyResult:
@@ -77,7 +94,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.models import task_of
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.data import load_verify_samples
-    from fp8export.verify.metrics import Comparison
+    from fp8export.verify.metrics import Comparison, class_logits
     from fp8export.verify.thresholds import evaluate, load_thresholds
 
     t0 = time.perf_counter()
@@ -97,8 +114,10 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         if kind == "fp8-folder":
             info(f"candidate runs: {cand_runner.fp8_path()}")
         task = task_of(ref_cfg)
-        samples, data_info = load_verify_samples(cfg.data, cfg.reference, ref_cfg,
+        data_cfg = getattr(ref_runner, "data_config", None) or ref_cfg
+        samples, data_info = load_verify_samples(cfg.data, cfg.reference, data_cfg,
                                                  samples=cfg.samples, seq_len=cfg.seq_len)
+        head = getattr(ref_runner, "output_activation", "linear")  # Keras heads: probabilities
         if data_info.get("note"):
             notes.append(data_info["note"])
             info(data_info["note"])
@@ -123,9 +142,11 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                         "attention_mask": batch.attention_mask.numpy()}
                 if probe is not None:
                     probe.set_mask(batch.attention_mask)
-                ref_logits = _first_output(ref_runner.infer(feed), "the reference")
+                ref_logits = class_logits(_first_output(ref_runner.infer(feed), "the reference"),
+                                          head)
                 t_ref += ref_runner.last_inference_time or 0.0
-                cand_logits = _first_output(cand_runner.infer(feed), "the candidate")
+                cand_logits = class_logits(_first_output(cand_runner.infer(feed),
+                                                         "the candidate"), head)
                 t_cand += cand_runner.last_inference_time or 0.0
                 labels = batch.labels.numpy() if batch.labels is not None else None
                 cmp.add(ref_logits, cand_logits, attention_mask=feed["attention_mask"],

@@ -20,7 +20,7 @@ from fp8export.errors import Fp8ExportError
 DIRECTIONS = {
     "cosine_mean": "min", "cosine_min": "min", "cosine_token_min": "min",
     "top1_agreement": "min", "top5_overlap": "min",
-    "rel_l2": "max", "max_abs": "max",
+    "rel_l2": "max", "max_abs": "max", "prob_max_abs": "max",
     "kl_mean": "max", "kl_p99": "max", "kl_max": "max",
     "ppl_ratio": "max", "accuracy_drop": "max",
 }
