@@ -67,3 +67,15 @@ def run_cli():
 @pytest.fixture()
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def keras_float8_folder(tmp_path_factory) -> Path:
+    """The shipped Keras float8 sample converted with ``--scales history`` (read-only)."""
+    from fp8export.api import convert
+    from fp8export.config import ConvertConfig
+
+    out = tmp_path_factory.mktemp("keras-float8") / "fp8"
+    convert(ConvertConfig(checkpoint=SAMPLES / "keras-float8" / "model" / "float8_model.keras",
+                          output=out, scales="history"))
+    return out

@@ -18,15 +18,9 @@ from fp8export.errors import Fp8ExportError
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8"
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from fp8export.api import convert
-    from fp8export.config import ConvertConfig
-
-    out = tmp_path_factory.mktemp("kb") / "fp8"
-    convert(ConvertConfig(checkpoint=SAMPLE / "model" / "float8_model.keras", output=out,
-                          scales="history"))
-    return out
+@pytest.fixture()
+def folder(keras_float8_folder):
+    return keras_float8_folder
 
 
 def _edited(folder: Path, tmp: Path, edit) -> Path:

@@ -19,16 +19,13 @@ SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8"
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    from fp8export.api import convert, export_onnx
-    from fp8export.config import ConvertConfig
+def exported(keras_float8_folder, tmp_path_factory):
+    from fp8export.api import export_onnx
     from fp8export.onnx.export import ExportOnnxConfig
 
-    tmp = tmp_path_factory.mktemp("keras-onnx")
-    convert(ConvertConfig(checkpoint=SAMPLE / "model" / "float8_model.keras", output=tmp / "fp8",
-                          scales="history"))
-    result = export_onnx(ExportOnnxConfig(fp8_dir=tmp / "fp8", output=tmp / "model.onnx"))
-    return result, tmp
+    out = tmp_path_factory.mktemp("keras-onnx") / "model.onnx"
+    return export_onnx(ExportOnnxConfig(fp8_dir=keras_float8_folder, output=out)), \
+        keras_float8_folder
 
 
 def _eval(n: int = 256):
@@ -47,8 +44,8 @@ def _session(path):
 def test_every_float8_layer_is_an_fp8_gemm(exported):
     import onnx
 
-    result, tmp = exported
-    manifest = json.loads((tmp / "fp8" / "fp8export.json").read_text())
+    result, fp8 = exported
+    manifest = json.loads((fp8 / "fp8export.json").read_text())
     assert result.dtype == "fp32" and result.opset == 21 and result.output_name == "probabilities"
     assert sorted(result.fp8_gemms) == sorted(manifest["quantized"]) and len(result.fp8_gemms) == 8
     assert result.check["ok"] and not result.sixteen_bit
@@ -61,8 +58,8 @@ def test_graph_scales_are_the_folder_scales(exported):
     import onnx
     from onnx import numpy_helper
 
-    result, tmp = exported
-    manifest = json.loads((tmp / "fp8" / "fp8export.json").read_text())
+    result, fp8 = exported
+    manifest = json.loads((fp8 / "fp8export.json").read_text())
     graph = onnx.load(str(result.output)).graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
@@ -83,12 +80,12 @@ def test_graph_scales_are_the_folder_scales(exported):
 def test_graph_matches_the_torch_fp8_runtime_and_the_labels(exported):
     from fp8export.runners.fp8_model import load_fp8_model
 
-    result, tmp = exported
+    result, fp8 = exported
     sess = _session(result.output)
     ids, labels = _eval()
     assert sess.run(None, {"input_ids": ids[:3, :40]})[0].shape == (3, 1)  # dynamic sequence
     onnx_p = sess.run(None, {"input_ids": ids})[0]
-    model, _, _, info = load_fp8_model(tmp / "fp8", dtype=torch.float32, mode="emulate")
+    model, _, _, info = load_fp8_model(fp8, dtype=torch.float32, mode="emulate")
     assert info["quantized_layers"] == 8
     with torch.no_grad():
         torch_p = model(torch.as_tensor(ids)).numpy()
@@ -97,9 +94,9 @@ def test_graph_matches_the_torch_fp8_runtime_and_the_labels(exported):
 
 
 def test_folder_of_another_architecture_is_refused(exported, tmp_path, run_cli):
-    _, tmp = exported
+    _, fp8 = exported
     folder = tmp_path / "fp8"
-    shutil.copytree(tmp / "fp8", folder)
+    shutil.copytree(fp8, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["config"]["layers"][-1]["config"]["name"] = "renamed_head"  # dense_1 → renamed_head
     cfg["config"]["output_layers"] = ["renamed_head", 0, 0]
@@ -110,9 +107,9 @@ def test_folder_of_another_architecture_is_refused(exported, tmp_path, run_cli):
 
 
 def test_unknown_layer_in_the_folder_config_is_one_clear_error(exported, tmp_path, run_cli):
-    _, tmp = exported
+    _, fp8 = exported
     folder = tmp_path / "fp8"
-    shutil.copytree(tmp / "fp8", folder)
+    shutil.copytree(fp8, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["config"]["layers"][3]["registered_name"] = "evil_pkg>TransformerDecoder"
     (folder / "config.json").write_text(json.dumps(cfg))

@@ -43,15 +43,9 @@ def test_prob_max_abs_is_the_largest_probability_change():
     assert m["accuracy_reference"] == m["accuracy_candidate"] == 1.0 and m["tokens"] == 2
 
 
-@pytest.fixture(scope="module")
-def fp8_folder(tmp_path_factory):
-    from fp8export.api import convert
-    from fp8export.config import ConvertConfig
-
-    out = tmp_path_factory.mktemp("kv") / "fp8"
-    convert(ConvertConfig(checkpoint=SAMPLE / "model" / "float8_model.keras", output=out,
-                          scales="history"))
-    return out
+@pytest.fixture()
+def fp8_folder(keras_float8_folder):
+    return keras_float8_folder
 
 
 def test_accuracy_from_the_data_labels(fp8_folder, tmp_path):
