@@ -15,8 +15,6 @@ import torch
 
 from fp8export.errors import Fp8ExportError
 
-SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8"
-
 
 @pytest.fixture()
 def folder(keras_float8_folder):
