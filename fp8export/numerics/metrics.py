@@ -44,3 +44,21 @@ def rel_l2(reference: torch.Tensor, test: torch.Tensor) -> float:
     if num == 0.0:
         return 0.0
     return num / den if den else math.inf
+
+
+def rounding_sqnr_db(mantissa_bits: int) -> float:
+    """SQNR of round-to-nearest into a float format with ``mantissa_bits`` explicit bits.
+
+    For values spread evenly within each binade [2^e, 2^(e+1)): the step is 2^(e-m), the noise
+    power step²/12 and the mean square (7/3)·4^e, so SQNR = 10·log10(28·4^m): 32.5 dB for
+    E4M3 (m = 3), 56.6 dB for bf16 (m = 7). Smooth distributions land lower: see
+    :data:`E4M3_ROUND_TRIP_SQNR_DB`.
+    """
+    return 10.0 * math.log10(28.0 * 4.0 ** mantissa_bits)
+
+
+# The SQNR a per-tensor E4M3 round trip of well-scaled data gives: from rounding_sqnr_db(3)
+# (values even within binades) down to what smooth distributions give, measured: Gaussian
+# 31.51, Laplace 31.51, Student-t(3) 31.52, uniform 31.86 dB; the sample LM's 42 weights
+# 31.47-31.64 dB. Where both operands of a product are rounded the noises add (3 dB less).
+E4M3_ROUND_TRIP_SQNR_DB = (31.4, rounding_sqnr_db(3))
