@@ -8,10 +8,12 @@ import click
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="Write a PNG of per-layer weight scale, input scale and SQNR.")
+              help="Write a plot of per-layer weight scale, input scale and SQNR: FILE.svg "
+                   "(built in) or FILE.png (needs matplotlib: pip install 'fp8export[plot]').")
+@click.option("--force", is_flag=True, help="Replace an existing --plot file.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print machine-readable JSON instead of the table.")
-def command(path: str, plot: str | None, as_json: bool) -> None:
+def command(path: str, plot: str | None, force: bool, as_json: bool) -> None:
     """Table of every tensor of PATH: dtype, shape, amax, scale (amax/448), SQNR.
 
     PATH is a checkpoint (Hugging Face folder, .safetensors, .pt/.pth/.bin), an FP8 folder
@@ -23,7 +25,7 @@ def command(path: str, plot: str | None, as_json: bool) -> None:
     from fp8export import api
     from fp8export.errors import Fp8ExportError
 
-    result = api.inspect(path, plot=plot, as_json=as_json)
+    result = api.inspect(path, plot=plot, as_json=as_json, force=force)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:

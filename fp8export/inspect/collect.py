@@ -26,15 +26,17 @@ if TYPE_CHECKING:
 MANIFEST = "fp8export.json"
 
 
-def inspect(path: str | Path, plot: str | Path | None = None,
-            as_json: bool = False) -> InspectResult:
+def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = False,
+            force: bool = False) -> InspectResult:
     """Describe a checkpoint, an FP8 folder (``convert`` output) or an ONNX graph.
 
     Args:
         path: anything ``open_checkpoint`` opens, an FP8 folder, or a ``.onnx`` file.
-        plot: write a PNG of per-layer weight scale, input scale and SQNR there.
+        plot: write a plot of per-layer weight scale, input scale and SQNR there: ``.svg``
+            (built in) or ``.png`` (needs matplotlib), by the extension.
         as_json: accepted so ``api.inspect(path, as_json=True)`` mirrors the CLI; the result is
             the same either way (call ``to_dict()`` for JSON, ``to_text()`` for the table).
+        force: replace an existing ``plot`` file.
 
     Returns:
         An :class:`InspectResult`. Raises Fp8ExportError for unreadable input.
@@ -46,6 +48,10 @@ def inspect(path: str | Path, plot: str | Path | None = None,
             raise Fp8ExportError(f"{p}: --plot draws checkpoints and FP8 folders, not ONNX graphs. "
                                  "Inspect the FP8 folder the graph was exported from instead.")
         return _inspect_onnx(p)
+    if plot is not None:  # a bad --plot path fails before the (possibly long) inspection
+        from fp8export.inspect.plot import check_plot_target
+
+        check_plot_target(Path(plot), force)
     from fp8export.checkpoint.source import open_checkpoint
 
     manifest = _manifest(p)
@@ -59,7 +65,7 @@ def inspect(path: str | Path, plot: str | Path | None = None,
     if plot is not None:
         from fp8export.inspect.plot import write_plot
 
-        write_plot(result, Path(plot))
+        write_plot(result, Path(plot), force=force)
         result.plot = str(plot)
     return result
 
@@ -100,6 +106,7 @@ def _checkpoint(ck: Checkpoint, infos: list[TensorInfo]) -> InspectResult:
         row = _row(info, "candidate" if info.name in targets else
                    ("float" if info.dtype in FLOAT else "other"))
         row.note = excluded.get(info.name)
+        row.fused_group = targets.get(info.name)
         if info.dtype in FLOAT and info.numel:
             row.amax = tensor_amax(ck.load(info.name))
         result.tensors.append(row)
@@ -237,6 +244,8 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
             row.sqnr_db = _num(entry.get("weight_sqnr_db"))
             row.scale_source = entry.get("weight_scale_source")
             row.input_scale_source = entry.get("input_scale_source")
+            group = entry.get("fused_group")
+            row.fused_group = group if isinstance(group, str) else None
             if manifest is not None and not entry:
                 notes.append(f"{info.name}: quantized but not listed in {MANIFEST}")
             elif entry and row.scale is not None:

@@ -1,77 +1,200 @@
-"""``inspect --plot``: per-layer weight scale, input scale and SQNR, one line per projection."""
+"""``inspect --plot``: per-layer weight scale, input scale and weight SQNR of a checkpoint or an
+FP8 folder, as SVG (no extra packages) or PNG (matplotlib), chosen by the file's extension.
+
+What the figure shows: one panel per quantity that has data (a bf16 checkpoint has no input
+scales, so no input-scale panel). Members of a fused group (q/k/v, gate/up) share one weight
+scale and one input scale, so a group is drawn once, named with its members; SQNR differs per
+member and is drawn per projection. The SQNR axis starts at 0 dB and marks what E4M3 rounding
+itself gives, so a spread of tenths of a dB reads as the noise it is.
+"""
 
 from __future__ import annotations
 
-import re
+import math
 from pathlib import Path
 
 from fp8export.errors import Fp8ExportError
 from fp8export.inspect.result import InspectResult, TensorRow
+from fp8export.plots.figure import Axis, Band, Figure, Panel, Series, layer_and_kind, style_of
 
-_LAYER = re.compile(r"\.(\d+)\.")
+FORMATS = (".svg", ".png")
 
 
-def _series(rows: list[TensorRow]) -> dict[str, list[tuple[int, TensorRow]]]:
-    """Projection kind ("self_attn.q_proj") → [(layer index, row)]; modules outside numbered
-    layers get their position in the table as x."""
-    series: dict[str, list[tuple[int, TensorRow]]] = {}
-    for pos, row in enumerate(rows):
-        module = row.name.removesuffix(".weight")
-        m = _LAYER.search(module)
-        if m:
-            kind, x = module[m.end():] or module, int(m.group(1))
+def _value(row: TensorRow, attr: str) -> float | None:
+    v = getattr(row, attr)
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _positions(rows: list[TensorRow]) -> tuple[dict[str, float], list[tuple[float, str]], str]:
+    """x of each row's layer (numbered layers first, others after), ticks, and the x title."""
+    layers = sorted({k for k in (layer_and_kind(_module(r))[0] for r in rows) if k is not None})
+    x: dict[str, float] = {}
+    ticks = [(float(k), str(k)) for k in layers]
+    nxt = float(layers[-1] + 1) if layers else 0.0
+    for r in rows:
+        layer, _ = layer_and_kind(_module(r))
+        if layer is not None:
+            x[r.name] = float(layer)
         else:
-            kind, x = module, pos
-        series.setdefault(kind, []).append((x, row))
-    return series
+            x[r.name] = nxt
+            ticks.append((nxt, _module(r)))
+            nxt += 1.0
+    title = "layer (side by side within a layer: one marker per projection)" if layers \
+        else "quantized linear"
+    return x, ticks, title
 
 
-def write_plot(result: InspectResult, path: Path) -> None:
-    """Draw the plot to ``path`` (PNG); raise Fp8ExportError if it cannot be written."""
-    import matplotlib
+def _module(row: TensorRow) -> str:
+    return row.name.removesuffix(".weight")
 
-    matplotlib.use("Agg", force=True)  # no display, ever (CI, servers)
-    import matplotlib.pyplot as plt
+
+def _keys(rows: list[TensorRow], attr: str) -> dict[str, tuple[str, str]]:
+    """Row name → (series key, legend label). A fused group whose members hold the same value
+    in every layer becomes one series named after the group; otherwise one per projection."""
+    groups: dict[str, list[TensorRow]] = {}
+    for r in rows:
+        if r.fused_group and _value(r, attr) is not None:
+            groups.setdefault(r.fused_group, []).append(r)
+    shared_kinds: dict[str, set[str]] = {}  # group kind ("self_attn.qkv") → member kinds
+    split: set[str] = set()
+    for group, members in groups.items():
+        g_kind = layer_and_kind(group)[1]
+        kinds = {layer_and_kind(_module(m))[1] for m in members}
+        values = {_value(m, attr) for m in members}
+        if len(members) > 1 and len(values) == 1:
+            shared_kinds.setdefault(g_kind, set()).update(kinds)
+        else:
+            split.add(g_kind)
+    out: dict[str, tuple[str, str]] = {}
+    for r in rows:
+        kind = layer_and_kind(_module(r))[1]
+        g_kind = layer_and_kind(r.fused_group)[1] if r.fused_group else None
+        if g_kind in shared_kinds and g_kind not in split:
+            leaves = ", ".join(_member_order(g_kind, shared_kinds[g_kind]))
+            out[r.name] = (g_kind, f"{g_kind} (fused: {leaves} share one scale)")
+        else:
+            out[r.name] = (kind, kind)
+    return out
+
+
+def _member_order(group_kind: str, kinds: set[str]) -> list[str]:
+    """Members in the order the group's tag names them ("qkv": q, k, v; "gate_up": gate, up)."""
+    tag = group_kind.rsplit(".", 1)[-1]
+    leaves = [k.rsplit(".", 1)[-1] for k in kinds]
+    return sorted(leaves, key=lambda leaf: (tag.find(leaf.split("_")[0]) % (len(tag) + 1), leaf))
+
+
+def _series(rows: list[TensorRow], attr: str, x: dict[str, float], styles: dict[str, int],
+            shared: bool) -> list[Series]:
+    """One series per key; ``styles`` (key → style index) keeps a key's look across panels.
+    ``shared``: the quantity is one per fused group (scales), so groups may be drawn once."""
+    keys = _keys(rows, attr) if shared else {
+        r.name: (layer_and_kind(_module(r))[1],) * 2 for r in rows}
+    order: list[str] = []
+    labels: dict[str, str] = {}
+    points: dict[str, dict[float, float]] = {}
+    for r in rows:
+        v = _value(r, attr)
+        if v is None:
+            continue
+        key, label = keys[r.name]
+        if key not in points:
+            order.append(key)
+            labels[key] = label
+            points[key] = {}
+        points[key][x[r.name]] = v  # a shared group: every member has the same value
+    n = len(order)
+    out = []
+    for j, key in enumerate(order):
+        offset = (j - (n - 1) / 2) * min(0.8 / max(n, 1), 0.15)
+        xs = sorted(points[key])
+        color, marker = style_of(styles.setdefault(key, len(styles)))
+        out.append(Series(labels[key], [v + offset for v in xs], [points[key][v] for v in xs],
+                          kind="line", color=color, marker=marker))
+    return out
+
+
+def figure(result: InspectResult) -> Figure:
+    """The figure of an inspect result (panels without data are left out)."""
+    from fp8export.numerics.metrics import E4M3_ROUND_TRIP_SQNR_DB
 
     rows = [r for r in result.tensors if r.role in ("quantized", "candidate")]
-    panels = (("scale", "weight scale (amax/448)", True),
-              ("input_scale", "input scale", True),
-              ("sqnr_db", "weight SQNR (dB)", False))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 9), sharex=True)
-    series = _series(rows)
-    for ax, (attr, label, log) in zip(axes, panels):
-        drawn = False
-        for kind, points in series.items():
-            pts = [(x, getattr(r, attr)) for x, r in points
-                   if getattr(r, attr) is not None and getattr(r, attr) == getattr(r, attr)
-                   and abs(getattr(r, attr)) != float("inf")]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=kind)
-                drawn = True
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        if drawn and log:
-            ax.set_yscale("log")
-        if not drawn:
-            why = " (no static activation scales)" if attr == "input_scale" else ""
-            ax.text(0.5, 0.5, f"no {label}{why}", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
-    from matplotlib.ticker import MaxNLocator
+    x, ticks, x_title = _positions(rows)
+    xs = list(x.values()) or [0.0]
+    x_axis = Axis(x_title, lo=min(xs) - 0.6, hi=max(xs) + 0.6, ticks=ticks)
+    lo, hi = E4M3_ROUND_TRIP_SQNR_DB
+    styles: dict[str, int] = {}
+    panels = [
+        Panel("Weight scale (amax / 448) per layer", x_axis,
+              Axis("weight scale (log scale)", log=True), _series(rows, "scale", x, styles, True)),
+        Panel("Input (activation) scale per layer", x_axis,
+              Axis("input scale (log scale)", log=True),
+              _series(rows, "input_scale", x, styles, True)),
+        Panel("Weight round-trip SQNR (E4M3 → dequantized vs the original)", x_axis,
+              Axis("SQNR in dB (higher is better; axis from 0)", include=(0.0,)),
+              _series(rows, "sqnr_db", x, styles, False),
+              bands=[Band(lo, hi, f"E4M3 rounding of well-scaled weights: {lo:.1f}–{hi:.1f} dB")]),
+    ]
+    what = ("FP8 folder (scales as stored)" if result.kind == "fp8-folder"
+            else "checkpoint (the scales convert would use)")
+    layers = {layer_and_kind(_module(r))[0] for r in rows} - {None}
+    notes = [f"{len(rows)} quantized linears" + (f" in {len(layers)} layers" if layers else "")
+             + ". Fused groups (q/k/v, gate/up) share one weight scale and one input scale and "
+             "are drawn once, named with their members."]
+    if not any(_value(r, "input_scale") is not None for r in rows):
+        notes.append("No static input scales (dynamic activations, or none recorded): no "
+                     "input-scale panel.")
+    exact = sum(1 for r in rows if r.sqnr_db is not None and math.isinf(r.sqnr_db))
+    if exact:
+        notes.append(f"{exact} weights round-trip exactly (SQNR ∞) and are not drawn.")
+    return Figure(f"{Path(result.path).name}: {what}", panels, notes, share_x=True)
 
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1].set_xlabel("layer")
-    handles, labels = axes[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="upper right", fontsize="small",
-                   ncol=max(1, len(labels) // 8))
-    title = "FP8 folder" if result.kind == "fp8-folder" else "checkpoint (scales convert would use)"
-    fig.suptitle(f"{Path(result.path).name}: {title}")
-    fig.tight_layout(rect=(0, 0, 0.85 if handles else 1, 0.96))
+
+def check_plot_target(path: Path, force: bool = False) -> None:
+    """Refuse an unknown extension, or an existing file without ``force`` (before any work)."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        what = repr(path.suffix) if path.suffix else "a name without extension"
+        raise Fp8ExportError(f"{path}: --plot writes .svg (built in) or .png (needs matplotlib), "
+                             f"not {what}. Name the file e.g. scales.svg or scales.png.")
+    if path.suffix.lower() == ".png":
+        from fp8export._lazy import lazy_import
+
+        lazy_import("matplotlib", "--plot to a .png file; a .svg file needs nothing")
+    if path.is_dir():
+        raise Fp8ExportError(f"{path}: is a folder. Give a file name for --plot, e.g. "
+                             f"{path / 'scales.svg'}.")
+    if path.exists() and not force:
+        raise Fp8ExportError(f"{path}: already exists. Pass --force to replace it, or choose "
+                             "another --plot path.")
+
+
+def write_plot(result: InspectResult, path: Path, force: bool = False) -> None:
+    """Write the figure to ``path``: ``.svg`` (built in) or ``.png`` (needs matplotlib).
+
+    Raises:
+        Fp8ExportError: another extension, nothing to plot, ``path`` exists without ``force``,
+            or it cannot be written.
+    """
+    from fp8export.checkpoint.atomic import write_file_atomic
+
+    path = Path(path)
+    check_plot_target(path, force)
+    suffix = path.suffix.lower()
+    fig = figure(result).drawable()
+    if fig is None:
+        raise Fp8ExportError(f"{result.path}: no quantized or quantizable linear layers, so "
+                             "there is nothing to plot. Inspect without --plot for the table.")
+    if suffix == ".svg":
+        from fp8export.plots.svg import to_svg
+
+        data = to_svg(fig, "inspect").encode("utf-8")
+    else:
+        from fp8export.plots.mpl import png_bytes
+
+        data = png_bytes(fig)
     try:
-        fig.savefig(path, format="png", dpi=100)
+        write_file_atomic(path, data)
     except OSError as exc:
         raise Fp8ExportError(f"{path}: cannot write the plot ({exc.strerror or exc}). "
                              "Choose a writable path for --plot.") from exc
-    finally:
-        plt.close(fig)

@@ -30,6 +30,7 @@ class TensorRow:
     scale_source: str | None = None  # "weights" | "history" | "calibration" | "computed" ...
     input_scale_source: str | None = None
     note: str | None = None
+    fused_group: str | None = None  # siblings sharing one scale: "model.layers.0.self_attn.qkv"
 
 
 @dataclass
@@ -42,7 +43,7 @@ class InspectResult:
     tensors: list[TensorRow] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    plot: str | None = None  # the PNG written, if any
+    plot: str | None = None  # the plot written (.svg or .png), if any
     training_state: dict[str, Any] | None = None  # framework, version, histories (checkpoints)
     ok: bool = True  # False when an ONNX check failed
     report_text: str | None = None  # the ONNX checker's own text, for kind == "onnx"
