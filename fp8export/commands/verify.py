@@ -47,13 +47,34 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
     cfg = VerifyConfig(reference=reference, candidate=candidate, data=data,
                        thresholds=thresholds, report_dir=report_dir, backend=backend,
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
-                       seq_len=seq_len, per_layer=per_layer, device=device, fp8_mode=fp8_mode)
+                       seq_len=seq_len, per_layer=per_layer, device=device, fp8_mode=fp8_mode,
+                       command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
     except VerificationFailed as exc:
         _summary(exc.result)
         raise
     _summary(result)
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as typed (the options given, in declaration order), shell-quoted."""
+    import shlex
+
+    from click.core import ParameterSource
+
+    words = ["fp8export", ctx.info_name or "verify"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+        elif ctx.get_parameter_source(param.name) not in (ParameterSource.DEFAULT, None):
+            if getattr(param, "is_flag", False):
+                if value:
+                    words.append(param.opts[0])
+            else:
+                words += [param.opts[0], str(value)]
+    return shlex.join(words)
 
 
 def _summary(result) -> None:

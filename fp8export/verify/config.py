@@ -30,6 +30,7 @@ class VerifyConfig:
 
     ``samples``/``seq_len`` bound the data; ``fp8_mode`` picks the torch FP8 path
     ("auto": ``torch._scaled_mm`` on compute capability >= 8.9, emulation elsewhere).
+    ``command_line`` is what the report shows as the command (the CLI fills it in).
     """
 
     reference: Path
@@ -46,6 +47,7 @@ class VerifyConfig:
     device: Device = Device.AUTO
     fp8_mode: str = "auto"
     write_reports: bool = True
+    command_line: str | None = field(default=None, compare=False)  # as typed, for the report
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -6,7 +6,8 @@ numbers and lists (JSON-serialisable). Definitions (``p`` = softmax of the refer
 ``q`` = softmax of the candidate, over the last axis):
 
 * ``kl``: KL(p‖q) = Σ p (log p − log q) in nats, per token; ``kl_mean`` over all valid tokens,
-  ``kl_p99`` its 99th percentile, ``kl_max`` its maximum.
+  ``kl_p99`` its 99th percentile, ``kl_max`` its maximum. Per sample also where its KL peaks
+  (``kl_max_pos``) and what each model predicts there (``reference_top1``, ``candidate_top1``).
 * ``cosine``: cosine similarity of a sample's valid logits flattened; ``cosine_mean`` and
   ``cosine_min`` over samples (``cosine_token_min`` is the worst single position).
 * ``rel_l2`` = ‖ref − cand‖₂ / ‖ref‖₂ over all valid logits; ``max_abs`` = max |ref − cand|.
@@ -158,7 +159,7 @@ class Comparison:
             row = {"index": int(indices[i]), "tokens": int(valid.sum()),
                    "cosine": cos, "rel_l2": math.sqrt(esq / rsq) if rsq else math.inf,
                    "max_abs": mabs, "kl_mean": float(tm["kl"].mean()),
-                   "top1_agreement": float(tm["top1"].mean())}
+                   "top1_agreement": float(tm["top1"].mean()), **_divergence(r64, c64, tm["kl"])}
             if nll_r is not None and int(cnt[i]) > 0:
                 n = int(cnt[i])
                 row["ppl_reference"] = math.exp(float(nll_r[i]) / n)
@@ -223,6 +224,16 @@ class Comparison:
                               "scatter_reference": _finite_list(scatter[:, 0]),
                               "scatter_candidate": _finite_list(scatter[:, 1])},
         }
+
+
+def _divergence(ref: torch.Tensor, cand: torch.Tensor, kl: torch.Tensor) -> dict[str, Any]:
+    """Where one sample diverges most: the position of its largest KL (0-based among its real
+    tokens) and each model's top-1 prediction there, with its probability."""
+    pos = int(kl.argmax())
+    p, q = torch.softmax(ref[pos], -1), torch.softmax(cand[pos], -1)
+    return {"kl_max": float(kl[pos]), "kl_max_pos": pos,
+            "reference_top1": int(p.argmax()), "reference_top1_p": float(p.max()),
+            "candidate_top1": int(q.argmax()), "candidate_top1_p": float(q.max())}
 
 
 def _f(x) -> float:

@@ -1,22 +1,33 @@
 """Reports from a verification result: report.json, report.md, and the writer of all four.
 
-The result is already plain data (see run.py); reporting only formats it. Non-finite floats
-are written to JSON as the strings "inf", "-inf" and "nan" so the file stays strict JSON.
+The result is already plain data (see run.py); reporting only formats it. What the header
+and the metric table show is defined once here (:func:`header_rows`, :data:`METRIC_GROUPS`)
+and rendered by both Markdown and HTML, so a new header fact or metric family is one entry.
+Non-finite floats are written to JSON as the strings "inf", "-inf" and "nan" so the file stays
+strict JSON. Text from the data (worst samples) is untrusted: escaped for each format.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 JSON_KEYS_ORDER = ("passed", "backend", "samples", "metrics", "thresholds", "failures",
-                   "per_layer")
-METRIC_ORDER = ("cosine_mean", "cosine_min", "cosine_token_min", "rel_l2", "max_abs",
-                "prob_max_abs", "top1_agreement", "top5_overlap", "kl_mean", "kl_p99", "kl_max",
-                "ppl_reference", "ppl_candidate", "ppl_ratio", "accuracy_reference",
-                "accuracy_candidate", "accuracy_drop", "tokens", "ppl_tokens")
+                   "per_layer", "header")
+# Metric families in display order; a metric not named here is shown under "Other".
+METRIC_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Logits", ("cosine_mean", "cosine_min", "cosine_token_min", "rel_l2", "max_abs",
+                "prob_max_abs")),
+    ("Predictions", ("top1_agreement", "top5_overlap", "kl_mean", "kl_p99", "kl_max")),
+    ("Perplexity", ("ppl_reference", "ppl_candidate", "ppl_ratio")),
+    ("Accuracy", ("accuracy_reference", "accuracy_candidate", "accuracy_drop")),
+    ("Counts", ("tokens", "ppl_tokens")),
+)
+METRIC_ORDER = tuple(k for _, keys in METRIC_GROUPS for k in keys)
+SHORT_HASH = 12
 
 
 def json_safe(obj: Any) -> Any:
@@ -53,17 +64,146 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown(result: dict[str, Any], max_layers: int = 10) -> str:
-    """report.md: a verdict line, the threshold checks, all metrics, worst layers, notes."""
+def _db(v: Any) -> str:
+    """A level in dB: one decimal is what the measurement supports."""
+    return f"{v:.1f}" if isinstance(v, float) and math.isfinite(v) else _fmt(v)
+
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "0 B"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+# ------------------------------------------------------------------------ shared content
+
+def metric_rows(metrics: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """``(family, metric, value)`` for every metric present, in :data:`METRIC_GROUPS` order."""
+    rows = [(group, k, metrics[k]) for group, keys in METRIC_GROUPS for k in keys if k in metrics]
+    named = set(METRIC_ORDER)
+    rows += [("Other", k, v) for k, v in metrics.items() if k not in named]
+    return rows
+
+
+def _hash_text(entry: dict[str, Any]) -> str:
+    digest = entry.get("sha256")
+    if not digest:
+        return "not hashed"
+    files = entry.get("files") or []
+    what = f"{len(files)} files, " if len(files) > 1 else ""
+    skipped = entry.get("skipped") or []
+    skip = f"; not read: {', '.join(skipped[:5])}{'…' if len(skipped) > 5 else ''}" \
+        if skipped else ""
+    return f"sha256 {digest[:SHORT_HASH]} ({what}{_size(entry.get('bytes'))}{skip})"
+
+
+def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    """The report header as ``(label, text, code)`` rows; ``code`` (a path or command) is
+    shown in monospace before ``text``. Old results without a header give the basics."""
+    h = result.get("header") or {}
+    ref, cand, data = h.get("reference") or {}, h.get("candidate") or {}, h.get("data") or {}
+    ref_run, cand_run = result.get("reference") or {}, result.get("candidate") or {}
+    rows: list[tuple[str, str, str | None]] = []
+    if h.get("tool"):
+        rows.append(("Tool", f"{h['tool'].get('name')} {h['tool'].get('version')}", None))
+    if h.get("command"):
+        rows.append(("Command", "", h["command"]))
+    elif h:
+        rows.append(("Command", "called from Python (fp8export.api.verify); options in "
+                                "report.json", None))
+    if h.get("created"):
+        rows.append(("Date", h["created"].replace("T", " ").replace("+00:00", " UTC"), None))
+    ref_bits = [ref.get("dtype") or ref_run.get("dtype"),
+                f"{ref.get('backend') or ref_run.get('backend')} on "
+                f"{ref.get('device') or ref_run.get('device') or '?'}"]
+    if ref:
+        ref_bits.append(_hash_text(ref))
+    rows.append(("Reference", " — ".join(str(b) for b in ref_bits if b),
+                 ref.get("path") or ref_run.get("path")))
+    cand_bits = [cand.get("kind") or cand_run.get("kind"),
+                 result.get("backend") + (f" ({cand.get('mode')})" if cand.get("mode") else "")]
+    if cand:
+        cand_bits.append(_hash_text(cand))
+        match = cand.get("converted_from_reference")
+        if match is True:
+            cand_bits.append("converted from this reference (its manifest's source hashes "
+                             "match)")
+        elif match is False:
+            cand_bits.append("NOT converted from this reference: source files differ ("
+                             + ", ".join(cand.get("source_mismatch") or []) + ")")
+    rows.append(("Candidate", " — ".join(str(b) for b in cand_bits if b),
+                 cand.get("path") or cand_run.get("path")))
+    src = (result.get("data") or {}).get("source") or data.get("source")
+    tokens = data.get("tokens") or (result.get("metrics") or {}).get("tokens")
+    data_bits = [f"{result.get('samples')} samples" + (f", {tokens:,} tokens" if tokens else "")]
+    if data.get("sha256"):
+        data_bits.append(f"sha256 {data['sha256'][:SHORT_HASH]}")
+    rows.append(("Data", " — ".join(data_bits), src))
+    if h.get("device"):
+        dev = h["device"] + (f" ({h['device_name']})" if h.get("device_name") else "")
+        dtypes = h.get("dtype") or {}
+        rows.append(("Backend", f"{h.get('backend')} on {dev}; reference "
+                                f"{dtypes.get('reference')}, candidate activations "
+                                f"{dtypes.get('candidate') or 'as exported'}", None))
+    rows.append(("Thresholds", str(result.get("thresholds_source")), None))
+    env = h.get("environment") or {}
+    if env:
+        rows.append(("Environment", ", ".join(f"{k} {v}" for k, v in env.items()
+                                               if k != "platform")
+                     + (f" — {env['platform']}" if env.get("platform") else ""), None))
+    return rows
+
+
+def worst_sample_text(s: dict[str, Any]) -> tuple[str, str | None, str]:
+    """``(context, token, predictions)`` of a worst-sample entry (already display-safe text)."""
+    if s.get("position") is not None:
+        nxt = f"; actual next: “{s['next_token']}”" if s.get("next_token") is not None else ""
+        pred = (f"reference “{s['reference_top1']}” ({_pct(s.get('reference_top1_p'))}), "
+                f"candidate “{s['candidate_top1']}” ({_pct(s.get('candidate_top1_p'))}){nxt}")
+        return s.get("context") or "", s.get("token"), pred
+    pred = (f"reference {s.get('reference_top1')} ({_pct(s.get('reference_top1_p'))}), "
+            f"candidate {s.get('candidate_top1')} ({_pct(s.get('candidate_top1_p'))})")
+    return s.get("context") or "", None, pred
+
+
+def _pct(p: Any) -> str:
+    return f"{p:.0%}" if isinstance(p, (int, float)) and math.isfinite(p) else "?"
+
+
+# ------------------------------------------------------------------------------ Markdown
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]!|~<>&])")
+
+
+def md_escape(text: str) -> str:
+    """Untrusted text as inert Markdown (GitHub renders HTML in report.md): every character
+    that could start markup is escaped, and it stays on one line (table-safe)."""
+    text = " ".join(str(text).split())
+    return _MD_SPECIAL.sub(lambda m: {"<": "&lt;", ">": "&gt;", "&": "&amp;"}.get(
+        m.group(1), "\\" + m.group(1)), text)
+
+
+def md_code(text: str) -> str:
+    """``text`` as a Markdown code span, whatever backticks it holds (table-safe)."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    run = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * (run + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5) -> str:
+    """report.md: verdict, header, threshold checks, metrics, worst layers and samples, notes."""
     verdict = "✅ PASSED" if result["passed"] else "❌ FAILED"
     lines = [f"# fp8export verify: {verdict}", ""]
-    ref, cand = result["reference"], result["candidate"]
-    lines += [f"- **Reference**: `{ref['path']}` ({ref['backend']}, {ref.get('dtype', '')})",
-              f"- **Candidate**: `{cand['path']}` ({result['backend']}"
-              + (f", {cand['mode']}" if cand.get("mode") else "") + ")",
-              f"- **Data**: {result['data']['source']} — {result['samples']} samples, "
-              f"{result['metrics'].get('tokens')} tokens",
-              f"- **Thresholds**: {result['thresholds_source']}", ""]
+    for label, text, code in header_rows(result):
+        value = " — ".join(x for x in (md_code(code) if code else "", md_escape(text)) if x)
+        lines.append(f"- **{label}**: {value}")
+    lines.append("")
     failed = [c for c in result["checks"] if c["status"] == "failed"]
     if failed:
         lines.append("**Failing metrics:** " + ", ".join(f"`{c['metric']}`" for c in failed))
@@ -75,11 +215,9 @@ def markdown(result: dict[str, Any], max_layers: int = 10) -> str:
         lines.append(f"| `{c['metric']}` | {_fmt(c['value'])} | {sym} {c['threshold']:g} | "
                      f"{icon[c['status']]} |")
     lines += ["", "<details><summary>All metrics</summary>", "",
-              "| metric | value |", "|---|---|"]
-    m = result["metrics"]
-    for k in METRIC_ORDER:
-        if k in m:
-            lines.append(f"| `{k}` | {_fmt(m[k])} |")
+              "| family | metric | value |", "|---|---|---|"]
+    for group, k, v in metric_rows(result["metrics"]):
+        lines.append(f"| {group} | {md_code(k)} | {_fmt(v)} |")
     lines += ["", "</details>", ""]
     layers = result.get("per_layer")
     if layers:
@@ -88,11 +226,24 @@ def markdown(result: dict[str, Any], max_layers: int = 10) -> str:
                   "| rank | module | SQNR dB | end-to-end SQNR dB | saturated |",
                   "|---|---|---|---|---|"]
         for r in layers[:max_layers]:
-            lines.append(f"| {r['rank']} | `{r['module']}` | {_fmt(r['sqnr_db'])} | "
-                         f"{_fmt(r['sqnr_e2e_db'])} | {r['saturated']:.2%} |")
+            lines.append(f"| {r['rank']} | {md_code(r['module'])} | {_db(r['sqnr_db'])} | "
+                         f"{_db(r['sqnr_e2e_db'])} | {r['saturated']:.2%} |")
+        lines.append("")
+    worst = (result.get("worst_samples") or [])[:max_samples]
+    if worst:
+        lines += [f"## Worst samples (largest mean KL; {len(worst)} shown)", "",
+                  "| sample | KL mean | KL max at token | text before → **token** | predictions |",
+                  "|---|---|---|---|---|"]
+        for s in worst:
+            context, token, pred = worst_sample_text(s)
+            shown = md_escape(context) + (f" → **{md_escape(token)}**" if token else "")
+            at = f"{_fmt(s.get('kl_max'))} at {s['position']}" if s.get("position") is not None \
+                else _fmt(s.get("kl_max"))
+            lines.append(f"| {s['index']} | {_fmt(s.get('kl_mean'))} | {at} | {shown} | "
+                         f"{md_escape(pred)} |")
         lines.append("")
     for note in result.get("notes", []):
-        lines.append(f"> {note}")
+        lines.append(f"> {md_escape(note)}")
     return "\n".join(lines).rstrip() + "\n"
 
 

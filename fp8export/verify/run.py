@@ -39,6 +39,8 @@ class VerifyResult:
     distributions: dict[str, list[float]] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)
     reports: dict[str, str] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)  # what was judged (provenance.py)
+    worst_samples: list[dict[str, Any]] = field(default_factory=list)  # with their text
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +97,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.data import load_verify_samples
     from fp8export.verify.metrics import Comparison, class_logits
+    from fp8export.verify.provenance import header
+    from fp8export.verify.report_samples import worst_samples
     from fp8export.verify.thresholds import evaluate, load_thresholds
 
     t0 = time.perf_counter()
@@ -159,6 +163,11 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         ref_desc, cand_desc = ref_runner.describe(), cand_runner.describe()
     for name, reason in (cand_desc.get("fallbacks") or {}).items():
         notes.append(f"{name}: ran in emulation, not torch._scaled_mm ({reason}).")
+    worst = worst_samples(compared["per_sample"], samples.input_ids,
+                          cfg.reference if cfg.reference.is_dir() else cfg.reference.parent,
+                          task, ref_cfg)
+    head = header(cfg, reference=ref_desc, candidate=cand_desc, kind=kind, data=data_info,
+                  backend=cand_runner.backend)
     checks = evaluate(compared["metrics"], thresholds)
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
@@ -171,6 +180,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),
                 "candidate_s": round(t_cand, 3),
                 "total_s": round(time.perf_counter() - t0, 3)},
+        header=head, worst_samples=worst,
     )
     if cfg.write_reports:
         from fp8export.verify.report import write_reports

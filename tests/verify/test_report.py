@@ -1,11 +1,19 @@
-"""Reports from a hand-made result: strict JSON with non-finite values, junit, markdown, html."""
+"""Reports from a hand-made result: strict JSON with non-finite values, junit, markdown, html;
+the header; worst samples shown as inert text whatever the data holds."""
 
+import hashlib
 import json
 import math
 import xml.etree.ElementTree as ET
 
-from fp8export.verify.report import markdown, report_dict, write_reports
+import pytest
+
+from fp8export.verify.report import header_rows, markdown, metric_rows, report_dict, write_reports
+from fp8export.verify.report_html import html_report
+from fp8export.verify.report_samples import display_text, worst_samples
 from fp8export.verify.thresholds import evaluate, load_thresholds
+
+EVIL = "</td></tr><script>alert(1)</script> ![pixel](http://evil.example/p.png) `x` | \u202edlrow"
 
 
 def _result():
@@ -29,6 +37,30 @@ def _result():
     }
 
 
+def _with_header(result):
+    result = dict(result)
+    result["header"] = {
+        "tool": {"name": "fp8export", "version": "9.9.9"},
+        "command": "fp8export verify ref cand --data 'my data.txt'",
+        "created": "2026-01-02T03:04:05+00:00",
+        "reference": {"path": "ref", "dtype": "bf16", "backend": "torch", "device": "cpu",
+                      "sha256": "a" * 64, "files": [{}, {}], "bytes": 2_000_000, "skipped": []},
+        "candidate": {"path": "cand", "kind": "fp8-folder", "mode": "emulate",
+                      "converted_from_reference": False, "source_mismatch": ["model.safetensors"],
+                      "sha256": "b" * 64, "files": [{}], "bytes": 10, "skipped": [".cache/"]},
+        "data": {"source": "x.txt", "samples": 1, "tokens": 3, "sha256": "c" * 64},
+        "backend": "torch-fp8", "device": "cuda:0", "device_name": "NVIDIA H100",
+        "dtype": {"reference": "bf16", "candidate": "bf16"},
+        "environment": {"python": "3.11.7", "torch": "2.13.0", "platform": "Linux"},
+    }
+    result["worst_samples"] = [{
+        "index": 0, "tokens": 3, "kl_mean": 0.5, "kl_max": 1.5, "position": 2,
+        "context": EVIL, "token": "<b>tok</b>", "next_token": "&amp;",
+        "reference_top1": " the", "reference_top1_p": 0.5, "candidate_top1": EVIL,
+        "candidate_top1_p": 0.25}]
+    return result
+
+
 def test_nonfinite_values_make_strict_json_and_fail(tmp_path):
     res = _result()
     statuses = {c["metric"]: c["status"] for c in res["checks"]}
@@ -44,7 +76,8 @@ def test_nonfinite_values_make_strict_json_and_fail(tmp_path):
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "2", "1")
     html = (tmp_path / "report.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<script" not in html
-    assert html.count("data:image/png;base64,") == 1  # per-layer only: no scatter/KL data
+    # per-layer only (no scatter/KL data); the -inf bar is not drawn but the e2e point is
+    assert html.count("<svg") == 1 and "data:image" not in html
 
 
 def test_markdown_names_failures_and_worst_layer():
@@ -55,15 +88,111 @@ def test_markdown_names_failures_and_worst_layer():
     assert "`a.b`" in md and "> a note" in md
 
 
-def test_html_without_matplotlib_still_renders(monkeypatch):
-    import fp8export._lazy as lazy
-    from fp8export.errors import Fp8ExportError
-    from fp8export.verify.report_html import html_report
+def test_header_in_every_format(tmp_path):
+    res = _with_header(_result())
+    rows = {label: (text, code) for label, text, code in header_rows(res)}
+    assert rows["Tool"][0] == "fp8export 9.9.9"
+    assert rows["Command"][1] == "fp8export verify ref cand --data 'my data.txt'"
+    assert rows["Date"][0] == "2026-01-02 03:04:05 UTC"
+    assert "sha256 aaaaaaaaaaaa (2 files, 2.0 MB)" in rows["Reference"][0]
+    assert "NOT converted from this reference" in rows["Candidate"][0]
+    assert "not read: .cache/" in rows["Candidate"][0]
+    assert rows["Data"] == ("1 samples, 3 tokens — sha256 cccccccccccc", "x.txt")
+    assert rows["Backend"][0].startswith("torch-fp8 on cuda:0 (NVIDIA H100)")
+    write_reports(res, tmp_path)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["header"]["reference"]["sha256"] == "a" * 64
+    md = (tmp_path / "report.md").read_text()
+    assert "- **Command**: `fp8export verify ref cand --data 'my data.txt'`" in md
+    html = (tmp_path / "report.html").read_text()
+    assert "<code>fp8export verify ref cand --data &#x27;my data.txt&#x27;</code>" in html
+    # an old result without a header still renders the basics
+    assert dict((label, code) for label, _, code in header_rows(_result()))["Reference"] == "ref"
 
-    def missing(name, purpose=None):
-        raise Fp8ExportError(f"Python package '{name}' is not installed (needed for {purpose})")
 
-    monkeypatch.setattr(lazy, "lazy_import", missing)
-    html = html_report(_result())
-    assert "No plots: Python package &#x27;matplotlib&#x27; is not installed" in html
-    assert "data:image/png" not in html
+def test_worst_sample_text_is_inert_in_html_and_markdown():
+    res = _with_header(_result())
+    html = html_report(res)
+    assert "<script" not in html and "<b>tok" not in html
+    assert "&lt;/td&gt;&lt;/tr&gt;&lt;script&gt;" in html and "<mark>&lt;b&gt;tok" in html
+    assert "&amp;amp;" in html  # an entity in the data is shown, not interpreted
+    md = markdown(res)
+    assert "<script" not in md and "![pixel]" not in md and "<b>" not in md
+    assert r"&lt;script&gt;alert(1)&lt;/script&gt; \!\[pixel\]" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 0 |"))
+    assert row.count(" | ") == 4  # the data's own "|" cannot add a column
+
+
+def test_display_text_makes_controls_visible_and_bounds_length():
+    s = display_text("a\nb\tc\u202ed\u200be\x07" + "x" * 500, 40)
+    assert s.startswith("a⏎b⇥c\\u202ed\\u200be\\u0007") and len(s) == 41 and s.endswith("…")
+    assert display_text("0123456789", 4, keep="end") == "…6789"
+
+
+def test_worst_samples_decode_the_text_around_the_divergence(repo_root):
+    tok_dir = repo_root / "samples" / "tiny-llama" / "model"
+    if not (tok_dir / "tokenizer.json").is_file():
+        pytest.skip("the sample tokenizer is not built")
+    from fp8export.calibration.data import _load_tokenizer
+
+    tok = _load_tokenizer(tok_dir, tok_dir)
+    text = "Once upon a time <script>alert(1)</script> the cat sat on the mat."
+    ids = tuple(tok(text)["input_ids"])
+    pos = len(tok("Once upon a time <script>")["input_ids"]) - 1
+    per_sample = [{"index": 0, "tokens": len(ids), "kl_mean": 0.001, "kl_max": 0.01,
+                   "kl_max_pos": 2, "reference_top1": ids[3], "candidate_top1": ids[3],
+                   "reference_top1_p": 0.9, "candidate_top1_p": 0.8},
+                  {"index": 1, "tokens": len(ids), "kl_mean": 0.5, "kl_max": 3.0,
+                   "kl_max_pos": pos, "reference_top1": ids[pos + 1],
+                   "candidate_top1": ids[pos + 2], "reference_top1_p": 0.7,
+                   "candidate_top1_p": 0.4}]
+    worst = worst_samples(per_sample, (ids, ids), tok_dir, "causal-lm", {}, n=1)
+    assert len(worst) == 1 and worst[0]["index"] == 1 and worst[0]["position"] == pos
+    w = worst[0]
+    assert (w["context"] + w["token"]).endswith("Once upon a time <script>")
+    assert w["next_token"] == w["reference_top1"] and w["candidate_top1"] != w["reference_top1"]
+    # no tokenizer: token ids, never an error
+    bare = worst_samples(per_sample, (ids, ids), repo_root / "tests", "causal-lm", {}, n=1)
+    assert bare[0]["token"] == f"[{ids[pos]}]"
+    # a classifier: the sample's start and class names
+    cls = worst_samples([{**per_sample[1], "kl_max_pos": 0, "reference_top1": 1,
+                          "candidate_top1": 0}], (ids, ids), tok_dir, "seq-cls",
+                        {"id2label": {"0": "neg", "1": "pos"}})
+    assert cls[0]["position"] is None and cls[0]["context"].startswith("<s>Once upon")
+    assert (cls[0]["reference_top1"], cls[0]["candidate_top1"]) == ("pos (1)", "neg (0)")
+
+
+def test_new_metrics_slot_in_under_other():
+    rows = metric_rows({"kl_mean": 0.1, "noise_floor_db": 55.0, "tokens": 3})
+    assert rows == [("Predictions", "kl_mean", 0.1), ("Counts", "tokens", 3),
+                    ("Other", "noise_floor_db", 55.0)]
+
+
+def test_content_hash_is_the_sha256sum_listing(tmp_path):
+    from fp8export.verify.provenance import content_hash, converted_from
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "b.json").write_text("{}")
+    (d / "a.safetensors").write_bytes(b"\0" * 1000)
+    (d / ".hidden").write_text("x")
+    (d / "sub").mkdir()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    (d / "link.bin").symlink_to(outside)
+    h = content_hash(d)
+    listing = "".join(f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {n}\n"
+                      for n in ("a.safetensors", "b.json"))
+    assert h["sha256"] == hashlib.sha256(listing.encode()).hexdigest()
+    assert [f["name"] for f in h["files"]] == ["a.safetensors", "b.json"] and h["bytes"] == 1002
+    assert sorted(h["skipped"]) == [".hidden", "link.bin", "sub/"]
+    single = content_hash(d / "b.json")
+    assert single["sha256"] == hashlib.sha256(b"{}").hexdigest() and single["skipped"] == []
+    # the FP8 folder's manifest names its source files with their sha256
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    (fp8 / "fp8export.json").write_text(json.dumps({"source": {"files": h["files"]}}))
+    assert converted_from(fp8, h["files"]) == (True, [])
+    (d / "b.json").write_text("{\"changed\": 1}")
+    assert converted_from(fp8, content_hash(d)["files"]) == (False, ["b.json"])
+    assert converted_from(d, h["files"]) == (None, [])

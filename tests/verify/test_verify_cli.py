@@ -24,9 +24,18 @@ def test_healthy_fp8_folder_passes_default(run_cli, tiny_llama, tiny_fp8, eval_n
     assert rep["metrics"]["kl_mean"] < 0.005 and rep["metrics"]["top1_agreement"] > 0.95
     suite = ET.parse(rd / "junit.xml").getroot().find("testsuite")
     assert int(suite.get("tests")) == len(rep["thresholds"]) and suite.get("failures") == "0"
-    assert '<img alt=' in (rd / "report.html").read_text()
-    assert 'src="data:image/png;base64,' in (rd / "report.html").read_text()
+    html = (rd / "report.html").read_text()
+    assert html.count("<svg") == 2 and "<img" not in html  # KL histogram, logits; no layers
     assert "PASSED" in (rd / "report.md").read_text()
+    # the header says what was judged
+    head = rep["header"]
+    assert head["command"] == (f"fp8export verify {tiny_llama} {tiny_fp8} --data {eval_npz} "
+                               f"--report-dir {rd}")
+    assert head["tool"]["version"] and head["created"].endswith("+00:00")
+    assert head["candidate"]["converted_from_reference"] is True
+    assert len(head["reference"]["sha256"]) == 64 and head["data"]["sha256"]
+    assert head["data"]["samples"] == 16 and head["backend"] == "torch-fp8"
+    assert head["reference"]["sha256"][:12] in html and head["command"] in html
 
 
 def test_damaged_candidate_fails_with_exit_3_and_is_blamed(run_cli, tiny_llama, damaged_fp8,
@@ -47,7 +56,14 @@ def test_damaged_candidate_fails_with_exit_3_and_is_blamed(run_cli, tiny_llama, 
     failed_cases = [c.get("name") for c in junit.iter("testcase") if c.find("failure") is not None]
     assert any(n.startswith("kl_mean") for n in failed_cases)
     html = (rd / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3  # per-layer, scatter, KL histogram
+    assert html.count("<svg") == 3  # per-layer, KL histogram, logits
+    # worst samples: where the largest divergence sits, and both models' predictions there
+    worst = rep["worst_samples"]
+    assert len(worst) == 10 and worst[0]["kl_mean"] >= worst[-1]["kl_mean"]
+    assert 0 <= worst[0]["position"] < worst[0]["tokens"] and worst[0]["token"].startswith("[")
+    per = {s["index"]: s for s in rep["per_sample"]}[worst[0]["index"]]
+    assert per["kl_max"] == worst[0]["kl_max"] and per["kl_max_pos"] == worst[0]["position"]
+    assert "Worst samples" in html and "Worst samples" in md
 
 
 def test_library_result_is_json_serialisable(tiny_llama, tiny_fp8, tmp_path):
