@@ -10,7 +10,7 @@ S=samples/tiny-llama
 OUT=${DEMO_OUT:-demo-out}
 mkdir -p "$OUT"
 set -x
-$FP8 inspect "$S/model" --plot "$OUT/scales.png" | tail -n 12
+$FP8 inspect "$S/model" --plot "$OUT/scales.svg" --force | tail -n 12
 $FP8 convert "$S/model" -o "$OUT/tiny-llama-fp8" --scales calibrate \
   --calib-data "$S/data/calib.txt" --calib-method max --force
 $FP8 inspect "$OUT/tiny-llama-fp8" | tail -n 8

@@ -67,19 +67,35 @@ def _run(args: list[str]) -> str:
     return proc.stdout
 
 
-def _page(path: Path) -> Path:
-    """An HTML page showing ``path`` (an SVG is wrapped), with the measuring script."""
+# Appended for a picture of part of a page: keeps the body's children from the element with
+# id START up to (not including) the one with id STOP.
+_PART = """<script>
+(() => { const a = document.getElementById(%s), b = document.getElementById(%s);
+         while (a && a.previousElementSibling) a.previousElementSibling.remove();
+         while (b && b.nextElementSibling) b.nextElementSibling.remove();
+         if (b) b.remove(); })();
+</script>"""
+
+
+def _page(path: Path, start: str | None = None, stop: str | None = None,
+          measuring: bool = True) -> Path:
+    """A copy of ``path`` (an SVG is wrapped in HTML), cut to the part from the element with
+    id ``start`` to the one with id ``stop``, with the measuring script."""
     text = Path(path).read_text(encoding="utf-8")
     if Path(path).suffix.lower() == ".svg":
         text = f"<!DOCTYPE html><html><body style='margin:0'>{text}</body></html>"
+    script = ((_PART % (json.dumps(start), json.dumps(stop)) if start or stop else "")
+              + (_MEASURE if measuring else ""))
     tmp = Path(tempfile.mkdtemp(prefix="fp8export-page-")) / "page.html"
-    tmp.write_text(text.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    tmp.write_text(text.replace("</body>", script + "</body>"), encoding="utf-8")
     return tmp
 
 
-def measure(path: Path, width: int = 1200) -> dict:
-    """Lay ``path`` (HTML or SVG) out at ``width`` px and return the measurements."""
-    page = _page(path)
+def measure(path: Path, width: int = 1200, start: str | None = None,
+            stop: str | None = None) -> dict:
+    """Lay ``path`` (HTML or SVG; ``start``/``stop``: see ``_page``) out at ``width`` px and
+    return the measurements."""
+    page = _page(path, start, stop)
     try:
         dom = _run([f"--window-size={width},1000", "--virtual-time-budget=5000", "--dump-dom",
                     page.as_uri()])
@@ -93,12 +109,17 @@ def measure(path: Path, width: int = 1200) -> dict:
     return json.loads(html.unescape(m.group(1)))
 
 
-def screenshot(path: Path, png: Path, width: int = 1200, height: int | None = None) -> None:
-    """A PNG of ``path`` (HTML or SVG) ``width`` px wide; the full page unless ``height``."""
-    if height is None:
-        height = int(measure(path, width)["height"]) + 8
-    _run([f"--window-size={width},{height}", f"--screenshot={Path(png).resolve()}",
-          Path(path).resolve().as_uri()])
+def screenshot(path: Path, png: Path, width: int = 1200, start: str | None = None,
+               stop: str | None = None) -> None:
+    """A PNG of ``path`` (HTML or SVG) ``width`` px wide: the whole page, or the part from the
+    element with id ``start`` up to the one with id ``stop``."""
+    height = int(measure(path, width, start, stop)["height"])
+    page = _page(path, start, stop, measuring=False)
+    try:
+        _run([f"--window-size={width},{height}", f"--screenshot={Path(png).resolve()}",
+              "--virtual-time-budget=5000", page.as_uri()])
+    finally:
+        shutil.rmtree(page.parent, ignore_errors=True)
 
 
 def _overlap(a: list[float], b: list[float], tol: float) -> bool:

@@ -24,6 +24,7 @@ table.header td{border:none;padding:2px 0;overflow-wrap:anywhere}
 figure{margin:1em 0}figure svg{max-width:100%;height:auto;border:1px solid #eee}
 td.text{max-width:34em;overflow-wrap:anywhere;font-family:ui-monospace,monospace;font-size:13px}
 mark{background:#ffd54f;padding:0 1px}.muted{color:#666}
+code span.w{white-space:nowrap}
 """
 
 
@@ -31,10 +32,18 @@ def _e(s: Any) -> str:
     return html.escape(str(s), quote=True)
 
 
+def _code(text: str) -> str:
+    """Monospace text that wraps between words (a command never breaks inside "--x"); only a
+    word too long for a line (a deep path) breaks anywhere."""
+    words = " ".join(f"<span class='w'>{_e(w)}</span>" if len(w) <= 40 else _e(w)
+                     for w in str(text).split(" "))
+    return f"<code>{words}</code>"
+
+
 def _header(result: dict[str, Any]) -> list[str]:
     parts = ["<table class='header'>"]
     for label, text, code in header_rows(result):
-        value = " — ".join(x for x in (f"<code>{_e(code)}</code>" if code else "",
+        value = " — ".join(x for x in (_code(code) if code else "",
                                        _e(text) if text else "") if x)
         parts.append(f"<tr><th>{_e(label)}</th><td>{value}</td></tr>")
     parts.append("</table>")
@@ -42,7 +51,7 @@ def _header(result: dict[str, Any]) -> list[str]:
 
 
 def _checks(result: dict[str, Any]) -> list[str]:
-    parts = ["<h2>Threshold checks</h2><table><tr><th>metric</th><th>value</th>"
+    parts = ["<h2 id='checks'>Threshold checks</h2><table><tr><th>metric</th><th>value</th>"
              "<th>threshold</th><th>result</th></tr>"]
     cls = {"passed": "pass", "failed": "fail", "skipped": "na"}
     for c in result["checks"]:
@@ -62,7 +71,7 @@ def _figures(result: dict[str, Any]) -> list[str]:
     parts = []
     for i, fig in enumerate(figures(result)):
         svg = to_svg(fig, f"fig{i}", title=False)
-        parts.append(f"<h2>{_e(fig.title)}</h2><figure>{svg}</figure>")
+        parts.append(f"<h2 id='figure-{i + 1}'>{_e(fig.title)}</h2><figure>{svg}</figure>")
     return parts
 
 
@@ -70,7 +79,7 @@ def _layers(result: dict[str, Any], max_layers: int) -> list[str]:
     layers = result.get("per_layer") or []
     if not layers:
         return []
-    parts = [f"<h2>Layers ranked worst first ({len(layers)} quantized"
+    parts = [f"<h2 id='layers'>Layers ranked worst first ({len(layers)} quantized"
              f"{f', {max_layers} shown' if len(layers) > max_layers else ''})</h2><table><tr>"
              "<th>rank</th><th>module</th><th>isolated SQNR dB</th><th>end-to-end SQNR dB</th>"
              "<th>saturated</th><th>weight SQNR dB</th></tr>"]
@@ -89,7 +98,7 @@ def _worst_samples(result: dict[str, Any]) -> list[str]:
     if not worst:
         return []
     token_level = any(s.get("position") is not None for s in worst)
-    parts = [f"<h2>Worst samples ({len(worst)} with the largest mean KL)</h2>",
+    parts = [f"<h2 id='worst-samples'>Worst samples ({len(worst)} with the largest mean KL)</h2>",
              "<p class='muted'>"
              + ("Text before the position where the candidate diverged most, that token "
                 "<mark>highlighted</mark>, and what each model predicted next there (with its "
@@ -112,7 +121,8 @@ def _worst_samples(result: dict[str, Any]) -> list[str]:
 
 
 def _metrics(result: dict[str, Any]) -> list[str]:
-    parts = ["<h2>All metrics</h2><table><tr><th>family</th><th>metric</th><th>value</th></tr>"]
+    parts = ["<h2 id='metrics'>All metrics</h2>"
+             "<table><tr><th>family</th><th>metric</th><th>value</th></tr>"]
     for group, k, v in metric_rows(result["metrics"]):
         parts.append(f"<tr><td>{_e(group)}</td><td><code>{_e(k)}</code></td>"
                      f"<td class='num'>{_e(_fmt(v))}</td></tr>")
