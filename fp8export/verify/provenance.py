@@ -135,6 +135,7 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
                       **cand_hash},
         "data": data_entry,
         "backend": backend,
+        "runtime": candidate.get("fp8_path"),  # which FP8 GEMM path ran (torch FP8 runner)
         "device": str(device) if device else None,
         "device_name": _device_name(device),
         "dtype": {"reference": reference.get("dtype"), "candidate": candidate.get("dtype")},

@@ -146,7 +146,8 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
     if h.get("device"):
         dev = h["device"] + (f" ({h['device_name']})" if h.get("device_name") else "")
         dtypes = h.get("dtype") or {}
-        rows.append(("Backend", f"{h.get('backend')} on {dev}; reference "
+        runtime = f" ({h['runtime']})" if h.get("runtime") else ""
+        rows.append(("Backend", f"{h.get('backend')} on {dev}{runtime}; reference "
                                 f"{dtypes.get('reference')}, candidate activations "
                                 f"{dtypes.get('candidate') or 'as exported'}", None))
     rows.append(("Thresholds", str(result.get("thresholds_source")), None))
