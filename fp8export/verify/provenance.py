@@ -24,6 +24,8 @@ from typing import Any
 from fp8export import __version__
 from fp8export.checkpoint.manifest import MANIFEST_NAME, file_sha256
 
+HASH_NOTICE_BYTES = 2 * 10**9
+
 
 def content_hash(path: Path) -> dict[str, Any]:
     """``{"sha256", "files": [{name, sha256, bytes}], "bytes", "skipped"}`` of a file or folder."""
@@ -110,6 +112,13 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         data: ``data_info`` of :func:`fp8export.verify.data.load_verify_samples`.
         backend: the candidate runner's backend name.
     """
+    size = sum(p.stat().st_size for root in (Path(cfg.reference), Path(cfg.candidate))
+               for p in ([*root.iterdir()] if root.is_dir() else [root])
+               if p.is_file() and not p.is_symlink())
+    if size > HASH_NOTICE_BYTES:  # minutes on a large model: say why it is busy
+        from fp8export._progress import info
+
+        info(f"hashing the reference and the candidate for the report ({size / 1e9:.1f} GB)")
     ref_hash = content_hash(cfg.reference)
     cand_hash = content_hash(cfg.candidate)
     matches, differ = (converted_from(cfg.candidate, ref_hash["files"]) if kind == "fp8-folder"
