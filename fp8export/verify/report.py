@@ -160,7 +160,11 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 
 
 def worst_sample_text(s: dict[str, Any]) -> tuple[str, str | None, str]:
-    """``(context, token, predictions)`` of a worst-sample entry (already display-safe text)."""
+    """``(context, token, predictions)`` of a worst-sample entry, display-safe whoever wrote it
+    (controls and bidi characters visible, lengths bounded); still to be escaped per format."""
+    from fp8export.verify.report_samples import display_text
+
+    s = {k: display_text(v, 400) if isinstance(v, str) else v for k, v in s.items()}
     if s.get("position") is not None:
         nxt = f"; actual next: “{s['next_token']}”" if s.get("next_token") is not None else ""
         pred = (f"reference “{s['reference_top1']}” ({_pct(s.get('reference_top1_p'))}), "
@@ -233,11 +237,12 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     worst = (result.get("worst_samples") or [])[:max_samples]
     if worst:
         lines += [f"## Worst samples (largest mean KL; {len(worst)} shown)", "",
-                  "| sample | KL mean | KL max at token | text before → **token** | predictions |",
+                  "| sample | KL mean | KL max at token | text → <b>token</b> | predictions |",
                   "|---|---|---|---|---|"]
         for s in worst:
             context, token, pred = worst_sample_text(s)
-            shown = md_escape(context) + (f" → **{md_escape(token)}**" if token else "")
+            # <b>, not **: emphasis markers do not work around a token's leading space
+            shown = md_escape(context) + (f" → <b>{md_escape(token)}</b>" if token else "")
             at = f"{_fmt(s.get('kl_max'))} at {s['position']}" if s.get("position") is not None \
                 else _fmt(s.get("kl_max"))
             lines.append(f"| {s['index']} | {_fmt(s.get('kl_mean'))} | {at} | {shown} | "

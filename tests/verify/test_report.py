@@ -120,7 +120,9 @@ def test_worst_sample_text_is_inert_in_html_and_markdown():
     assert "&lt;/td&gt;&lt;/tr&gt;&lt;script&gt;" in html and "<mark>&lt;b&gt;tok" in html
     assert "&amp;amp;" in html  # an entity in the data is shown, not interpreted
     md = markdown(res)
-    assert "<script" not in md and "![pixel]" not in md and "<b>" not in md
+    assert "<script" not in md and "![pixel]" not in md and "<b>tok</b>" not in md
+    assert "\u202e" not in md and "\u202e" not in html  # shown as the escape, never applied
+    assert "→ <b>&lt;b&gt;tok&lt;/b&gt;</b>" in md
     assert r"&lt;script&gt;alert(1)&lt;/script&gt; \!\[pixel\]" in md
     row = next(line for line in md.splitlines() if line.startswith("| 0 |"))
     assert row.count(" | ") == 4  # the data's own "|" cannot add a column
