@@ -13,6 +13,15 @@ always the member's own ``x·W``. The slices keep their module names, so per-lay
 
 The fused weight is one buffer of the group (registered on the parent as ``fused_<tag>``); the
 members hold no copies, and ``model.to()`` moves it once.
+
+The members' outputs are column slices of the group's ``[M, N]`` result: strided views. Under
+``torch.compile`` that costs nothing (Inductor's kernels read any strides), but in eager the
+consumers' elementwise kernels (SiLU and the product of gate and up) take PyTorch's
+non-vectorized path on strided inputs: on an H100 that cost 0.8 ms per 2048 tokens of a 1.1 B
+Llama (``bench/results/gpu_fp8.md``), more than the fused GEMM saves once the forward is bound by
+device time rather than launches. So from ``SPLIT_M`` rows an eager group quantizes its input
+once and runs one GEMM per member on the member's rows of the fused weight, each into a
+contiguous output; below that (launch-bound), one GEMM.
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8export.runners.fp8_linear import Fp8Linear
+from fp8export.runners.fp8_gemm import quantized_matmul
+from fp8export.runners.fp8_linear import Fp8Linear, dynamic_scale
+from fp8export.runners.fp8_quant import quantize_input
+
+SPLIT_M = 4096
+"""Rows from which an eager group runs one GEMM per member (see the module docstring)."""
 
 
 class Fp8FusedLinear(Fp8Linear):
@@ -37,24 +51,58 @@ class Fp8FusedLinear(Fp8Linear):
                          first.input_scale, bias, mode=first.mode, out_dtype=first.out_dtype)
         self.splits = [m.out_features for m in members]
         self.member_names = list(names)
-        self._pending = None  # (x, outputs, members still to collect)
+        self.__dict__["_slot"] = _Pending()
+
+    @property
+    def _pending(self) -> tuple | None:
+        """(x, member outputs, bit mask of the members still to collect), or None."""
+        return self._slot.value
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, splits={self.splits}"
 
     def output_for(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output ``x·W_index``: from the pending group result, else fresh."""
-        pending = self._pending
-        if pending is not None and pending[0] is x and pending[2][index]:
-            pending[2][index] = False
-            if not any(pending[2]):
-                self._pending = None
+        slot = self._slot
+        pending = slot.value
+        if pending is not None and pending[0] is x and pending[2] >> index & 1:
+            left = pending[2] & ~(1 << index)
+            slot.value = (x, pending[1], left) if left else None
             return pending[1][index]
-        outputs = self(x).split(self.splits, dim=-1)
-        left = [True] * len(self.splits)
-        left[index] = False
-        self._pending = (x, outputs, left)
+        if self._fast is not None and x.is_cuda and x.numel() >= SPLIT_M * self.in_features \
+                and not torch.compiler.is_compiling():
+            outputs = self.member_outputs(x)
+        else:  # forward, not __call__: hooks belong on the members; once per group
+            outputs = self.forward(x).split(self.splits, dim=-1)
+        slot.value = (x, outputs, ((1 << len(outputs)) - 1) & ~(1 << index))
         return outputs[index]
+
+    def member_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every member's output in a tensor of its own: one input quantize for the group, then
+        one GEMM per member on its rows of the fused weight (views: no copies)."""
+        w, wt, w_scale, s_in, bias = self._fast
+        x2 = x.reshape(-1, self.in_features)
+        if s_in is None:
+            s_in = dynamic_scale(x2)
+        a = quantize_input(x2, s_in)
+        outputs, start = [], 0
+        for n in self.splits:
+            b = None if bias is None else bias[start:start + n]
+            y = quantized_matmul(a, wt[:, start:start + n], s_in, w_scale, b, self.out_dtype)
+            outputs.append(y.view(*x.shape[:-1], n))
+            start += n
+        return tuple(outputs)
+
+
+class _Pending:
+    """A group's result waiting for the members that have not taken their slice yet.
+
+    A plain object, not module state: storing into it is one attribute store, where a module
+    attribute goes through ``nn.Module.__setattr__`` (twice per group per eager forward), and
+    ``torch.compile`` replays the last store after every call of a compiled graph.
+    """
+
+    value: tuple | None = None
 
 
 class Fp8LinearSlice(Fp8Linear):

@@ -49,12 +49,21 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
             and not torch.cuda.is_current_stream_capturing()):
         return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
     a = quantize_input(x, input_scale)
-    wt = weight.t() if weight_t is None else weight_t
+    return quantized_matmul(a, weight.t() if weight_t is None else weight_t, input_scale,
+                            weight_scale, bias, out_dtype)
+
+
+def quantized_matmul(a: torch.Tensor, weight_t: torch.Tensor, input_scale: torch.Tensor,
+                     weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` of an already quantized ``[M, K]`` E4M3 activation and
+    ``weight_t`` (``weight.t()``, a view ``[K, N]``; a view of some of the weight's rows works)."""
     if bias is not None and bias.dtype == out_dtype == torch.bfloat16:
         # bias in the epilogue: added to the fp32 result before the one rounding, as emulated
-        return torch._scaled_mm(a, wt, scale_a=input_scale, scale_b=weight_scale, bias=bias,
-                                out_dtype=out_dtype)
-    y = torch._scaled_mm(a, wt, scale_a=input_scale, scale_b=weight_scale, out_dtype=out_dtype)
+        return torch._scaled_mm(a, weight_t, scale_a=input_scale, scale_b=weight_scale,
+                                bias=bias, out_dtype=out_dtype)
+    y = torch._scaled_mm(a, weight_t, scale_a=input_scale, scale_b=weight_scale,
+                         out_dtype=out_dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -130,7 +139,7 @@ def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Ten
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    out = x.new_empty((m, n), dtype=out_dtype)
     if m == 0:
         return out
     if config is None:

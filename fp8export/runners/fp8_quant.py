@@ -72,31 +72,32 @@ class Launcher:
     def __init__(self, kernel, out_arg: int):
         self.kernel = kernel
         self.out_arg = out_arg
-        self.compiled: dict = {}
+        self.compiled: dict = {}  # key -> launch(grid, args)
         self.direct = os.environ.get("FP8EXPORT_DIRECT_LAUNCH", "1") != "0"
         self.error: str | None = None  # why the direct path was given up, for benchmarks
 
-    @staticmethod
-    def key(args, constexprs: dict, options: dict) -> tuple:
-        parts = []
+    def key(self, args, constexprs: dict, options: dict) -> tuple:
+        parts = [args[self.out_arg].get_device()]
         for a in args:
             if isinstance(a, torch.Tensor):
-                parts.append((a.dtype, a.data_ptr() % 16 == 0))
+                parts += (a.dtype, a.data_ptr() & 15 == 0)
             elif isinstance(a, int):
-                parts.append((a == 1, a % 16 == 0, a >= 2**31))
+                parts += (a == 1, a & 15 == 0, a >= 2**31)
             else:
                 parts.append(a)
-        return (*parts, *constexprs.values(), *options.values())
+        parts += constexprs.values()
+        parts += options.values()
+        return tuple(parts)
 
     def __call__(self, grid, args, constexprs: dict, options: dict | None = None) -> None:
         options = options or {}
         if not self.direct:
             self.kernel[grid](*args, **constexprs, **options)
             return
-        key = (torch.cuda.current_device(), *self.key(args, constexprs, options))
+        key = self.key(args, constexprs, options)
         entry = self.compiled.get(key)
         if entry is not None:
-            entry[0][(*grid, 1, 1)[:3]](*args, *entry[1])
+            entry(grid, args)
             return
         self.kernel[grid](*args, **constexprs, **options)
         if not torch.cuda.is_current_stream_capturing():  # the check syncs: not in a capture
@@ -110,22 +111,30 @@ class Launcher:
         except Exception as exc:  # a Triton API difference: keep the JIT path, which is correct
             self.direct, self.error = False, f"warmup: {type(exc).__name__}: {exc}"[:300]
             return
-        # Triton versions differ in whether the compiled entry takes the constexprs too
         errors = []
-        for extra in (tuple(constexprs.values()), ()):
+        for launch in _entries(compiled, tuple(constexprs.values())):
             try:
                 out.view(torch.uint8).fill_(0x7F)  # poison: NaN in E4M3, huge in bf16
-                compiled[(*grid, 1, 1)[:3]](*args, *extra)
+                launch(grid, args)
                 same = torch.equal(want.view(torch.uint8), out.view(torch.uint8))
                 errors.append("output differs")
             except Exception as exc:
                 same = False
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
             if same:
-                self.compiled[key] = (compiled, extra)
+                self.compiled[key] = launch
                 return
         out.copy_(want)
         self.direct, self.error = False, "; ".join(errors)
+
+
+def _entries(compiled, constexprs: tuple):
+    """Direct launches of a compiled Triton kernel to try: versions differ in whether its
+    ``[grid]`` entry takes the constexprs too."""
+    for extra in (constexprs, ()):
+        def launch(grid, args, extra=extra):
+            compiled[(*grid, 1, 1)[:3]](*args, *extra)
+        yield launch
 
 
 @functools.cache
@@ -142,7 +151,7 @@ def quantize_input(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return quantize_eager(x, scale)
     if not x.is_contiguous():
         x = x.contiguous()
-    out = torch.empty(x.shape, device=x.device, dtype=E4M3_DTYPE)
+    out = torch.empty_like(x, dtype=E4M3_DTYPE)  # x is contiguous: same layout
     n = x.numel()
     if n:
         _launcher()((triton_cdiv(n, _BLOCK),), (x, scale, out, n), {"BLOCK": _BLOCK})

@@ -81,6 +81,20 @@ def test_a_member_called_with_another_input_recomputes():
     torch.testing.assert_close(again, members[1](y), rtol=1e-6, atol=1e-6)
 
 
+def test_the_hand_off_sets_no_module_attribute(monkeypatch):
+    """The pending result lives in a plain object: nn.Module.__setattr__ costs eager host time
+    per forward, and torch.compile would replay the store after every call of the graph."""
+    parent = _Parent(_members())
+    fuse_projections(parent, {"qkv": ["q", "k", "v"]})
+    stored = []
+    plain = Fp8FusedLinear.__setattr__
+    monkeypatch.setattr(Fp8FusedLinear, "__setattr__",
+                        lambda self, name, value: (stored.append(name), plain(self, name, value)))
+    x = torch.randn(2, 32)
+    parent.q(x), parent.k(x), parent.v(x)
+    assert stored == [] and parent.fused_qkv._pending is None
+
+
 def test_members_that_do_not_share_scales_stay_separate():
     members = _members()
     other = _members(seed=1)
@@ -159,7 +173,7 @@ def _needs_fp8_gpu():
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 300])  # small-M Triton kernel and _scaled_mm
 def test_gpu_paths_are_bit_identical_to_emulation(rows, monkeypatch):
     _needs_fp8_gpu()
-    from fp8export.runners import fp8_gemm
+    from fp8export.runners import fp8_fused, fp8_gemm
 
     members = [m.cuda() for m in _integer_members()]
     x = (torch.randint(-6, 7, (rows, 256)).float() * 0.5).to("cuda", torch.bfloat16)
@@ -175,6 +189,11 @@ def test_gpu_paths_are_bit_identical_to_emulation(rows, monkeypatch):
     monkeypatch.setattr(fp8_gemm, "EAGER_M", 0)
     for got, w in zip((parent.q(x), parent.k(x), parent.v(x)), want):
         assert torch.equal(got, w)
+    monkeypatch.undo()
+    # from SPLIT_M rows: one shared quantize, one GEMM per member, contiguous outputs
+    monkeypatch.setattr(fp8_fused, "SPLIT_M", 1)
+    for got, w in zip((parent.q(x), parent.k(x), parent.v(x)), want):
+        assert got.is_contiguous() and torch.equal(got, w)
     monkeypatch.undo()
     # inside CUDA graph capture the GEMM is always _scaled_mm: same bits after replay
     graph = torch.cuda.CUDAGraph()

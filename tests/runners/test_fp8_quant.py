@@ -54,3 +54,12 @@ def test_runtime_launch_skips_the_jit_and_stays_bit_identical():
         assert torch.equal(quantize_input(x, s).view(torch.uint8),
                            quantize_e4m3(x, s).view(torch.uint8))
     assert _launcher().direct and _launcher().compiled, "fell back to the JIT launch path"
+    # inside a CUDA graph the direct launch goes to the capturing stream: same bits on replay
+    x = torch.randn(35, 512, device="cuda", dtype=torch.bfloat16) * 4
+    quantize_input(x, s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = quantize_input(x, s)
+    x.mul_(-0.5)
+    graph.replay()
+    assert torch.equal(captured.view(torch.uint8), quantize_e4m3(x, s).view(torch.uint8))
