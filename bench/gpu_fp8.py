@@ -144,7 +144,8 @@ def graph_ms(fn, reps: int = 20, min_time: float = 0.2) -> float:
 
 
 def log_row(row: dict) -> None:
-    print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    print("  " + "  ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("_profile")),
+          flush=True)
 
 
 def save(args) -> None:
@@ -174,6 +175,18 @@ def bench_overhead(args) -> list[dict]:
         return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=f8.weight_scale,
                                 out_dtype=torch.bfloat16)
 
+    # one layer's q/k/v at 512 rows: where eager prefill of 512-2048 tokens spends host time
+    m, kv = 512, k // args.heads * args.kv_heads
+    xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    lins = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            for n in (k, kv, kv)]
+    group = torch.nn.Module()
+    group.q, group.k, group.v = (Fp8Linear(quantize_e4m3(lin.weight, 0.001), 0.001, 0.01,
+                                           mode="scaled_mm").cuda() for lin in lins)
+    fuse_projections(group, {"qkv": ["q", "k", "v"]})
+    w_qkv, w_cat = group.fused_qkv.weight, torch.cat([lin.weight for lin in lins])
+    xq_m = fp8_quant.quantize_input(xm, s)
+
     cases = {
         "torch.empty": lambda: torch.empty(x.shape, device="cuda", dtype=torch.bfloat16),
         "nn.Linear bf16": lambda: lin(x),
@@ -186,6 +199,13 @@ def bench_overhead(args) -> list[dict]:
         "small-M Triton GEMM": lambda: fp8_gemm.small_m_matmul(
             x, wq, s, f8.weight_scale, None, torch.bfloat16),
         "Fp8Linear forward (M=1)": lambda: f8(x),
+        "F.linear bf16, 512x2048 @ 2048x3072": lambda: torch.nn.functional.linear(xm, w_cat),
+        "quantize_input, 512x2048": lambda: fp8_quant.quantize_input(xm, s),
+        "_scaled_mm alone, 512x2048 @ 2048x3072": lambda: torch._scaled_mm(
+            xq_m, w_qkv.t(), scale_a=s, scale_b=s, out_dtype=torch.bfloat16),
+        "q, k, v: 3 nn.Linear bf16 (512 rows)": lambda: [lin(xm) for lin in lins],
+        "q, k, v: FP8 fused group, 3 slice calls (512 rows)": lambda: (
+            group.q(xm), group.k(xm), group.v(xm)),
     }
     rows = []
     for name, fn in cases.items():
@@ -206,42 +226,86 @@ def bench_overhead(args) -> list[dict]:
     return rows
 
 
-def bench_profile(models: dict, args) -> dict:
-    """Where eager host time goes at 1x128: cProfile's top functions, and launches per forward."""
-    import cProfile
-    import io
-    import pstats
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMemcpyAsync")
 
+
+def kernel_category(name: str) -> str:
+    """Coarse class of a CUDA kernel name, for the profile tables."""
+    low = name.lower()
+    if low.startswith("triton"):  # Inductor's names list every op fused in, attention's too
+        return "Inductor (Triton)"
+    if any(k in low for k in ("flash", "fmha", "attention", "sdpa")):
+        return "attention"
+    if "_fp8_gemm_small_m" in low:
+        return "gemm (Triton FP8)"
+    if any(k in low for k in ("gemm", "nvjet", "xmma", "cutlass", "splitk", "cublas")):
+        return "gemm (cuBLAS)"
+    if "_quant_e4m3" in low:
+        return "quantize (Triton)"
+    if "memcpy" in low or "memset" in low:
+        return "memcpy/memset"
+    return "aten other"
+
+
+def profile_calls(fn, reps: int, top: int = 12) -> dict:
+    """``reps`` calls of ``fn`` under torch.profiler: device time per call by kernel class, the
+    top kernels, launches and host-blocking CUDA calls per call (device times in us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids = torch.randint(0, args.vocab, (1, 128), device="cuda")
-    report = {}
-    for label, model in models.items():
-        with torch.no_grad():
-            for _ in range(3):
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            host_ms = (time.perf_counter() - t0) / 10 * 1e3
-            torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(5):
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            prof.disable()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as tp:
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-                torch.cuda.synchronize()
-        kernels = sum(e.count for e in tp.key_averages() if e.device_type.name == "CUDA")
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
-        report[label] = {"host_ms_per_forward": round(host_ms, 3), "cuda_kernels": kernels}
-        print(f"-- {label}: host {host_ms:.2f} ms/forward, {kernels} kernels/forward", flush=True)
-        print("\n".join(text.getvalue().splitlines()[6:34]), flush=True)
-    return report
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels, syncs, graph_launches = {}, {}, 0
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.key, [0, 0.0])
+            k[0] += e.count
+            k[1] += e.self_device_time_total
+        elif e.key in SYNC_CALLS:
+            syncs[e.key] = round(e.count / reps, 2)
+        elif e.key == "cudaGraphLaunch":
+            graph_launches = e.count / reps
+    by_class: dict[str, float] = {}
+    for name, (_, us) in kernels.items():
+        cat = kernel_category(name)
+        by_class[cat] = by_class.get(cat, 0.0) + us / reps
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {
+        "device_us": round(sum(us for _, us in kernels.values()) / reps, 1),
+        "kernels": round(sum(n for n, _ in kernels.values()) / reps, 1),
+        "by_class_us": {k: round(v, 1) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top": [{"kernel": name[:110], "class": kernel_category(name), "per_call": n / reps,
+                 "us": round(us / reps, 1)} for name, (n, us) in rows[:top]],
+        "host_blocking_calls": syncs, "graph_launches": graph_launches,
+    }
+
+
+def host_and_wall_ms(fn, reps: int) -> tuple[float, float]:
+    """(host ms per call to enqueue, wall ms per call until the device is done), ``reps`` calls
+    back to back. Host ~ wall with the device mostly idle means the host is the bound."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return round((t1 - t0) / reps * 1e3, 3), round((t2 - t0) / reps * 1e3, 3)
+
+
+def reset_dynamo() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def dynamo_stats() -> dict:
+    """Graph breaks and graphs compiled since the last ``torch._dynamo.reset()``."""
+    c = torch._dynamo.utils.counters
+    return {"graph_breaks": sum(c["graph_break"].values()),
+            "unique_graphs": c["stats"].get("unique_graphs", 0)}
 
 
 def gemm_shapes(args):
@@ -350,41 +414,42 @@ class WithEagerM(torch.nn.Module):
             fp8_gemm.EAGER_M = saved
 
 
-def decode_gemm_ms(args, m: int) -> dict:
-    """Device time of one decode step's decoder GEMMs as each model runs them (graph-timed):
-    bf16 q, k, v, o, gate, up, down separately; FP8 quantize + fused qkv, o, gate_up, down."""
-    h, i = args.hidden, args.intermediate
-    kv = h // args.heads * args.kv_heads
-    x = {k_: torch.randn(m, k_, device="cuda", dtype=torch.bfloat16) for k_ in (h, i)}
-    s = torch.tensor(0.01, device="cuda")
-    bf16 = fp8 = 0.0
-    for k_, n in ((h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)):
-        w = torch.randn(n, k_, device="cuda", dtype=torch.bfloat16)
-        bf16 += graph_ms(lambda: x[k_] @ w.t(), 10, 0.1)
-    for k_, n in ((h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)):
-        wq = quantize_e4m3(torch.randn(n, k_, device="cuda") * 0.02, 0.001)
-        fp8 += graph_ms(lambda: torch._scaled_mm(fp8_quant.quantize_input(x[k_], s), wq.t(),
-                                                 scale_a=s, scale_b=s, out_dtype=torch.bfloat16),
-                        10, 0.1)
-    return {"bf16_gemm_ms": round(bf16 * args.layers, 4),
-            "fp8_gemm_ms": round(fp8 * args.layers, 4)}
-
-
-def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5) -> list[dict]:
+def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, rounds: int = 5,
+                  profile: bool = True) -> list[dict]:
+    """Median ms per forward of each model at each shape. The models take turns in ``rounds``
+    rounds (``min_time / rounds`` seconds each), so that drift of the host or the clocks hits all
+    of them alike; ``<label>_spread`` is the range of the per-round medians over their median.
+    ``profile``: also the device time per forward and its kernel table (torch.profiler)."""
     rows = []
     g = torch.Generator(device="cuda").manual_seed(1)
     for b, s in shapes:
         ids = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
         row = {"batch": b, "seq": s, "tokens": b * s}
+        calls = {}
         for label, model in models.items():
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-                torch.cuda.synchronize()
-                row[f"{label}_first_call_s"] = round(time.perf_counter() - t0, 2)
-                t = time_cuda(lambda m=model: m(input_ids=ids, use_cache=False,
-                                                logits_to_keep=1), min_time)
-            row[f"{label}_ms"] = round(statistics.median(t), 4)
+            def call(m=model):
+                with torch.no_grad():
+                    m(input_ids=ids, use_cache=False, logits_to_keep=1)
+            calls[label] = call
+            t0 = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            row[f"{label}_first_call_s"] = round(time.perf_counter() - t0, 2)
+        times: dict[str, list[float]] = {label: [] for label in models}
+        medians: dict[str, list[float]] = {label: [] for label in models}
+        for _ in range(rounds):
+            for label, call in calls.items():
+                t = time_cuda(call, min_time / rounds, warmup=2)
+                times[label] += t
+                medians[label].append(statistics.median(t))
+        for label in models:
+            mid = statistics.median(times[label])
+            row[f"{label}_ms"] = round(mid, 4)
+            row[f"{label}_spread"] = round((max(medians[label]) - min(medians[label])) / mid, 3)
+            if profile:
+                prof = profile_calls(calls[label], 3, top=8)
+                row[f"{label}_device_ms"] = round(prof["device_us"] / 1e3, 4)
+                row[f"{label}_profile"] = prof
         base = next(iter(models))
         for label in list(models)[1:]:
             row[f"speedup_{label}"] = round(row[f"{base}_ms"] / row[f"{label}_ms"], 3)
@@ -393,35 +458,262 @@ def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5) -> li
     return rows
 
 
-@torch.no_grad()
-def bench_decode(model, label: str, batch: int, args, compiled: bool) -> dict:
-    """Median ms of one greedy decode step (batch ``batch``) after a ``--prompt`` prefill."""
-    from transformers import StaticCache
+class DecodeRun:
+    """Greedy single-token steps (batch ``batch``) with a StaticCache after a ``--prompt``-token
+    prefill; ``compiled``: the steps run under ``torch.compile(mode="reduce-overhead")``. The
+    position stays on the device and the next token is the argmax on the device, so steps
+    need no host sync (as in a serving loop that reads tokens back asynchronously)."""
 
-    steps, warm = args.decode_steps, 4
-    cache = StaticCache(config=model.config, max_cache_len=args.prompt + warm + steps + 1)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cuda", generator=g)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                cache_position=torch.arange(args.prompt, device="cuda"))
-    tok = out.logits[:, -1:].argmax(-1)
-    fwd = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
-    times, first_s = [], None
-    for i in range(warm + steps):
-        pos = torch.tensor([args.prompt + i], device="cuda")
+    def __init__(self, model, batch: int, args, compiled: bool):
+        from transformers import StaticCache
+
+        self.batch = batch
+        self.cache = StaticCache(config=model.config,
+                                 max_cache_len=args.prompt + 3 * args.decode_steps + 32)
+        g = torch.Generator(device="cuda").manual_seed(4)
+        ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cuda", generator=g)
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                        logits_to_keep=1, cache_position=torch.arange(args.prompt, device="cuda"))
+        self.tok = out.logits[:, -1:].argmax(-1)
+        self.pos = torch.tensor([args.prompt], device="cuda")
+        self.fwd = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled \
+            else model
+
+    @torch.no_grad()
+    def step(self) -> None:
+        out = self.fwd(input_ids=self.tok, past_key_values=self.cache, use_cache=True,
+                       logits_to_keep=1, cache_position=self.pos,
+                       position_ids=self.pos.expand(self.batch, 1))
+        self.tok = out.logits[:, -1:].argmax(-1)
+        self.pos.add_(1)
+
+    def synced_step_ms(self) -> float:
+        """ms from the call until the step's last kernel ended, starting with an idle device
+        (a loop that waits for each step's tokens): host time before the first launch counts."""
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
         a.record()
-        out = fwd(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                  cache_position=pos, position_ids=pos.expand(batch, 1))
-        tok = out.logits[:, -1:].argmax(-1)
+        self.step()
         b.record()
         b.synchronize()
-        if i == 0:
-            first_s = round(time.perf_counter() - t0, 2)
-        if i >= warm:
-            times.append(a.elapsed_time(b))
-    return {f"{label}_ms": round(statistics.median(times), 4), f"{label}_first_call_s": first_s}
+        return a.elapsed_time(b)
+
+
+def bench_decode(model, label: str, batch: int, args, compiled: bool) -> dict:
+    """One decode configuration: ms per step back to back (``<label>_ms``: max of host and
+    device time), the host's ms per step, ms per step when each step is waited for, and the
+    device time per step by kernel class (torch.profiler)."""
+    t0 = time.perf_counter()
+    run = DecodeRun(model, batch, args, compiled)
+    run.step()
+    torch.cuda.synchronize()
+    first_s = round(time.perf_counter() - t0, 2)
+    for _ in range(3):
+        run.step()
+    host, wall = host_and_wall_ms(run.step, args.decode_steps)
+    synced = statistics.median(run.synced_step_ms() for _ in range(args.decode_steps))
+    prof = profile_calls(run.step, 4, top=8)
+    return {f"{label}_ms": wall, f"{label}_host_ms": host,
+            f"{label}_synced_ms": round(synced, 4),
+            f"{label}_device_ms": round(prof["device_us"] / 1e3, 4),
+            f"{label}_gemm_ms": round(sum(v for k, v in prof["by_class_us"].items()
+                                          if k.startswith("gemm")) / 1e3, 4),
+            f"{label}_first_call_s": first_s, f"{label}_profile": prof}
+
+
+# ------------------------------------------------------------------------------- report
+PREFILL_TARGETS = {"8x2048": 1.5, "32x512": 1.5, "1x128": 1.0}
+EAGER_TARGET, DECODE_TARGET, DECODE_TARGET_BATCHES = 0.9, 1.3, (1, 8, 32)
+
+
+def _classes(prof: dict) -> tuple[float, float, float]:
+    """(GEMM ms, attention ms, everything else ms) of one profiled call."""
+    c = prof["by_class_us"]
+    gemm = sum(v for k, v in c.items() if k.startswith("gemm")) / 1e3
+    attn = c.get("attention", 0.0) / 1e3
+    return gemm, attn, prof["device_us"] / 1e3 - gemm - attn
+
+
+def _top(prof: dict, n: int = 6) -> list[str]:
+    return [f"| {r['us'] / 1e3:.3f} | {r['per_call']:g} | {r['class']} | `{r['kernel'][:80]}` |"
+            for r in prof["top"][:n]]
+
+
+def write_report(results: dict, md: Path, notes: Path | None) -> None:
+    """``md``: the tables and targets of ``results`` (one merged gpu_fp8 JSON), then ``notes``."""
+    r, m = results, results["model"]
+    out = [f"# FP8 runtime vs bf16 — {r['device']} (CC {r['compute_capability']}), torch "
+           f"{r['torch']}, CUDA {r['cuda']}", "",
+           f"Llama-shaped model, {m['params'] / 1e9:.2f} B params (hidden {m['hidden']}, "
+           f"{m['layers']} layers, GQA {m['heads']}/{m['kv_heads']}, intermediate "
+           f"{m['intermediate']}), random weights; {m['fp8_linears']} decoder linears in FP8 as "
+           f"{m['fused_groups']} fused q/k/v and gate/up groups + o/down (static per-tensor "
+           "scales shared per group), lm_head/embeddings bf16; bf16 baseline and FP8 in the same "
+           f"process, same weights. {r['method']}.", "",
+           f"Weights: bf16 {r['memory']['bf16_weights_gib']} GiB → FP8 model "
+           f"{r['memory']['fp8_weights_gib']} GiB. Logits cosine (random weights, 1×256) FP8 vs "
+           f"bf16 {r['logits_cosine_random_weights']['fp8']}, FP8 `_scaled_mm` vs FP8 emulated "
+           f"{r['logits_cosine_fp8_vs_emulated']}.", ""]
+    eager = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_eager", [])}
+    graphs = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_cudagraphs", [])}
+    decode = {x["batch"]: x for x in r.get("decode", [])}
+
+    targets = ["## Targets", "", "| target | measured | met | cause of the gap (measured) |",
+               "|---|---|---|---|"]
+    for shape, want in PREFILL_TARGETS.items():
+        x = graphs.get(shape)
+        if x is None:
+            continue
+        got = x["speedup_fp8g"]
+        bf_g, bf_a, bf_o = _classes(x["bf16g_profile"])
+        f8_g, f8_a, f8_o = _classes(x["fp8g_profile"])
+        bf_dev = x["bf16g_profile"]["device_us"] / 1e3
+        ceiling = bf_dev / (f8_g + bf_a + bf_o)
+        f8_dev = x["fp8g_profile"]["device_us"] / 1e3
+        if got >= want:
+            cause = ""
+        elif ceiling < want:
+            cause = (f"Amdahl: FP8 GEMMs {bf_g / f8_g:.2f}× faster ({bf_g:.1f} → {f8_g:.1f} ms) "
+                     f"but attention {bf_a:.1f} ms + other kernels {bf_o:.1f} ms = "
+                     f"{(bf_a + bf_o) / bf_dev:.0%} of the bf16 device time are not GEMMs (FP8: "
+                     f"{f8_a:.1f} + {f8_o:.1f} ms); ceiling with them unchanged {ceiling:.2f}×")
+        else:
+            cause = (f"device time {bf_dev / f8_dev:.2f}× (bf16 {bf_dev:.1f} → FP8 {f8_dev:.1f} "
+                     "ms) meets it; each timed forward starts on an idle GPU, so the host's "
+                     "work before the CUDA graph launches counts: wall − device "
+                     f"{x['fp8g_ms'] - f8_dev:.1f} ms for FP8 vs {x['bf16g_ms'] - bf_dev:.1f} "
+                     "ms for bf16")
+        targets.append(f"| compiled + CUDA graphs prefill {shape} ≥ {want}× | {got}× | "
+                       f"{'yes' if got >= want else 'no'} | {cause} |")
+    for shape, x in eager.items():
+        got = x["speedup_fp8"]
+        busy = x["fp8_device_ms"] / x["fp8_ms"]
+        cause = "" if got >= EAGER_TARGET else (
+            f"host-bound: the device is busy {busy:.0%} of the FP8 forward and its device time "
+            f"is {x['fp8_device_ms']:.2f} ms vs bf16 {x['bf16_device_ms']:.2f} ms; the gap is "
+            f"host time per forward (spread of the round medians: bf16 "
+            f"{x['bf16_spread']:.0%}, FP8 {x['fp8_spread']:.0%})")
+        targets.append(f"| eager prefill {shape} ≥ {EAGER_TARGET}× | {got}× | "
+                       f"{'yes' if got >= EAGER_TARGET else 'no'} | {cause} |")
+    for batch in DECODE_TARGET_BATCHES:
+        x = decode.get(batch)
+        if x is None or "speedup_graphs_ms" not in x:
+            continue
+        got = x["speedup_graphs_ms"]
+        dev = x["speedup_graphs_device_ms"]
+        gemm = (f"GEMMs {x['bf16_graphs_gemm_ms']:.3f} → {x['fp8_graphs_gemm_ms']:.3f} ms of a "
+                f"{x['bf16_graphs_device_ms']:.3f} ms bf16 step "
+                f"({x['bf16_graphs_gemm_ms'] / x['bf16_graphs_device_ms']:.0%})")
+        if got >= DECODE_TARGET:
+            cause = ""
+        elif x["gemm_only_bound"] < DECODE_TARGET:
+            cause = (f"Amdahl: {gemm}; with everything else unchanged the bound is "
+                     f"{x['gemm_only_bound']}×; device-time ratio {dev}×")
+        elif dev >= DECODE_TARGET and x["fp8_graphs_host_ms"] >= x["fp8_graphs_device_ms"]:
+            cause = (f"device time {dev}× meets it ({gemm}); in this run the FP8 loop was "
+                     f"host-bound: {x['fp8_graphs_host_ms']:.3f} ms of host time per step vs "
+                     f"{x['fp8_graphs_device_ms']:.3f} ms of device time")
+        else:
+            cause = (f"device time {dev}×; {gemm}; GEMM-only bound {x['gemm_only_bound']}×; "
+                     f"host {x['bf16_graphs_host_ms']:.3f} / {x['fp8_graphs_host_ms']:.3f} ms "
+                     "per step")
+        targets.append(f"| decode batch {batch} (compiled + CUDA graphs) ≥ {DECODE_TARGET}× | "
+                       f"{got}× | {'yes' if got >= DECODE_TARGET else 'no'} | {cause} |")
+    out += targets + [""]
+
+    if eager:
+        labels = [k[:-3] for k in next(iter(eager.values())) if k.endswith("_ms")
+                  and not k.endswith(("device_ms",)) and k[:-3] not in ("bf16",)]
+        head = "| batch×seq | bf16 ms | " + " | ".join(f"{lb} ms | ×" for lb in labels) + \
+            " | device ms bf16 / FP8 | FP8 device busy | round spread bf16 / FP8 |"
+        out += ["## Prefill, eager (ms per forward, logits for the last position)", "", head,
+                "|" + "---|" * (head.count("|") - 1)]
+        for shape, x in eager.items():
+            cols = " | ".join(f"{x[f'{lb}_ms']:.2f} | {x[f'speedup_{lb}']}" for lb in labels)
+            out.append(f"| {shape} | {x['bf16_ms']:.2f} | {cols} | {x['bf16_device_ms']:.2f} / "
+                       f"{x['fp8_device_ms']:.2f} | {x['fp8_device_ms'] / x['fp8_ms']:.0%} | "
+                       f"{x['bf16_spread']:.0%} / {x['fp8_spread']:.0%} |")
+        out.append("")
+    if graphs:
+        out += ["## Prefill, `torch.compile(mode=\"reduce-overhead\")` (Inductor + CUDA graphs)",
+                "", "| batch×seq | bf16 ms | FP8 ms | × | device ms bf16 / FP8 | device × | GEMM "
+                "ms bf16 / FP8 | attention ms bf16 / FP8 | other kernels ms bf16 / FP8 | "
+                "ceiling (only GEMMs change) | compile s bf16 / FP8 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for shape, x in graphs.items():
+            bf, f8 = _classes(x["bf16g_profile"]), _classes(x["fp8g_profile"])
+            bf_dev = x["bf16g_profile"]["device_us"] / 1e3
+            f8_dev = x["fp8g_profile"]["device_us"] / 1e3
+            out.append(f"| {shape} | {x['bf16g_ms']:.3f} | {x['fp8g_ms']:.3f} | "
+                       f"{x['speedup_fp8g']} | {bf_dev:.2f} / {f8_dev:.2f} | "
+                       f"{bf_dev / f8_dev:.3f} | {bf[0]:.2f} / {f8[0]:.2f} | {bf[1]:.2f} / "
+                       f"{f8[1]:.2f} | {bf[2]:.2f} / {f8[2]:.2f} | "
+                       f"{bf_dev / (f8[0] + bf[1] + bf[2]):.2f}× | {x['bf16g_first_call_s']} / "
+                       f"{x['fp8g_first_call_s']} |")
+        out.append("")
+    if decode:
+        out += ["## Decode (one greedy step with a StaticCache after a "
+                f"{next(iter(decode.values()))['prompt']}-token prompt)", "",
+                "ms per step, steps back to back (the loop never waits for the host); "
+                "\"waited\": each step waited for (host time before the launch adds); device: "
+                "sum of the step's kernels.", "",
+                "| batch | eager bf16 / FP8 | × | graphs bf16 / FP8 | × | waited bf16 / FP8 | × "
+                "| device bf16 / FP8 | × | GEMMs bf16 / FP8 | GEMM-only bound | host per step "
+                "bf16 / FP8 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for batch, x in decode.items():
+            g = "speedup_graphs_ms" in x
+            cells = [f"{x['bf16_eager_ms']:.3f} / {x['fp8_eager_ms']:.3f}", f"{x['speedup_eager']}"]
+            if g:
+                cells += [f"{x['bf16_graphs_ms']:.3f} / {x['fp8_graphs_ms']:.3f}",
+                          f"{x['speedup_graphs_ms']}",
+                          f"{x['bf16_graphs_synced_ms']:.3f} / {x['fp8_graphs_synced_ms']:.3f}",
+                          f"{x['speedup_graphs_synced_ms']}",
+                          f"{x['bf16_graphs_device_ms']:.3f} / {x['fp8_graphs_device_ms']:.3f}",
+                          f"{x['speedup_graphs_device_ms']}",
+                          f"{x['bf16_graphs_gemm_ms']:.3f} / {x['fp8_graphs_gemm_ms']:.3f}",
+                          f"{x['gemm_only_bound']}×",
+                          f"{x['bf16_graphs_host_ms']:.3f} / {x['fp8_graphs_host_ms']:.3f}"]
+            else:
+                cells += [""] * 9
+            out.append(f"| {batch} | " + " | ".join(cells) + " |")
+        out.append("")
+    kt = ["## Kernel tables (torch.profiler; ms per call, calls per call, class, kernel)", ""]
+    picks = [("eager prefill", eager, "1x2048", ("bf16", "fp8")),
+             ("compiled prefill", graphs, "8x2048", ("bf16g", "fp8g"))]
+    for title, rows, shape, labels in picks:
+        if shape in rows:
+            for lb in labels:
+                p = rows[shape][f"{lb}_profile"]
+                kt += [f"**{title} {shape}, {lb}**: device {p['device_us'] / 1e3:.3f} ms, "
+                       f"{p['kernels']:g} kernels; by class (ms): " + ", ".join(
+                           f"{k} {v / 1e3:.3f}" for k, v in p["by_class_us"].items()), "",
+                       "| ms | calls | class | kernel |", "|---|---|---|---|", *_top(p), ""]
+    if 32 in decode and "bf16_graphs_profile" in decode[32]:
+        for lb in ("bf16", "fp8"):
+            p = decode[32][f"{lb}_graphs_profile"]
+            kt += [f"**decode batch 32, compiled + CUDA graphs, {lb}**: device "
+                   f"{p['device_us'] / 1e3:.3f} ms, {p['kernels']:g} kernels; by class (ms): " +
+                   ", ".join(f"{k} {v / 1e3:.3f}" for k, v in p["by_class_us"].items()), "",
+                   "| ms | calls | class | kernel |", "|---|---|---|---|", *_top(p), ""]
+    out += kt
+    if r.get("gemms"):
+        out += ["## Bare GEMMs (device time, CUDA-graph replay): bf16 `x @ w.T` vs quantize + "
+                "`_scaled_mm` vs the eager one-launch Triton kernel", "",
+                "| GEMM | M | K | N | bf16 ms | quantize + `_scaled_mm` ms | × | Triton "
+                "one-launch ms | × |", "|---|---|---|---|---|---|---|---|---|"]
+        for x in r["gemms"]:
+            out.append(f"| {x['gemm']} | {x['M']} | {x['K']} | {x['N']} | {x['bf16_ms']:.4f} | "
+                       f"{x['scaled_mm_with_quant_ms']:.4f} | {x['speedup_scaled_mm']} | "
+                       f"{x.get('triton_small_m_ms', '')} | {x.get('speedup_triton', '')} |")
+        out.append("")
+    if r.get("overhead"):
+        out += ["## Host cost per call (µs, 2000 calls; tiny tensors unless the op names a "
+                "shape)", "", "| op | µs |",
+                "|---|---|"] + [f"| {x['op']} | {x['host_us_per_call']} |" for x in r["overhead"]]
+        out.append("")
+    if notes is not None and notes.is_file():
+        out += [notes.read_text().rstrip(), ""]
+    md.write_text("\n".join(out))
 
 
 def section(name: str, fn, args):
@@ -456,7 +748,19 @@ def main() -> int:
     ap.add_argument("--eager-m-alt", type=int, default=0,
                     help="also time eager FP8 with this one-launch row threshold")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
+    ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                    help="write --md from these result files (merged in order) and exit")
+    ap.add_argument("--md", type=Path, default=Path("bench/results/gpu_fp8.md"))
+    ap.add_argument("--notes", type=Path, default=Path("bench/results/gpu_fp8_notes.md"),
+                    help="appended to --md")
     args = ap.parse_args()
+    if args.report:
+        merged: dict = {}
+        for path in args.report:
+            merged.update(json.loads(path.read_text()))
+        write_report(merged, args.md, args.notes)
+        print(f"wrote {args.md}")
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -469,9 +773,11 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "compute_capability": f"{cc[0]}.{cc[1]}",
         "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
         "eager_m": fp8_gemm.EAGER_M,
-        "method": "median of CUDA-event timings over >=0.5 s per point after 3 warm-ups "
-                  "(decode: median of --decode-steps steps after 4 warm-up steps); "
-                  "logits_to_keep=1; static per-tensor input scales; same process and weights",
+        "method": "prefill: median of CUDA-event timings, the models taking turns in 5 rounds "
+                  "of >=0.1 s each; decode: --decode-steps steps back to back (ms/step), and "
+                  "the median of as many steps each waited for (synced); device time from "
+                  "torch.profiler kernel records; logits_to_keep=1; static per-tensor input "
+                  "scales; same process and weights",
     })
     if "overhead" in parts:
         section("overhead", lambda: bench_overhead(args), args)
@@ -479,7 +785,7 @@ def main() -> int:
         section("gemms", lambda: bench_gemms(args), args)
     if "sweep" in parts:
         section("sweep", lambda: bench_sweep(args), args)
-    if not parts & {"prefill", "decode", "profile"}:
+    if not parts & {"prefill", "decode"}:
         return 0
     model = build_bf16(args)
     params = sum(p.numel() for p in model.parameters())
@@ -524,14 +830,12 @@ def main() -> int:
     print(f"logits cosine vs bf16: {RESULT['logits_cosine_random_weights']}", flush=True)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
-    if "profile" in parts:
-        section("profile", lambda: bench_profile(models, args), args)
     if "prefill" in parts:
         section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab), args)
         models = {"bf16": model, "fp8": fp8}
         if cshapes:
             def graphs():
-                torch._dynamo.reset()
+                reset_dynamo()
                 gm = {"bf16g": torch.compile(model, mode="reduce-overhead", dynamic=False),
                       "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
                 return bench_prefill(gm, cshapes, args.vocab)
@@ -541,19 +845,25 @@ def main() -> int:
             rows = []
             cb = {int(b) for b in args.decode_compiled.split(",") if b}
             for batch in (int(b) for b in args.decode_batches.split(",")):
-                row = {"batch": batch, "prompt": args.prompt, **decode_gemm_ms(args, batch)}
+                row = {"batch": batch, "prompt": args.prompt}
                 for label, m in (("bf16", model), ("fp8", fp8)):
                     row.update(bench_decode(m, f"{label}_eager", batch, args, False))
                 row["speedup_eager"] = round(row["bf16_eager_ms"] / row["fp8_eager_ms"], 3)
                 if batch in cb:
-                    torch._dynamo.reset()
                     for label, m in (("bf16", model), ("fp8", fp8)):
+                        reset_dynamo()
                         row.update(bench_decode(m, f"{label}_graphs", batch, args, True))
-                    row["speedup_graphs"] = round(row["bf16_graphs_ms"] / row["fp8_graphs_ms"],
-                                                  3)
-                    row["graph_skips"] = int(sum(
-                        torch._dynamo.utils.counters["inductor"].get(k, 0)
-                        for k in ("cudagraph_skips",)))
+                        stats = dynamo_stats()
+                        stats["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"].get(
+                            "cudagraph_skips", 0)
+                        row[f"{label}_graphs_dynamo"] = stats
+                    for kind in ("ms", "synced_ms", "device_ms"):
+                        row[f"speedup_graphs_{kind}"] = round(
+                            row[f"bf16_graphs_{kind}"] / row[f"fp8_graphs_{kind}"], 3)
+                    # device time if only the GEMMs changed (everything else as in bf16)
+                    bf_dev, bf_g = row["bf16_graphs_device_ms"], row["bf16_graphs_gemm_ms"]
+                    row["gemm_only_bound"] = round(
+                        bf_dev / (bf_dev - bf_g + row["fp8_graphs_gemm_ms"]), 3)
                 rows.append(row)
                 log_row(row)
                 RESULT["decode"] = rows
