@@ -36,7 +36,8 @@ import h5py
 import numpy as np
 
 from fp8export.checkpoint._zip import SafeZip, copy_member
-from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
+from fp8export.checkpoint.keras_files import keras_file
+from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.training.keras import FLOAT8_VARIABLES, Float8Layer, keras_training_state
 from fp8export.errors import Fp8ExportError
 
@@ -55,12 +56,12 @@ _KNOWN_VARS = {"Embedding": ("embeddings",), "Dense": ("weight", "bias"),
 _MHA_PROJECTIONS = {"query_dense": 1, "key_dense": 1, "value_dense": 1, "output_dense": -1}
 
 
-def can_open(path: Path) -> bool:
-    return path.is_file() and (path.suffix == ".keras" or path.name.endswith(".weights.h5"))
-
-
 def open_keras(path: Path) -> KerasCheckpoint:
-    return KerasCheckpoint.open(Path(path))
+    """Open a ``.keras`` / ``.weights.h5`` file, or the one a folder holds (see keras_files)."""
+    file, notes = keras_file(Path(path))
+    ckpt = KerasCheckpoint.open(file)
+    ckpt.notes.extend(notes)
+    return ckpt
 
 
 def _snake(name: str) -> str:
@@ -154,6 +155,7 @@ class KerasCheckpoint(Checkpoint):
         self._h5, self._closers, self._where = h5, closers, f"{path} ({weights_name})"
         self.version = version
         self.warnings: list[str] = []
+        self.notes: list[str] = []  # plain sentences for the user (which file a folder gave)
         with _h5_errors(self._where):
             self.layers = self._discover()
             self._tensors = self._index_tensors()
@@ -580,6 +582,3 @@ def _quiet_close(obj) -> None:
         (obj.cleanup if isinstance(obj, tempfile.TemporaryDirectory) else obj.close)()
     except Exception:  # closing after an error must not hide that error
         pass
-
-
-register_reader("keras", can_open, open_keras, first=True)

@@ -112,19 +112,13 @@ _BUILTINS_LOADED = False
 def _load_builtin_readers() -> None:
     # Importing a reader module registers it. Keep the list here so the order is explicit:
     # readers registered with first=True (Keras, Transformer Engine) go ahead of the generic ones.
+    # Optional dependencies are imported when a reader opens a path, never here.
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    import importlib
-
-    for mod in ("fp8export.checkpoint.readers", "fp8export.checkpoint.keras_reader",
-                "fp8export.checkpoint.training.te_reader"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:  # a reader's own dependency is missing: that is a real error
-                raise
+    from fp8export.checkpoint import readers  # noqa: F401
+    from fp8export.checkpoint.training import te_reader  # noqa: F401
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -140,5 +134,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise Fp8ExportError(
         f"{p}: no weights found. Expected a folder with model.safetensors / "
         "model-*.safetensors (+ model.safetensors.index.json) or pytorch_model*.bin, a single "
-        ".safetensors file, a .pt/.pth state dict, or a Keras .keras / .weights.h5 file."
+        ".safetensors file, a .pt/.pth state dict, or a Keras .keras / .weights.h5 file (or a "
+        "folder holding one)."
     )
