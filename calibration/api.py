@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
 
-from fp8export._progress import info, progress_enabled
+from fp8export._progress import STAGE_PREFIX, info, progress_enabled, stage
 from fp8export.config import Device, ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales import ActivationRange
@@ -297,6 +297,8 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
 
         bar = tqdm(total=len(samples), desc=f"calibrate ({method})", unit="sample",
                    leave=False, dynamic_ncols=True)
+    elif show_progress:
+        info(f"{STAGE_PREFIX}calibrate ({method}): {len(samples)} sample(s)")
     n_samples = n_tokens = n_done = 0
     start = time.perf_counter()
     try:
@@ -373,7 +375,8 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     calibrator_class(method)
     get_calibrator(method, **cfg.method_options())  # validate options before loading
     device = resolve_device(cfg.device)
-    model, config, input_device, notes = load_calibration_model(cfg.checkpoint, device)
+    with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
+        model, config, input_device, notes = load_calibration_model(cfg.checkpoint, device)
     if cfg.modules:
         modules = list(cfg.modules)
         if not cfg.fuse_scales:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from fp8export.calibration.observers import ActivationStats, FinalStats
 
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
 
 DEFAULT_PERCENTILE = 99.99
@@ -118,7 +118,7 @@ def available_calibrators() -> list[str]:
 def calibrator_class(name: str) -> type[Calibrator]:
     key = _normalise(name)
     if key not in _REGISTRY:
-        raise Fp8ExportError(f"--calib-method: unknown calibrator {name!r}; valid calibrators "
+        raise UsageError(f"--calib-method: unknown calibrator {name!r}; valid calibrators "
                              f"are: {', '.join(available_calibrators())}.")
     return _REGISTRY[key]
 
@@ -172,7 +172,7 @@ class PercentileCalibrator(Calibrator):
         super().__init__()
         p = float(percentile)
         if not (0.0 < p <= 100.0) or not math.isfinite(p):
-            raise Fp8ExportError(f"--percentile must be in (0, 100], got {percentile}.")
+            raise UsageError(f"--percentile must be in (0, 100], got {percentile}.")
         self.percentile = p
 
     def options(self) -> dict[str, Any]:

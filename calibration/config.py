@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 
 from fp8export.config import CalibMethod, Device, sibling_output
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import UsageError
 
 DEFAULT_CALIB_SAMPLES = 512  # TensorRT / ModelOpt examples calibrate on a few hundred samples
 DEFAULT_BATCH_SIZE = 8
@@ -58,13 +58,13 @@ class CalibrateConfig:
                            ("seq_len", "--seq-len")):
             v = getattr(self, name)
             if v is not None and (int(v) != v or v < 1):
-                raise Fp8ExportError(f"{flag} must be a positive integer, got {v}.")
+                raise UsageError(f"{flag} must be a positive integer, got {v}.")
         if self.percentile is not None:
             p = float(self.percentile)
             if not math.isfinite(p) or not 0.0 < p <= 100.0:
-                raise Fp8ExportError(f"--percentile must be in (0, 100], got {self.percentile}.")
+                raise UsageError(f"--percentile must be in (0, 100], got {self.percentile}.")
             if self.calib_method is not CalibMethod.PERCENTILE:
-                raise Fp8ExportError(
+                raise UsageError(
                     f"--percentile applies to --calib-method percentile, not "
                     f"{self.calib_method}. Drop --percentile or choose percentile.")
 

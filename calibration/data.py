@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8export._progress import info
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -164,7 +164,7 @@ def iter_batches(samples: Samples, batch_size: int) -> Iterator[Batch]:
     import torch
 
     if batch_size < 1:
-        raise Fp8ExportError(f"--batch-size must be >= 1, got {batch_size}.")
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}.")
     n = len(samples)
     for start in range(0, n, batch_size):
         idx = tuple(range(start, min(start + batch_size, n)))

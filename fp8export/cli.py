@@ -3,8 +3,11 @@
 Each command lives in ``fp8export.commands.<name>`` and is imported only when it runs (or
 when ``--help`` lists it; command modules import nothing heavier than click). Commands build
 a frozen config, call one function in ``fp8export.api`` and render the result. This module
-maps errors to the exit codes of the CLI contract: Fp8ExportError → 1 with one message and no
-traceback, click usage errors → 2, VerificationFailed → 3.
+maps outcomes to the exit codes of the CLI contract and ends every run of a command with a
+``PASSED | <cmd> | <s>`` or ``FAILED | <cmd> | <s>`` line on stderr: Fp8ExportError → 1 with one
+message and no traceback, usage errors (click's and UsageError) → 2, VerificationFailed → 3,
+Ctrl-C → 130. Any other exception is a bug: its traceback is printed, then ``FAILED``, exit 1.
+``--help`` and ``--version`` print no status line.
 """
 
 from __future__ import annotations
@@ -12,11 +15,21 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+import traceback
 
 import click
 
 from fp8export import __version__
-from fp8export.errors import EXIT_BAD_INPUT, EXIT_VERIFY_FAILED, Fp8ExportError, VerificationFailed
+from fp8export.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    EXIT_VERIFY_FAILED,
+    Fp8ExportError,
+    UsageError,
+    VerificationFailed,
+)
 
 # name -> module holding a click command called `command`, in the order of the data flow.
 COMMANDS = {
@@ -27,6 +40,14 @@ COMMANDS = {
     "verify": "fp8export.commands.verify",
     "inspect": "fp8export.commands.inspect",
 }
+
+
+def _command_name(argv: list[str]) -> str:
+    """The command a command line runs (its first non-option word), for the status line."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return "fp8export"
 
 
 class LazyGroup(click.Group):
@@ -50,28 +71,46 @@ class LazyGroup(click.Group):
                 return None
             raise
 
-    def invoke(self, ctx):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Run one command line; return (or, standalone, exit with) the contract's exit code."""
+        argv = list(sys.argv[1:] if args is None else args)
+        name = _command_name(argv)
         start = time.perf_counter()
-        # click 8.2 deprecates ctx.protected_args; read the private field where it exists.
-        protected = ctx._protected_args if hasattr(ctx, "_protected_args") else ctx.protected_args
-        args = [*protected, *ctx.args]
-        name = args[0] if args else ""
         try:
-            result = super().invoke(ctx)
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:  # usage errors (2) and click's file errors (1)
+            exc.show()
+            code = exc.exit_code
+        except UsageError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
+            code = EXIT_USAGE
         except Fp8ExportError as exc:
             click.echo(f"Error: {exc}", err=True)
-            click.echo(f"FAILED | {name} | {time.perf_counter() - start:.2f}s", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            code = EXIT_BAD_INPUT
         except VerificationFailed as exc:
             click.echo(f"Verification failed: {exc}", err=True)
-            click.echo(f"FAILED | {name} | {time.perf_counter() - start:.2f}s", err=True)
-            ctx.exit(EXIT_VERIFY_FAILED)
-        except KeyboardInterrupt:
-            click.echo("Interrupted; nothing was left half-written.", err=True)
-            ctx.exit(130)
-        if name:
-            click.echo(f"PASSED | {name} | {time.perf_counter() - start:.2f}s", err=True)
-        return result
+            code = EXIT_VERIFY_FAILED
+        except (click.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+            click.echo("\nInterrupted: outputs are written atomically, nothing was left "
+                       "half-written.", err=True)
+            code = EXIT_INTERRUPTED
+        except Exception:  # a bug in fp8export: keep the traceback for the report
+            traceback.print_exc()
+            code = EXIT_BAD_INPUT
+        else:
+            if isinstance(rv, int):  # --help, --version: click's own exits, not a run
+                return self._finish(rv, standalone_mode)
+            code = EXIT_OK
+        status = "PASSED" if code == EXIT_OK else "FAILED"
+        click.echo(f"{status} | {name} | {time.perf_counter() - start:.2f}s", err=True)
+        return self._finish(code, standalone_mode)
+
+    @staticmethod
+    def _finish(code: int, standalone_mode: bool) -> int:
+        if standalone_mode:
+            sys.exit(code)
+        return code
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

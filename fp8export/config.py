@@ -2,7 +2,8 @@
 
 The CLI builds one of these from its options and hands it to one function in
 ``fp8export.api``; library users build them directly. Every default is ``None`` or the
-documented default, validation happens in ``__post_init__`` and raises Fp8ExportError.
+documented default, validation happens in ``__post_init__`` and raises UsageError (an
+Fp8ExportError that the CLI reports with exit code 2).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import UsageError
 
 
 class StrEnum(str, Enum):
@@ -30,7 +31,7 @@ class StrEnum(str, Enum):
             if member.value == key:
                 return member
         valid = ", ".join(m.value for m in cls)
-        raise Fp8ExportError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
+        raise UsageError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
 
 
 def sibling_output(source: Path, tail: str) -> Path:
@@ -125,12 +126,15 @@ class ConvertConfig:
         object.__setattr__(self, "include", tuple(self.include))
         no_calib_source = self.calib_data is None and self.calib_amax is None
         if self.scales is ScalesMode.CALIBRATE and no_calib_source:
-            raise Fp8ExportError(
+            raise UsageError(
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
         if self.margin < 0:
-            raise Fp8ExportError(f"--margin must be >= 0, got {self.margin}.")
+            raise UsageError(f"--margin must be >= 0, got {self.margin}.")
+        if self.accuracy_budget is not None and not self.accuracy_budget > 0:
+            raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
+                             f"{self.accuracy_budget}.")
 
     @property
     def resolved_output(self) -> Path:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 1  # bad input or environment: one clear message, no traceback
-EXIT_USAGE = 2  # click's own usage errors
+EXIT_USAGE = 2  # usage errors: click's own and UsageError
 EXIT_VERIFY_FAILED = 3  # verification ran and the candidate failed its thresholds
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell convention 128 + 2
 
 
 class Fp8ExportError(Exception):
@@ -14,6 +15,15 @@ class Fp8ExportError(Exception):
     The message names the file, tensor or option at fault and says what to do about it. The
     CLI prints it as ``Error: <message>`` and exits 1 without a traceback. Any other exception
     is a bug in fp8export and keeps its traceback.
+    """
+
+
+class UsageError(Fp8ExportError):
+    """An option value, or a combination of options, that cannot work (exit code 2).
+
+    Raised by config validation before any file is read, so library users catch it as an
+    Fp8ExportError while the CLI reports it as the usage error it is. Problems found in an
+    input file are plain Fp8ExportError (exit 1), even when an option led to them.
     """
 
 

@@ -226,13 +226,6 @@ def test_plot_to_unwritable_path(tmp_path, checkpoint):
 
 # ---------------------------------------------------------------------------------- ONNX
 
-def test_onnx_without_checker_module_is_a_clear_error(tmp_path, monkeypatch):
-    (tmp_path / "m.onnx").write_bytes(b"\x08\x07")
-    monkeypatch.setitem(sys.modules, "fp8export.onnx.check", None)  # as if not installed
-    with pytest.raises(Fp8ExportError, match=r"m\.onnx.*fp8export\.onnx\.check"):
-        inspect(tmp_path / "m.onnx")
-
-
 def test_onnx_is_delegated_to_the_checker(tmp_path, monkeypatch):
     seen = []
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8export._progress import stage
 from fp8export.checkpoint.atomic import write_file_atomic
 from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 
 MIN_FP8_CC = (8, 9)  # Ada 8.9, Hopper 9.0, Blackwell 10.x/12.x
 
@@ -45,9 +46,9 @@ class BuildEngineConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if not 0 <= self.optimization_level <= 5:
-            raise Fp8ExportError(f"--opt-level must be 0..5, got {self.optimization_level}.")
+            raise UsageError(f"--opt-level must be 0..5, got {self.optimization_level}.")
         if self.workspace_gib is not None and self.workspace_gib <= 0:
-            raise Fp8ExportError(f"--workspace must be > 0 GiB, got {self.workspace_gib}.")
+            raise UsageError(f"--workspace must be > 0 GiB, got {self.workspace_gib}.")
 
     @property
     def resolved_output(self) -> Path:
@@ -233,7 +234,8 @@ def _build_python(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
         config.add_optimization_profile(p)
 
     start = time.perf_counter()
-    blob = builder.build_serialized_network(network, config)
+    with stage(f"building the TensorRT engine (optimization level {cfg.optimization_level})"):
+        blob = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - start
     if blob is None:
         raise Fp8ExportError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 
 DEFAULT_BATCH = (1, 1, 8)  # min, opt, max
 DEFAULT_SEQ = (1, 128, 512)
@@ -28,10 +28,10 @@ class ShapeRange:
 
     def __post_init__(self):
         if not (len(self.min) == len(self.opt) == len(self.max)):
-            raise Fp8ExportError(f"--shapes {self.name}: min/opt/max must have the same rank.")
+            raise UsageError(f"--shapes {self.name}: min/opt/max must have the same rank.")
         for lo, mid, hi in zip(self.min, self.opt, self.max):
             if not (1 <= lo <= mid <= hi):
-                raise Fp8ExportError(
+                raise UsageError(
                     f"--shapes {self.name}: need 1 <= min <= opt <= max on every axis, got "
                     f"{self.min}, {self.opt}, {self.max}."
                 )
@@ -45,7 +45,7 @@ def _parse_dims(text: str, spec: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
-        raise Fp8ExportError(
+        raise UsageError(
             f"--shapes {spec!r}: {text!r} is not a shape; write dims joined by 'x', e.g. 1x128."
         ) from None
     return dims
@@ -56,7 +56,7 @@ def parse_shape_spec(spec: str) -> ShapeRange:
     name, sep, rest = spec.rpartition(":")
     parts = rest.split(",")
     if not sep or not name or len(parts) != 3:
-        raise Fp8ExportError(
+        raise UsageError(
             f"--shapes {spec!r}: expected NAME:MIN,OPT,MAX such as input_ids:1x1,1x128,8x512."
         )
     lo, mid, hi = (_parse_dims(p, spec) for p in parts)

@@ -6,7 +6,6 @@ one tensor (plus its float32 copy for the round trip), not the model.
 
 from __future__ import annotations
 
-import importlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -295,17 +294,11 @@ def _cross_check(name: str, stored: float, recorded: Any, notes: list[str]) -> N
 def _inspect_onnx(p: Path) -> InspectResult:
     if not p.is_file():
         raise Fp8ExportError(f"{p}: no such file. Give the path of an ONNX model.")
-    try:
-        check = importlib.import_module("fp8export.onnx.check")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("fp8export.onnx.check", "onnx"):
-            raise
-        raise Fp8ExportError(
-            f"{p}: inspecting ONNX graphs needs fp8export.onnx.check"
-            f"{' and the onnx package' if exc.name == 'onnx' else ''}, which this installation "
-            "lacks. Install fp8export with its onnx extra (pip install 'fp8export[onnx]')."
-        ) from exc
-    report = check.check_model(p)
+    from fp8export._progress import stage
+    from fp8export.onnx.check import check_model
+
+    with stage(f"checking {p} (onnx.checker, TensorRT FP8 rules)"):
+        report = check_model(p)
     result = InspectResult(path=str(p), kind="onnx", ok=bool(report.ok),
                            report_text=report.to_text())
     to_dict = getattr(report, "to_dict", None)

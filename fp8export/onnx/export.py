@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8export._progress import stage
 from fp8export.config import StrEnum
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 
 DEFAULT_OPSET = 21
 BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale type decoupled)
@@ -78,7 +79,7 @@ class ExportOnnxConfig:
         if self.dtype is not None:
             object.__setattr__(self, "dtype", OnnxDtype.parse(self.dtype, "--dtype"))
         if self.opset is not None and not MIN_OPSET <= int(self.opset) <= MAX_OPSET:
-            raise Fp8ExportError(
+            raise UsageError(
                 f"--opset {self.opset}: supported opsets are {MIN_OPSET}..{MAX_OPSET} (FP8 Q/DQ "
                 "needs >= 19; the profile uses 21, or 23 for bf16 with fp32 scales). "
                 "Use --opset 21.")
@@ -340,12 +341,17 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
-    folder = read_fp8_folder(cfg.fp8_dir)
+    with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
+        folder = read_fp8_folder(cfg.fp8_dir)
     keras = is_keras_config(folder.config)
     dtype = cfg.resolved_dtype(keras)
     opset = cfg.resolved_opset(dtype)
-    proto, output_name = torch_export(folder, dtype, opset)
-    rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
+    arch = (folder.config.get("architectures")
+            or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
+    with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
+        proto, output_name = torch_export(folder, dtype, opset)
+    with stage("rewriting quantized linears into FP8 Q/DQ"):
+        rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11
@@ -367,7 +373,8 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
                 f"{folder.path}: the exported graph breaks TensorRT's FP8 rules, refusing to write "
                 f"it:\n{report.to_text(errors_only=True)}")
 
-    out, data = write_model(proto, output, force=cfg.force, check_fn=_check)
+    with stage(f"checking (onnx.checker, TensorRT FP8 rules) and writing {output}"):
+        out, data = write_model(proto, output, force=cfg.force, check_fn=_check)
     report = report_box["report"]
     size = out.stat().st_size + (data.stat().st_size if data else 0)
     fp8 = [g.layer for g in report.gemms if g.fp8 and g.layer]

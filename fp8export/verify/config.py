@@ -7,7 +7,8 @@ from enum import Enum
 from pathlib import Path
 
 from fp8export.config import Device, StrEnum
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import UsageError
+from fp8export.verify.thresholds import check_spec
 
 
 class Backend(StrEnum):
@@ -62,10 +63,12 @@ class VerifyConfig:
         for name in ("samples", "batch_size", "seq_len"):
             v = getattr(self, name)
             if v is not None and int(v) < 1:
-                raise Fp8ExportError(f"--{name.replace('_', '-')} must be >= 1, got {v}.")
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}.")
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
-            raise Fp8ExportError(f"fp8_mode {self.fp8_mode!r} is unknown; use auto, emulate "
-                                 "or scaled_mm.")
+            raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
+                             "or scaled_mm.")
+        if not isinstance(self.thresholds, dict):
+            check_spec(str(self.thresholds))  # a usage error before any model is loaded
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -8,11 +8,12 @@ misses its thresholds raises VerificationFailed *after* the reports are written.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fp8export._progress import info, progress
+from fp8export._progress import info, progress, stage
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.verify.config import VerifyConfig
 
@@ -111,7 +112,11 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                                  fp8_mode=cfg.fp8_mode)
     notes: list[str] = []
     per_layer = None
-    with ref_runner, cand_runner:
+    with contextlib.ExitStack() as running:
+        with stage(f"loading the reference {cfg.reference} (torch, {cfg.reference_dtype})"):
+            running.enter_context(ref_runner)
+        with stage(f"loading the candidate {cfg.candidate} ({kind}, {cand_runner.backend})"):
+            running.enter_context(cand_runner)
         t_load = time.perf_counter() - t0
         ref_cfg = ref_runner.config
         _check_same_model(ref_cfg, cand_runner, cfg.reference, cfg.candidate)
@@ -140,7 +145,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         t_ref = t_cand = 0.0
         try:
             for batch in progress(iter_batches(samples, cfg.batch_size),
-                                  total=num_batches(samples, cfg.batch_size), desc="verify",
+                                  total=num_batches(samples, cfg.batch_size),
+                                  desc=f"comparing logits on {len(samples)} sample(s)",
                                   unit="batch"):
                 feed = {"input_ids": batch.input_ids.numpy(),
                         "attention_mask": batch.attention_mask.numpy()}
@@ -185,7 +191,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     if cfg.write_reports:
         from fp8export.verify.report import write_reports
 
-        result.reports = write_reports(result.to_dict(), cfg.report_dir)
+        with stage(f"writing the reports to {cfg.report_dir}"):
+            result.reports = write_reports(result.to_dict(), cfg.report_dir)
     if failures:
         names = ", ".join(f["message"] for f in failures)
         worst = f" Worst layer: {per_layer[0]['module']}." if per_layer else ""

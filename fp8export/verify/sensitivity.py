@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fp8export._progress import info, progress
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.runners.fp8_linear import Fp8Linear
 
@@ -80,8 +80,8 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
     from fp8export.verify.data import load_verify_samples
 
     if budget_kl is not None and not budget_kl > 0:
-        raise Fp8ExportError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
-                             f"{budget_kl}.")
+        raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
+                         f"{budget_kl}.")
     dev = resolve_device(device)
     model, config = load_model(checkpoint, dtype=torch.float32, device=dev)
     names = list(modules)

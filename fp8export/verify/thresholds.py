@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 
 #: metric -> "min" (higher is better: bound is a minimum) or "max" (bound is a maximum)
 DIRECTIONS = {
@@ -89,6 +89,14 @@ def preset(name: str) -> dict[str, float]:
     return dict(PRESETS[name])
 
 
+def check_spec(text: str) -> str:
+    """``text`` if it names a preset or a threshold file by its suffix, else UsageError."""
+    if text not in PRESETS and Path(text).suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise UsageError(f"--thresholds {text!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a .yaml/.yml/.json file.")
+    return text
+
+
 def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, float]]]:
     """Resolve ``--thresholds``: a preset name, a ``.yaml``/``.yml``/``.json`` file, or a dict.
 
@@ -96,13 +104,10 @@ def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, f
     """
     if isinstance(spec, dict):
         return "custom", normalize(spec, "thresholds")
-    text = str(spec)
+    text = check_spec(str(spec))
     if text in PRESETS:
         return text, normalize(PRESETS[text], f"preset {text}")
     p = Path(text)
-    if p.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise Fp8ExportError(f"--thresholds {text!r} is neither a preset ({', '.join(PRESETS)}) "
-                             "nor a .yaml/.yml/.json file.")
     if not p.is_file():
         raise Fp8ExportError(f"{p}: no such thresholds file.")
     try:

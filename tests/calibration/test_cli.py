@@ -48,9 +48,6 @@ def test_calibrate_refuses_to_overwrite_without_force(run_cli, tiny_llama, calib
 @pytest.mark.parametrize("args,match", [
     (["--calib-data", "missing.txt"], "no such data file"),
     (["--calib-data", "empty.txt"], "empty"),
-    (["--calib-data", "calib.txt", "--percentile", "99"], "applies to --calib-method percentile"),
-    (["--calib-data", "calib.txt", "--calib-method", "percentile", "--percentile", "150"],
-     "must be in"),
 ])
 def test_calibrate_bad_input_exit_1(run_cli, tiny_llama, calib_txt, tmp_path, args, match):
     (tmp_path / "empty.txt").write_text("")
@@ -65,6 +62,19 @@ def test_calibrate_bad_input_exit_1(run_cli, tiny_llama, calib_txt, tmp_path, ar
 def test_calibrate_unknown_method_is_usage_error(run_cli, tiny_llama, calib_txt):
     r = run_cli("calibrate", tiny_llama, "--calib-data", calib_txt, "--calib-method", "kl")
     assert r.exit_code == 2
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--percentile", "99"], "applies to --calib-method percentile"),
+    (["--calib-method", "percentile", "--percentile", "150"], "must be in"),
+])
+def test_calibrate_bad_option_values_are_usage_errors(run_cli, tiny_llama, calib_txt, tmp_path,
+                                                       args, match):
+    r = run_cli("calibrate", tiny_llama, "--calib-data", calib_txt, *args, "-o",
+                tmp_path / "o.json")
+    assert r.exit_code == 2, r.output
+    assert match in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_read_amax_file_validates(tmp_path):

@@ -83,7 +83,7 @@ def test_usage_errors_exit_2_and_missing_checkpoint_exit_1(tmp_path, run_cli):
     result = run_cli("convert", tmp_path / "nope")
     assert result.exit_code == 1 and "no such file or folder" in result.output
     result = run_cli("convert", tmp_path, "--scales", "calibrate")
-    assert result.exit_code == 1 and "--calib-data" in result.output
+    assert result.exit_code == 2 and "--calib-data" in result.output
 
 
 def test_exclude_and_no_fuse_flags(tmp_path, run_cli):

@@ -43,8 +43,7 @@ def test_table(tmp_path, run_cli):
 def test_json(tmp_path, run_cli):
     result = run_cli("inspect", _ckpt(tmp_path), "--json")
     assert result.exit_code == 0, result.output
-    payload = result.output[: result.output.rindex("}") + 1]  # stderr's PASSED line follows
-    data = json.loads(payload)
+    data = json.loads(result.stdout)  # stage and PASSED lines go to stderr
     assert data["kind"] == "checkpoint"
     by = {t["name"]: t for t in data["tensors"]}
     row = by["model.layers.0.mlp.up_proj.weight"]

@@ -82,7 +82,7 @@ def test_unknown_architecture(run_cli, fp8_static, tmp_path):
 
 def test_bad_options(run_cli, fp8_static, tmp_path):
     res = run_cli("export-onnx", fp8_static, "-o", tmp_path / "m.onnx", "--opset", "19")
-    assert res.exit_code == 1 and "--opset 19" in res.output and "--opset 21" in res.output
+    assert res.exit_code == 2 and "--opset 19" in res.output and "--opset 21" in res.output
     res = run_cli("export-onnx", fp8_static, "-o", tmp_path / "m.onnx", "--dtype", "int8")
     assert res.exit_code == 2
     res = run_cli("export-onnx", fp8_static, "-o", tmp_path / "m.txt")

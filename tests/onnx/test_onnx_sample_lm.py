@@ -51,6 +51,7 @@ def test_sample_lm_done_when(run_cli, tmp_path):
         res = run_cli("export-onnx", out, "-o", path, "--dtype", dtype, "--json")
         assert res.exit_code == 0, res.output
         result = json.loads(res.output[res.output.index("{"):res.output.rindex("}") + 1])
+        assert res.stderr.strip().splitlines()[-1].startswith("PASSED | export-onnx | ")
         assert result["check"]["ok"] and len(result["fp8_gemms"]) == n and not result["sixteen_bit"]
     tok = AutoTokenizer.from_pretrained(str(SAMPLE / "model"))
     fp8_model = load_fp8_model(out, dtype=torch.float32, mode="emulate")[0]

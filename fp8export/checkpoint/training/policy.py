@@ -33,7 +33,7 @@ import numpy as np
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.config import AmaxAlgo, ScaleSource
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import E4M3_MAX, amax_to_scale, check_amax
 from fp8export.scales import ActivationRange
 
@@ -74,7 +74,7 @@ def amax_from_history(h: AmaxHistory, *, amax_algo: AmaxAlgo = AmaxAlgo.MAX, mar
     layer = f"{h.module} ({h.role})"
     amax_algo = AmaxAlgo.parse(amax_algo, "--amax-algo")
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
-        raise Fp8ExportError(f"--margin must be an integer >= 0, got {margin!r}.")
+        raise UsageError(f"--margin must be an integer >= 0, got {margin!r}.")
     values = _values(h, layer)
     usable = np.isfinite(values) & (values > 0)
     filled = int(np.sum(usable))
