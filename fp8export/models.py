@@ -70,6 +70,22 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
     return model.eval()
 
 
+def _refuse_quantized(ckpt, path: Path) -> None:
+    """A quantized folder loaded as a plain model would run its FP8 codes without their scales."""
+    from fp8export.checkpoint.formats import dialect_of
+
+    dialect = dialect_of(ckpt.config.get("quantization_config"))
+    fp8 = [t.name for t in ckpt.tensors() if t.dtype.startswith("F8")]
+    if dialect is None and not fp8:
+        return
+    what = f"its config.json declares {dialect} quantization" if dialect else \
+        f"it holds FP8 tensors ({fp8[0]}, ...)"
+    raise Fp8ExportError(
+        f"{path}: a quantized checkpoint ({what}); it cannot serve as the high-precision model "
+        "here. Give the original bf16/fp32 checkpoint it was converted from (an FP8 folder is "
+        "a verify CANDIDATE, not a REFERENCE).")
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                device: str | torch.device = "cpu", tensors: dict[str, torch.Tensor] | None = None):
     """Build the model of the checkpoint at ``path`` and load its weights.
@@ -91,6 +107,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                 f"{path}: no config.json beside the weights, so the architecture is unknown. "
                 "Put the model's config.json in the folder."
             )
+        _refuse_quantized(ckpt, Path(path))
         model = empty_model(ckpt.config, Path(path), dtype=dtype)
         state = {}
         for info in ckpt.tensors():

@@ -39,8 +39,10 @@ from fp8export._progress import progress
 from fp8export.checkpoint.activation import resolve_activation_ranges
 from fp8export.checkpoint.atomic import AtomicDir, check_output_target
 from fp8export.checkpoint.formats import (
+    LOADED_BY,
     activation_scheme,
     extra_files,
+    format_notes,
     quantization_config,
     scale_shape,
 )
@@ -80,6 +82,7 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)  # output file names
     bytes_out: int = 0
+    loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,6 +263,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                      f"activations (second config group): {_listed(dynamic)}")
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
                                   tool_version=__version__)
+    notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format))
     if ckpt.config and "quantization_config" in ckpt.config:
@@ -315,6 +319,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                                                        hashes.result())},
                 "options": options_entry(cfg.to_dict()),
                 "output_format": str(cfg.format),
+                "loaded_by": list(LOADED_BY[cfg.format]),
                 "activation_scheme": scheme,
                 "dynamic_activation_layers": dynamic,
                 "quantization_config": qconfig,
@@ -337,7 +342,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     return ConvertResult(
         output=str(out), format=str(cfg.format), activation_scheme=scheme,
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
-        dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out)
+        dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out,
+        loaded_by=list(LOADED_BY[cfg.format]))
 
 
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,

@@ -5,7 +5,10 @@ Facts come from ``reference/fp8_checkpoint_formats.md``:
   compressed``, per-tensor float8 weights, static per-tensor or dynamic activations, ``ignore``.
   Loaded by vLLM (``CompressedTensorsW8A8Fp8``) and by transformers with compressed-tensors.
 - vllm: the native ``quant_method: fp8`` (AutoFP8 dialect): ``activation_scheme`` and
-  ``ignored_layers``; one activation scheme for the whole model.
+  ``ignored_layers``; one activation scheme for the whole model. **vLLM only**: transformers
+  maps ``quant_method: fp8`` to its block-wise FineGrainedFP8 scheme (128x128 blocks, tensors
+  ``weight_scale_inv`` / ``activation_scale``), so it ignores our per-tensor ``weight_scale`` /
+  ``input_scale`` and computes wrong logits without an error.
 - modelopt: ``hf_quant_config.json`` (``quant_algo: FP8``, ``exclude_modules``) plus the same
   content in config.json as ModelOpt's ``convert_hf_config.py`` writes it; ModelOpt FP8 is
   static-only (vLLM's ModelOpt loader needs ``input_scale``) and scales are 0-dim.
@@ -34,6 +37,37 @@ _CT_STATIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "tensor", "symme
 _CT_DYNAMIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                      "dynamic": True}
 _MODELOPT_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
+
+
+# Which runtimes load each dialect as what it is (reference/fp8_checkpoint_formats.md).
+LOADED_BY: dict[OutputFormat, tuple[str, ...]] = {
+    OutputFormat.COMPRESSED_TENSORS: ("vllm", "transformers (with compressed-tensors)"),
+    OutputFormat.VLLM: ("vllm",),
+    OutputFormat.MODELOPT: ("tensorrt-llm", "vllm"),
+}
+VLLM_ONLY = ("format vllm (quant_method fp8) is for vLLM only: transformers reads "
+             "quant_method fp8 as its block-wise FP8 scheme, ignores these per-tensor scales and "
+             "computes wrong logits without an error. For transformers (and vLLM) use the "
+             "default --format compressed-tensors.")
+
+
+def dialect_of(quantization_config: Any) -> str | None:
+    """The dialect a config.json's ``quantization_config`` is written in, None if there is none.
+
+    ``compressed-tensors``, ``vllm`` (``quant_method: fp8``), ``modelopt``, or
+    ``other (<quant_method>)`` for anything else.
+    """
+    if not isinstance(quantization_config, dict) or not quantization_config:
+        return None
+    method = str(quantization_config.get("quant_method", "")).lower()
+    known = {"compressed-tensors": OutputFormat.COMPRESSED_TENSORS, "fp8": OutputFormat.VLLM,
+             "modelopt": OutputFormat.MODELOPT}
+    return str(known[method]) if method in known else f"other ({method or 'no quant_method'})"
+
+
+def format_notes(fmt: OutputFormat) -> list[str]:
+    """What a user must know about the dialect they wrote (said by convert and the manifest)."""
+    return [VLLM_ONLY] if fmt is OutputFormat.VLLM else []
 
 
 def scale_shape(fmt: OutputFormat) -> tuple[int, ...]:

@@ -47,9 +47,9 @@ def _choice(*values: str) -> click.Choice:
                    "FP8 inference.")
 @click.option("--format", "fmt", type=_choice("compressed-tensors", "vllm", "modelopt"),
               default="compressed-tensors", show_default=True,
-              help="quantization_config dialect: compressed-tensors (vLLM, transformers), "
-                   "vllm (quant_method fp8), modelopt (hf_quant_config.json, TensorRT-LLM; "
-                   "static only).")
+              help="quantization_config dialect: compressed-tensors (vLLM and transformers), "
+                   "vllm (quant_method fp8; vLLM ONLY: transformers misreads it as block-wise "
+                   "FP8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Keep modules matching GLOB (fnmatch on module names, e.g. "
                    "'model.layers.0.*') in high precision. Wins over everything. Repeatable.")
@@ -116,7 +116,9 @@ def render(result) -> None:
     sqnr = sorted(r["weight_sqnr_db"] for r in result.layers if r["weight_sqnr_db"] is not None)
     stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
              if sqnr else "")
-    click.echo(f"wrote {result.output}  [{result.format}]")
+    loaders = " and ".join(result.loaded_by)
+    only = " only" if len(result.loaded_by) == 1 else ""
+    click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
     click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     click.echo(_activation_line(result))
     kept = result.excluded_by_reason()

@@ -267,7 +267,25 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                                ("output_format", "activation_scheme", "format_version")})
         result.summary["source"] = (manifest.get("source") or {}).get("name")
         result.notes.extend(str(n) for n in manifest.get("notes") or [])
+    _dialect(result, ck.config)
     return result
+
+
+def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
+    """The folder's quantization_config dialect (config.json decides what a loader will do)."""
+    from fp8export.checkpoint.formats import LOADED_BY, VLLM_ONLY, dialect_of
+    from fp8export.config import OutputFormat
+
+    dialect = dialect_of((config or {}).get("quantization_config"))
+    s = result.summary
+    if s.get("output_format") and dialect and s["output_format"] != dialect:
+        result.notes.append(f"config.json declares {dialect} but {MANIFEST} says "
+                            f"{s['output_format']}: config.json was edited; loaders follow it")
+    s["output_format"] = dialect or s.get("output_format")
+    known = {str(f): f for f in OutputFormat}
+    s["loaded_by"] = list(LOADED_BY[known[dialect]]) if dialect in known else None
+    if dialect == str(OutputFormat.VLLM) and VLLM_ONLY not in result.notes:
+        result.notes.insert(0, VLLM_ONLY)
 
 
 def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:

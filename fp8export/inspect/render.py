@@ -65,7 +65,10 @@ def render_text(result: InspectResult) -> str:
         lines.append(f"  activations   {s.get('activation_scheme') or 'unknown'} "
                      f"({s['static_input_scales']} static input scales)")
         if s.get("output_format"):
-            lines.append(f"  format        {s['output_format']}")
+            loaders = s.get("loaded_by")
+            where = f" (loads in {' and '.join(loaders)}{' only' if len(loaders) == 1 else ''})" \
+                if loaders else ""
+            lines.append(f"  format        {s['output_format']}{where}")
     else:
         lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized "
                      "(scale = amax / 448), "

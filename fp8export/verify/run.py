@@ -84,6 +84,20 @@ def _keras_layers(config: dict) -> list | None:
     return [(s.name, s.kind, s.options) for s in parse_keras_config(config, "config").layers]
 
 
+def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
+    """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
+    from fp8export.checkpoint._paths import read_json
+    from fp8export.checkpoint.formats import VLLM_ONLY, dialect_of
+    from fp8export.config import OutputFormat
+
+    config = read_json(folder / "config.json", "config.json")
+    dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
+    if dialect == str(OutputFormat.VLLM):
+        notes.append(f"{VLLM_ONLY} verify ran it with fp8export's torch FP8 runtime, which reads "
+                     "its per-tensor scales as vLLM does.")
+    return dialect
+
+
 def verify(cfg: VerifyConfig) -> VerifyResult:
     """Compare ``cfg.candidate`` against ``cfg.reference``; write reports; gate on thresholds.
 
@@ -111,6 +125,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                                  dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
                                  fp8_mode=cfg.fp8_mode)
     notes: list[str] = []
+    dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
     per_layer = None
     with contextlib.ExitStack() as running:
         with stage(f"loading the reference {cfg.reference} (torch, {cfg.reference_dtype})"):
@@ -181,7 +196,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         passed=not failures, backend=cand_runner.backend, samples=cmp.samples,
         metrics=compared["metrics"], thresholds=thresholds, failures=failures, checks=checks,
         per_layer=per_layer, thresholds_source=thr_source, reference=ref_desc,
-        candidate={**cand_desc, "kind": kind}, data=data_info, task=task, notes=notes,
+        candidate={**cand_desc, "kind": kind, "format": dialect}, data=data_info, task=task,
+        notes=notes,
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),
                 "candidate_s": round(t_cand, 3),

@@ -33,7 +33,8 @@ def test_convert_ok_summary(tmp_path, run_cli):
     result = run_cli("convert", ckpt)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert f"wrote {tmp_path / 'ckpt-fp8'}  [compressed-tensors]" in out
+    assert (f"wrote {tmp_path / 'ckpt-fp8'}  [compressed-tensors: loads in vllm and transformers "
+            "(with compressed-tensors)]") in out
     assert "quantized: 3 linear layer(s) to FP8 E4M3" in out
     assert "weights only: activations are dynamic (no training history or calibration data)" \
         in out
