@@ -37,7 +37,7 @@ if "torch" not in sys.modules:
 from fp8export import __version__
 from fp8export._progress import progress
 from fp8export.checkpoint.activation import resolve_activation_ranges
-from fp8export.checkpoint.atomic import AtomicDir, check_output_target
+from fp8export.checkpoint.atomic import AtomicDir, check_output_target, fsync_dir
 from fp8export.checkpoint.formats import (
     LOADED_BY,
     activation_scheme,
@@ -46,6 +46,7 @@ from fp8export.checkpoint.formats import (
     quantization_config,
     scale_shape,
 )
+from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -176,11 +177,14 @@ def _finish(ticks) -> None:
         pass
 
 
-def _check_json_files(folder: Path) -> None:
-    """Every JSON file we wrote parses back (config, index, manifest, format files)."""
+def _check_json_files(folder: Path, names: set[str]) -> None:
+    """Every JSON file we wrote parses back (config, index, manifest, format files).
+
+    Copies of the source's files are not ours to judge: they are carried byte for byte.
+    """
     import json
 
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(folder / n for n in names if n.endswith(".json") and (folder / n).exists()):
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
@@ -264,6 +268,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
                                   tool_version=__version__)
     notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
+    if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
+        notes.append(SENTENCE_TRANSFORMERS_NOTE)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format))
     if ckpt.config and "quantization_config" in ckpt.config:
@@ -291,6 +297,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             if index is not None:
                 write_json(tmp / INDEX_NAME, index)
             written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
+            ours = set(written)
             if ckpt.config is not None:
                 write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
             else:
@@ -300,11 +307,20 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                                              tool_version=__version__).items():
                 write_json(tmp / name, content)
                 written.add(name)
-            for aux in sorted(ckpt.aux_files, key=lambda p: p.name):
-                if aux.name in written:
+                ours.add(name)
+            root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+            for aux in sorted(ckpt.aux_files):
+                rel = aux.relative_to(root).as_posix()
+                if rel in written:
                     continue
-                _copy_file(aux, tmp / aux.name)
-                written.add(aux.name)
+                if aux.is_dir():  # an empty module folder, e.g. sentence-transformers' Normalize
+                    (tmp / rel).mkdir(parents=True, exist_ok=True)
+                else:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    _copy_file(aux, tmp / rel)
+                written.add(rel)
+            for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
+                fsync_dir(sub)  # publish() syncs the top folder only
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
             sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record,
@@ -329,9 +345,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 "notes": _portable(notes, cfg, out),
             }
             write_json(tmp / MANIFEST_NAME, manifest)
-            _check_json_files(tmp)
+            _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
-            bytes_out = sum(p.stat().st_size for p in tmp.iterdir())
+            bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
             atomic.publish()  # nothing above touched `out`; this is the only step that does
     except OSError as exc:  # ENOSPC, EDQUOT, EIO...: the temporary folder is already gone
         where = f" ({Path(exc.filename).name})" if exc.filename else ""

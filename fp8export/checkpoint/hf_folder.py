@@ -3,8 +3,9 @@
 A Hugging Face folder holds, in the order we look for them:
 ``model.safetensors.index.json`` + shards, ``model.safetensors``, ``model-*.safetensors``
 (shards without an index), ``pytorch_model.bin.index.json`` + shards, ``pytorch_model.bin``,
-``pytorch_model-*.bin``. ``config.json`` is parsed when present; tokenizer and generation files
-are listed in ``aux_files`` for the writers to copy.
+``pytorch_model-*.bin``. ``config.json`` is parsed when present; the files loaders read besides
+the weights (tokenizer, generation config, sentence-transformers modules, …: see
+:mod:`fp8export.checkpoint.loader_files`) are listed in ``aux_files`` for the writers to copy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fp8export.checkpoint._paths import check_symlink, contained, read_json
+from fp8export.checkpoint.loader_files import loader_files as _aux_files
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.torch_reader import TorchFile
@@ -25,12 +27,6 @@ ST_INDEX = "model.safetensors.index.json"
 PT_INDEX = "pytorch_model.bin.index.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
-# Files a deployment needs besides the weights (copied to the FP8 folder). Patterns, for glob.
-AUX_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.*", "merges.txt", "added_tokens.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-)
 
 
 class WeightFile(Protocol):
@@ -149,16 +145,6 @@ def _config(folder: Path) -> dict[str, Any] | None:
         raise Fp8ExportError(f"{path}: config.json must hold a JSON object, not "
                              f"{type(config).__name__}. Restore the model's config.json.")
     return config
-
-
-def _aux_files(folder: Path) -> list[Path]:
-    found: set[Path] = set()
-    for pattern in AUX_PATTERNS:
-        for p in folder.glob(pattern):
-            if p.is_file():
-                check_symlink(p, folder)
-                found.add(p)
-    return sorted(found)
 
 
 def _index(folder: Path, index: Path) -> tuple[list[Path], dict[str, str]]:

@@ -51,7 +51,9 @@ class Checkpoint(ABC):
     kind: str  # "hf-folder", "safetensors", "torch", "keras", ...
     config: dict[str, Any] | None = None  # the model's config.json, when there is one
     source_files: list[Path] = field(default_factory=list)  # weight files (hashed in the manifest)
-    aux_files: list[Path] = field(default_factory=list)  # tokenizer/generation files to copy
+    # Files loaders read besides the weights, inside the checkpoint folder (copied to the same
+    # relative path; a folder entry is an empty folder to create). See loader_files.
+    aux_files: list[Path] = field(default_factory=list)
 
     @abstractmethod
     def tensors(self) -> list[TensorInfo]:
