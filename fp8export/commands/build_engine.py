@@ -14,12 +14,14 @@ import click
 @click.option("--shapes", multiple=True, metavar="NAME:MIN,OPT,MAX",
               help="Optimization profile of one input, shapes as AxB: input_ids:1x1,1x128,8x512. "
                    "Default per dynamic input: batch 1,1,8 and sequence 1,128,512.")
-@click.option("--workspace", "workspace_gib", type=float, help="Workspace memory limit in GiB.")
+@click.option("--workspace", "workspace_gib", type=float,
+              help="Workspace memory limit in GiB (default: TensorRT's, the GPU's memory).")
 @click.option("--opt-level", "optimization_level", type=click.IntRange(0, 5), default=3,
               show_default=True,
               help="Builder optimization level (higher: slower build, maybe faster engine).")
 @click.option("--timing-cache", type=click.Path(path_type=Path),
-              help="Load and save the timing cache here.")
+              help="Load and save the timing cache here (default: none, every build times "
+                   "tactics afresh).")
 @click.option("--trtexec", "trtexec", type=click.Path(path_type=Path),
               help="Build with this trtexec binary (default: the tensorrt Python package, else "
                    "trtexec on PATH).")

@@ -13,7 +13,7 @@ _CHOICES = {"case_sensitive": False}
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--calib-data", type=click.Path(path_type=Path), required=True,
               help="Calibration samples: .txt (one per line), .jsonl (text field), or "
-                   ".npz/.safetensors with input_ids (and optionally attention_mask).")
+                   ".npz/.safetensors with input_ids (and optionally attention_mask). Required.")
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="amax file to write (default: a sibling <CHECKPOINT>-amax.json).")
 @click.option("--calib-method",
@@ -32,8 +32,10 @@ _CHOICES = {"case_sensitive": False}
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], **_CHOICES), default="auto",
               show_default=True, help="auto: cuda when available. Several GPUs: models that do "
                    "not fit one are spread with accelerate (optional package).")
-@click.option("--include", multiple=True, metavar="GLOB", help="Also calibrate these modules.")
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Do not calibrate these modules.")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Also calibrate these modules (default: exactly those convert quantizes).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Do not calibrate these modules (default: none beyond convert's own).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 def command(checkpoint, calib_data, output, calib_method, percentile, calib_samples, batch_size,
             seq_len, device, include, exclude, force):

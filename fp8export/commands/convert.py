@@ -22,18 +22,21 @@ def _choice(*values: str) -> click.Choice:
                    "else weights only (dynamic activations).")
 @click.option("--calib-data", type=click.Path(path_type=Path),
               help="Calibration samples: .txt (one per line), .jsonl (text field), or "
-                   ".npz/.safetensors with input_ids.")
+                   ".npz/.safetensors with input_ids. Default: none (no calibration).")
 @click.option("--calib-amax", type=click.Path(path_type=Path),
-              help="amax.json written by `fp8export calibrate` (reuses a calibration run).")
+              help="amax.json written by `fp8export calibrate` (reuses a calibration run). "
+                   "Default: none.")
 @click.option("--calib-method", type=_choice("max", "percentile", "mse", "entropy"),
               default="max", show_default=True, help="Calibrator for --calib-data.")
 @click.option("--percentile", type=float,
               help="Percentile for --calib-method percentile (default 99.99).")
 @click.option("--calib-samples", type=click.IntRange(min=1),
-              help="Use at most N calibration samples.")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Calibration batch size.")
+              help="Use at most N calibration samples (default 512).")
+@click.option("--batch-size", type=click.IntRange(min=1),
+              help="Calibration batch size (default 8).")
 @click.option("--seq-len", type=click.IntRange(min=1),
-              help="Truncate calibration samples to N tokens.")
+              help="Truncate calibration samples to N tokens (default and upper bound: the "
+                   "model's maximum positions).")
 @click.option("--amax-algo", type=_choice("max", "most-recent", "stored"), default="max",
               show_default=True,
               help="How a training amax history becomes one amax: its max, its newest entry, "
@@ -52,7 +55,9 @@ def _choice(*values: str) -> click.Choice:
                    "FP8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Keep modules matching GLOB (fnmatch on module names, e.g. "
-                   "'model.layers.0.*') in high precision. Wins over everything. Repeatable.")
+                   "'model.layers.0.*') in high precision. Wins over everything. Repeatable. "
+                   "Default: none (embeddings, norms, output heads and MoE routers are kept "
+                   "anyway).")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Quantize modules matching GLOB even if excluded by default (e.g. lm_head "
                    "or MoE routers); needs a 2-D float weight. Repeatable.")
@@ -63,7 +68,8 @@ def _choice(*values: str) -> click.Choice:
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
               help="Keep the most sensitive layers in high precision until the estimated KL "
-                   "divergence to the bf16 model is within KL.")
+                   "divergence to the bf16 model is within KL. Default: off (every selected "
+                   "layer in FP8).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,

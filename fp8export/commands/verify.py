@@ -22,15 +22,18 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               help="Candidate runtime; auto picks from the path (FP8 folder → torch FP8, "
                    ".onnx → onnxruntime, .engine/.plan → TensorRT).")
 @click.option("--reference-dtype", type=click.Choice(["bf16", "fp32"]), default="bf16",
-              show_default=True)
-@click.option("--samples", type=int, default=None, help="Use at most N samples.")
-@click.option("--batch-size", type=int, default=4, show_default=True)
+              show_default=True, help="Precision the reference runs in (and a non-FP8-folder "
+                                      "candidate's torch runtime).")
+@click.option("--samples", type=int, default=None,
+              help="Use at most N samples (default: all of --data).")
+@click.option("--batch-size", type=int, default=4, show_default=True,
+              help="Samples per forward pass.")
 @click.option("--seq-len", type=int, default=128, show_default=True,
               help="Truncate samples to N tokens.")
 @click.option("--per-layer", is_flag=True, help="Rank quantized layers by the error each adds "
                                                 "(SQNR of its output; FP8 folder candidates).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True)
+              show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
@@ -38,7 +41,8 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
             samples, batch_size, seq_len, per_layer, device, fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
-    Exit 0: passed; 1: bad input or environment; 3: ran, and thresholds failed.
+    Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
+    failed; 130: interrupted.
     """
     from fp8export import api
     from fp8export.errors import VerificationFailed

@@ -1,9 +1,19 @@
-"""``fp8export --help`` must be instant: it imports no torch/onnx/transformers (a subprocess proves it)."""
+"""Help that tells the truth: ``--help`` is instant (no torch/onnx/transformers: a subprocess
+proves it), every option states its default, and the README's command table lists every option
+of every command (and none that does not exist)."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from fp8export.cli import COMMANDS, LazyGroup
 
 HEAVY = ("torch", "onnx", "onnxruntime", "transformers", "keras", "tensorrt", "numpy")
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _imported_after(args: list[str]) -> set[str]:
@@ -14,7 +24,7 @@ def _imported_after(args: list[str]) -> set[str]:
         f"print('MODULES', ' '.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    line = [l for l in out.stdout.splitlines() if l.startswith("MODULES")][-1]
+    line = [x for x in out.stdout.splitlines() if x.startswith("MODULES")][-1]
     return set(line.split()[1:])
 
 
@@ -23,11 +33,7 @@ def test_top_level_help_imports_nothing_heavy():
 
 
 def test_every_command_help_imports_nothing_heavy():
-    from fp8export.cli import COMMANDS, LazyGroup
-
     for name in COMMANDS:
-        if LazyGroup._load(name) is None:
-            continue
         assert _imported_after([name, "--help"]) == set(), name
 
 
@@ -35,3 +41,44 @@ def test_version(run_cli):
     result = run_cli("--version")
     assert result.exit_code == 0
     assert "fp8export" in result.output
+
+
+def _options(name: str) -> list[click.Option]:
+    return [p for p in LazyGroup._load(name).params
+            if isinstance(p, click.Option) and p.name != "help"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_states_its_default(name):
+    missing = []
+    for opt in _options(name):
+        if opt.is_flag:  # off unless given
+            continue
+        shown = opt.show_default and opt.default is not None
+        if not shown and "default" not in (opt.help or "").lower() \
+                and "required" not in (opt.help or "").lower():
+            missing.append(opt.opts[-1])
+    assert not missing, f"{name}: help of {missing} does not say the default"
+
+
+def _readme_rows() -> dict[str, str]:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Commands"):]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([a-z-]+) ", line)
+        if m:
+            rows[m.group(1)] = line
+    return rows
+
+
+def test_readme_table_lists_every_option():
+    rows = _readme_rows()
+    assert set(rows) == set(COMMANDS)
+    for name in COMMANDS:
+        cell = re.split(r"(?<!\\)\|", rows[name])[1]  # the first column; choices escape "|"
+        listed = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", cell))
+        omitted = [opt.opts[-1] for opt in _options(name) if not set(opt.opts) & listed]
+        assert not omitted, f"README omits {omitted} of {name}"
+        options = {o for opt in _options(name) for o in opt.opts}
+        assert listed <= options, f"README lists {sorted(listed - options)} that {name} lacks"
