@@ -8,7 +8,8 @@ Facts come from ``reference/fp8_checkpoint_formats.md``:
   ``ignored_layers``; one activation scheme for the whole model. **vLLM only**: transformers
   maps ``quant_method: fp8`` to its block-wise FineGrainedFP8 scheme (128x128 blocks, tensors
   ``weight_scale_inv`` / ``activation_scale``), so it ignores our per-tensor ``weight_scale`` /
-  ``input_scale`` and computes wrong logits without an error.
+  ``input_scale`` (it warns only that they are unexpected) and the model it builds is wrong: it
+  computes wrong logits, or fails at the first forward (transformers 5.23 on CPU).
 - modelopt: ``hf_quant_config.json`` (``quant_algo: FP8``, ``exclude_modules``) plus the same
   content in config.json as ModelOpt's ``convert_hf_config.py`` writes it; ModelOpt FP8 is
   static-only (vLLM's ModelOpt loader needs ``input_scale``) and scales are 0-dim.
@@ -46,9 +47,9 @@ LOADED_BY: dict[OutputFormat, tuple[str, ...]] = {
     OutputFormat.MODELOPT: ("tensorrt-llm", "vllm"),
 }
 VLLM_ONLY = ("format vllm (quant_method fp8) is for vLLM only: transformers reads "
-             "quant_method fp8 as its block-wise FP8 scheme, ignores these per-tensor scales and "
-             "computes wrong logits without an error. For transformers (and vLLM) use the "
-             "default --format compressed-tensors.")
+             "quant_method fp8 as its block-wise FP8 scheme and ignores these per-tensor scales, "
+             "so the model it builds is wrong. For transformers (and vLLM) use the default "
+             "--format compressed-tensors.")
 
 
 def dialect_of(quantization_config: Any) -> str | None:
