@@ -5,24 +5,20 @@
 # (scripts/fp8_gate.sh: inspect, calibrated convert, export-onnx, verify of the folder and the
 # ONNX), calibrate, inspect of the ONNX, build-engine without TensorRT, and a Keras input
 # without the keras extra. Then `pip install 'fp8export[keras]'` into the same venv and convert
-# the Keras sample from its folder and from its .keras file, export it and verify it.
+# the Keras sample from its folder and from its .keras file, export it to ONNX and verify the
+# folder and the ONNX against the .keras reference.
 #
 # Every step checks the exit code and the last stderr line (PASSED/FAILED | <cmd> | <s>).
 # Settings, from the environment:
 #   PYTHON          interpreter for the venv            (default python3)
 #   VERIFY_SAMPLES  eval samples per verify             (default 32; empty: all 256)
 #   CALIB_SAMPLES   calibration samples for the gate    (default 64; empty: all 256)
-#   KERAS_ONNX_FROM_SAVED_CONFIG  1: export-onnx and verify of the Keras sample must pass
-#                   (needs export-onnx/verify to rebuild Keras models from their saved config,
-#                   without the sample's own layer code); 0 (default, until they do): those
-#                   steps must fail cleanly (exit 1, one Error line, FAILED), and no more.
 #   KEEP_WORK=1     keep the work folder (printed at the start)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 export VERIFY_SAMPLES=${VERIFY_SAMPLES-32} CALIB_SAMPLES=${CALIB_SAMPLES-64}
-KERAS_ONNX_FROM_SAVED_CONFIG=${KERAS_ONNX_FROM_SAVED_CONFIG:-0}
 export CI=${CI:-true} PIP_DISABLE_PIP_VERSION_CHECK=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/fp8export-install-check.XXXXXX")
 [ "${KEEP_WORK:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
@@ -144,19 +140,13 @@ if cmp -s "$WORK/keras-folder-fp8/model.safetensors" "$WORK/keras-fp8/model.safe
 else
   bad "the folder and its .keras file convert differently"
 fi
-if [ "$KERAS_ONNX_FROM_SAVED_CONFIG" = 1 ]; then
-  expect 0 export-onnx "" -- fp8export export-onnx "$WORK/keras-fp8" -o "$WORK/keras-fp8.onnx"
-  expect 0 verify "" -- fp8export verify "$K/model/float8_model.keras" "$WORK/keras-fp8" \
-    --data "$K/data/eval.jsonl" --report-dir "$WORK/keras-report/folder"
-  expect 0 verify "" -- fp8export verify "$K/model/float8_model.keras" "$WORK/keras-fp8.onnx" \
-    --data "$K/data/eval.jsonl" --report-dir "$WORK/keras-report/onnx"
-else
-  echo "  (KERAS_ONNX_FROM_SAVED_CONFIG=0: export-onnx and verify of Keras sources must fail cleanly)"
-  expect 1 export-onnx "Error:" -- fp8export export-onnx "$WORK/keras-fp8" \
-    -o "$WORK/keras-fp8.onnx"
-  expect 1 verify "Error:" -- fp8export verify "$K/model/float8_model.keras" "$WORK/keras-fp8" \
-    --data "$K/data/eval.jsonl" --report-dir "$WORK/keras-report/folder"
-fi
+expect 0 export-onnx "FP8-eligible GEMMs" -- fp8export export-onnx "$WORK/keras-fp8" \
+  -o "$WORK/keras-fp8.onnx"
+expect 0 verify "PASSED: 200 samples" -- fp8export verify "$K/model/float8_model.keras" \
+  "$WORK/keras-fp8" --data "$K/data/eval.npz" --samples 200 --report-dir "$WORK/keras-report/folder"
+expect 0 verify "PASSED: 200 samples" -- fp8export verify "$K/model/float8_model.keras" \
+  "$WORK/keras-fp8.onnx" --data "$K/data/eval.npz" --samples 200 \
+  --report-dir "$WORK/keras-report/onnx"
 
 echo "install-check: $passed passed, $failed failed in $(($(date +%s) - started))s"
 [ "$failed" -eq 0 ]
