@@ -1,4 +1,4 @@
-"""Keeping paths named by untrusted files inside their folder, and reading small JSON files.
+"""Keeping paths named by untrusted files inside their folder.
 
 Index files (``*.index.json``) name shard files; a hostile one can name ``../../etc/passwd``,
 an absolute path, or a shard that is a symlink leading out of the folder. Every such path is
@@ -9,15 +9,9 @@ Face hub cache snapshot (``…/snapshots/<rev>/``, whose files are symlinks into
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
 
 from fp8export.errors import Fp8ExportError
-
-# Index and config files are small (a 600B-parameter index is ~10 MB); anything larger is not
-# one, and reading it whole would be a cheap memory attack.
-MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 def allowed_roots(folder: Path) -> list[Path]:
@@ -66,25 +60,3 @@ def check_symlink(path: Path, folder: Path, *, named_by: Path | None = None) -> 
             f"{path}{origin}: resolves to {real}, outside the checkpoint folder {folder}; "
             "refused. Copy the real file into the folder instead of linking to it."
         )
-
-
-def read_json(path: Path, what: str) -> Any:
-    """Parse a small JSON file, mapping every failure to Fp8ExportError naming ``path``."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise Fp8ExportError(f"{path}: cannot read {what} ({exc.strerror}).") from exc
-    if size > MAX_JSON_BYTES:
-        raise Fp8ExportError(f"{path}: {what} is {size} bytes, far larger than any real one "
-                             f"(limit {MAX_JSON_BYTES}); the file is corrupt or not a {what}.")
-    try:
-        text = path.read_bytes().decode("utf-8")
-        return json.loads(text)
-    except UnicodeDecodeError as exc:
-        raise Fp8ExportError(f"{path}: {what} is not UTF-8 text ({exc.reason} at byte "
-                             f"{exc.start}). Restore the original file.") from exc
-    except json.JSONDecodeError as exc:
-        raise Fp8ExportError(f"{path}: {what} is not valid JSON ({exc.msg} at line {exc.lineno} "
-                             f"column {exc.colno}). Restore or regenerate the file.") from exc
-    except OSError as exc:
-        raise Fp8ExportError(f"{path}: cannot read {what} ({exc.strerror}).") from exc

@@ -13,8 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fp8export.checkpoint._paths import check_symlink, contained, read_json
+from fp8export.checkpoint._paths import check_symlink, contained
+from fp8export.checkpoint.guarded import INDEX, read_json
 from fp8export.checkpoint.loader_files import loader_files as _aux_files
+from fp8export.checkpoint.model_config import read_model_config
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.torch_reader import TorchFile
@@ -136,19 +138,11 @@ class WeightFilesCheckpoint(Checkpoint):
 # ---------------------------------------------------------------------------------- discovery
 
 def _config(folder: Path) -> dict[str, Any] | None:
-    path = folder / "config.json"
-    if not path.is_file():
-        return None
-    check_symlink(path, folder)
-    config = read_json(path, "config.json")
-    if not isinstance(config, dict):
-        raise Fp8ExportError(f"{path}: config.json must hold a JSON object, not "
-                             f"{type(config).__name__}. Restore the model's config.json.")
-    return config
+    return read_model_config(folder)
 
 
 def _index(folder: Path, index: Path) -> tuple[list[Path], dict[str, str]]:
-    data = read_json(index, "index file")
+    data = read_json(index, INDEX, root=folder)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise Fp8ExportError(f"{index}: has no 'weight_map' object mapping tensor names to shard "

@@ -25,7 +25,6 @@ EinsumDense kernels are returned reshaped to 2-D, see :func:`einsum_kernel_2d`.
 from __future__ import annotations
 
 import io
-import json
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import h5py
 import numpy as np
 
 from fp8export.checkpoint._zip import SafeZip, copy_member
+from fp8export.checkpoint.guarded import CONFIG, parse_json, read_input
 from fp8export.checkpoint.keras_files import keras_file
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.training.keras import FLOAT8_VARIABLES, Float8Layer, keras_training_state
@@ -497,16 +497,11 @@ def _config_beside(path: Path) -> Path:
 
 
 def _read_limited(path: Path) -> bytes:
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise Fp8ExportError(f"{path}: {path.stat().st_size} bytes is too large for a config.")
-    return path.read_bytes()
+    return read_input(path, CONFIG, root=path.parent)
 
 
 def _parse_json(raw: bytes, where: str) -> Any:
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise Fp8ExportError(f"{where}: not valid JSON ({exc}).") from None
+    return parse_json(raw, where, "Keras config")
 
 
 def _open_member_h5(archive: SafeZip, path: Path, closers: list) -> h5py.File:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8export.checkpoint._paths import check_symlink, contained, read_json
+from fp8export.checkpoint._paths import check_symlink, contained
+from fp8export.checkpoint.guarded import CONFIG, read_json
 from fp8export.errors import Fp8ExportError
 
 # Top-level files, as glob patterns.
@@ -59,7 +60,7 @@ def loader_files(folder: Path) -> list[Path]:
 
 def _module_folders(folder: Path, modules: Path) -> list[Path]:
     """The folders ``modules.json`` names, except the Transformer's (its weights are ours)."""
-    data = read_json(modules, "sentence-transformers modules.json")
+    data = read_json(modules, CONFIG, root=folder)
     if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
         raise Fp8ExportError(f"{modules}: not a sentence-transformers modules.json (a list of "
                              "{idx, name, path, type} objects). Restore the original file.")

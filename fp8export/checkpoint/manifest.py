@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from fp8export.errors import Fp8ExportError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "fp8export.json"
 
@@ -85,3 +87,41 @@ def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     out["exclude"] = list(out.get("exclude") or [])
     out["include"] = list(out.get("include") or [])
     return out
+
+
+def _bad_manifest(path: Path, what: str) -> Fp8ExportError:
+    return Fp8ExportError(f"{path}: {what}; the manifest is corrupt or was edited. Re-run "
+                          "`fp8export convert`.")
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``folder/fp8export.json`` through the guarded reader, its structure validated: the
+    ``quantized`` map (module → entry with a string ``weight``, a known ``layout``, numeric or
+    null scales), ``excluded``, ``notes`` and ``source`` have the types every reader relies on.
+    """
+    from fp8export.checkpoint.guarded import MANIFEST, read_json_object
+
+    path = Path(folder) / MANIFEST_NAME
+    doc = read_json_object(path, MANIFEST, root=folder, what="fp8export manifest")
+    quantized = doc.get("quantized", {})
+    if not isinstance(quantized, dict):
+        raise _bad_manifest(path, "'quantized' is not an object of module entries")
+    for module, entry in quantized.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise _bad_manifest(path, f"quantized[{module[:80]!r}] is not an object")
+        if not isinstance(entry.get("weight", ""), str):
+            raise _bad_manifest(path, f"quantized[{module[:80]!r}].weight is not a tensor name")
+        if entry.get("layout", "out_in") not in ("out_in", "in_out"):
+            raise _bad_manifest(path, f"quantized[{module[:80]!r}].layout is "
+                                      f"{str(entry.get('layout'))[:20]!r}, not out_in/in_out")
+        for key in ("weight_scale", "input_scale", "weight_amax", "input_amax", "weight_sqnr_db"):
+            v = entry.get(key)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)) \
+                    and v not in ("nan", "inf", "-inf"):
+                raise _bad_manifest(path, f"quantized[{module[:80]!r}].{key} is not a number")
+    for key, kind in (("excluded", dict), ("notes", list), ("source", dict)):
+        if doc.get(key) is not None and not isinstance(doc[key], kind):
+            raise _bad_manifest(path, f"{key!r} is not a JSON {kind.__name__}")
+    return doc

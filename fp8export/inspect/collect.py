@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint._paths import read_json
+from fp8export.checkpoint.manifest import read_manifest
 from fp8export.checkpoint.safetensors_reader import DTYPE_BYTES as BYTES
 from fp8export.checkpoint.safetensors_reader import FLOAT_DTYPES as FLOAT
 from fp8export.checkpoint.safetensors_reader import FP8_DTYPES as FP8
@@ -184,11 +184,7 @@ def _manifest(p: Path) -> dict[str, Any] | None:
     path = p / MANIFEST if p.is_dir() else None
     if path is None or not path.is_file():
         return None
-    data = read_json(path, "fp8export manifest")
-    if not isinstance(data, dict) or not isinstance(data.get("quantized", {}), dict):
-        raise Fp8ExportError(f"{path}: not an fp8export manifest (no 'quantized' object). "
-                             "Re-run fp8export convert to regenerate the folder.")
-    return data
+    return read_manifest(p)
 
 
 def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],

@@ -1,0 +1,150 @@
+"""``config.json`` read once, through the guarded reader, and validated before anyone uses it.
+
+A config is a stranger's promise about the weights. Every value fp8export or transformers turns
+into a size (an allocation, a loop count) is checked here for type and range, so a
+``"vocab_size": 10**12`` or ``"num_hidden_layers": "many"`` ends in one message naming the file
+and the key, not in gigabytes allocated or a traceback deep inside transformers. Whether the
+sizes agree with the weights is checked later, on the meta device (:mod:`fp8export.models`).
+
+``auto_map`` (custom code the checkpoint wants transformers to import) is recorded as
+:class:`RemoteCode` entries; nothing here or anywhere in fp8export runs them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp8export.checkpoint.guarded import CONFIG, read_json_object
+from fp8export.errors import Fp8ExportError
+
+# Upper bounds far above every released model (Llama 4: 10M positions, 202k vocab; DeepSeek-V3:
+# 256 experts, 61 layers; Gemma 3: 262k vocab) and far below what would exhaust a machine.
+SIZE_LIMITS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17, "n_embd": 1 << 17, "d_model": 1 << 17,
+    "intermediate_size": 1 << 20, "n_inner": 1 << 20, "ffn_dim": 1 << 20,
+    "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024, "n_layer": 1024, "num_layers": 1024,
+    "num_attention_heads": 4096, "n_head": 4096, "num_key_value_heads": 4096,
+    "head_dim": 1 << 14,
+    "max_position_embeddings": 1 << 25, "n_positions": 1 << 25, "n_ctx": 1 << 25,
+    "num_experts": 1024, "num_local_experts": 1024, "n_routed_experts": 1024,
+    "num_experts_per_tok": 1024, "num_labels": 1 << 20, "type_vocab_size": 1 << 16,
+}
+# Sizes that may legitimately be 0 (no shared experts, no token types).
+MAY_BE_ZERO = frozenset({"type_vocab_size", "shared_expert_intermediate_size", "n_inner"})
+FLOAT_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta",
+              "initializer_range")
+STR_KEYS = ("model_type", "hidden_act", "activation_function", "torch_dtype", "dtype")
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+NESTED = ("text_config",)  # multimodal configs keep the language model's sizes here
+
+
+@dataclass(frozen=True)
+class RemoteCode:
+    """One ``auto_map`` entry: transformers would import ``reference`` from the checkpoint."""
+
+    file: Path  # the JSON file that names it
+    entry: str  # e.g. "AutoModelForCausalLM"
+    reference: str  # e.g. "modeling_evil.EvilForCausalLM"
+
+    def describe(self) -> str:
+        return f"{self.file}: 'auto_map' entry {self.entry!r} → {self.reference!r}"
+
+
+def _bad(path: Path, key: str, value: Any, expected: str) -> Fp8ExportError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return Fp8ExportError(f"{path}: {key!r} is {shown}; expected {expected}. Restore the "
+                          "model's config.json.")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, Any]:
+    """Check the types and ranges of the keys listed in this module; return ``config``.
+
+    Keys this module does not know are left alone (configs carry dozens of model-specific
+    ones), and a Keras config (no ``model_type``) only needs to be an object.
+    """
+    if not isinstance(config, dict):
+        raise Fp8ExportError(f"{path}: config.json must hold a JSON object, not "
+                             f"{type(config).__name__}. Restore the model's config.json.")
+    if "class_name" in config and "model_type" not in config:
+        return config  # a Keras model config: the Keras reader validates its own structure
+    for key, limit in SIZE_LIMITS.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        low = 0 if key in MAY_BE_ZERO else 1
+        if not _is_int(v) or not low <= v <= limit:
+            raise _bad(path, where + key, v, f"an integer from {low} to {limit}")
+    for key in FLOAT_KEYS:
+        v = config.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                              or not math.isfinite(v) or v < 0):
+            raise _bad(path, where + key, v, "a finite number >= 0")
+    for key in STR_KEYS:
+        v = config.get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad(path, where + key, v, "a string")
+    for key in TOKEN_ID_KEYS:
+        v = config.get(key)
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not all(_is_int(i) and abs(i) < (1 << 31) for i in ids):
+            raise _bad(path, where + key, v, "a token id (an integer) or a list of them")
+    archs = config.get("architectures")
+    if archs is not None and (not isinstance(archs, list)
+                              or not all(isinstance(a, str) for a in archs)):
+        raise _bad(path, where + "architectures", archs, "a list of class names")
+    for key in ("tie_word_embeddings", "is_encoder_decoder", "use_cache"):
+        v = config.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise _bad(path, where + key, v, "true or false")
+    for key in ("label2id", "id2label", "quantization_config", "rope_scaling", "auto_map"):
+        v = config.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise _bad(path, where + key, v, "a JSON object")
+    label2id = config.get("label2id") or {}
+    if not all(_is_int(i) and 0 <= i < SIZE_LIMITS["num_labels"] for i in label2id.values()):
+        raise _bad(path, where + "label2id", label2id, "label names mapped to class indices")
+    remote_code_entries(config, path)  # validates the auto_map shape
+    for key in NESTED:
+        if isinstance(config.get(key), dict):
+            validate_config(config[key], path, where=f"{where}{key}.")
+    return config
+
+
+def remote_code_entries(config: dict[str, Any], path: Path) -> list[RemoteCode]:
+    """The ``auto_map`` entries of a config or tokenizer config (validated, never imported)."""
+    amap = config.get("auto_map")
+    if amap is None:
+        return []
+    if isinstance(amap, list):  # legacy tokenizer form: [slow class, fast class]
+        amap = {"AutoTokenizer": amap}
+    if not isinstance(amap, dict):
+        raise _bad(path, "auto_map", amap, "a JSON object of class references")
+    out = []
+    for entry, ref in amap.items():
+        refs = ref if isinstance(ref, list) else [ref]
+        if not all(r is None or isinstance(r, str) for r in refs):
+            raise _bad(path, f"auto_map.{entry}", ref, "a class reference string")
+        shown = " / ".join(r for r in refs if r)
+        if shown:
+            out.append(RemoteCode(path, str(entry), shown))
+    return out
+
+
+def read_model_config(folder: Path) -> dict[str, Any] | None:
+    """``folder/config.json`` read through the guarded reader and validated; None if absent."""
+    path = folder / "config.json"
+    if not os.path.lexists(path):
+        return None
+    return validate_config(read_json_object(path, CONFIG, root=folder, what="config.json"), path)
