@@ -141,6 +141,13 @@ def load_calibration_model(path: Path, device: str):
     return model, config, torch.device(device), notes
 
 
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from fp8export.checkpoint.source import open_checkpoint
+
+    with open_checkpoint(path) as ckpt:
+        return {t.name: tuple(t.shape) for t in ckpt.tensors()}
+
+
 def _load_dispatched(path: Path):
     """accelerate's ``device_map="auto"`` (an existing engine, not a hand-rolled sharder)."""
     import importlib.util
@@ -160,21 +167,34 @@ def _load_dispatched(path: Path):
         raise Fp8ExportError(f"{p}: multi-GPU loading needs a Hugging Face folder with "
                              ".safetensors weights (never unpickled). Convert the weights, or use "
                              "--device cpu.")
-    import json
+    from fp8export.checkpoint.model_config import read_model_config
+    from fp8export.models import empty_model
 
-    config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    config = read_model_config(p) or {}
+    with torch.device("meta"):  # refuses custom code and configs that do not fit the weights
+        empty_model(config, p, dtype=torch.bfloat16, shapes=_shapes(p))
     auto = {"causal-lm": transformers.AutoModelForCausalLM,
             "masked-lm": transformers.AutoModelForMaskedLM,
             "seq-cls": transformers.AutoModelForSequenceClassification,
             "base": transformers.AutoModel}[task_of(config)]
     model = auto.from_pretrained(str(p), dtype=torch.bfloat16, device_map="auto",
-                                 local_files_only=True, use_safetensors=True)
+                                 local_files_only=True, use_safetensors=True,
+                                 trust_remote_code=False)
     return model.eval(), config
 
 
 def max_positions(config: dict[str, Any]) -> int | None:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = config.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The embedding rows of the model (token ids must stay below), None if not said."""
+    for cfg in (config, config.get("text_config") or {}):
+        v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
         if isinstance(v, int) and v > 0:
             return v
     return None
@@ -370,7 +390,7 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     from fp8export.numerics.fp8 import amax_to_scale
 
     if cfg.output is not None:
-        check_output(cfg.output, cfg.force)
+        check_output(cfg.output, cfg.force, cfg.checkpoint)
     method = str(cfg.calib_method)
     calibrator_class(method)
     get_calibrator(method, **cfg.method_options())  # validate options before loading
@@ -393,7 +413,8 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
                              "is empty); check --include/--exclude.")
     tok_dir = cfg.checkpoint if cfg.checkpoint.is_dir() else None
     samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
-                           seq_len=cfg.seq_len, max_positions=max_positions(config))
+                           seq_len=cfg.seq_len, max_positions=max_positions(config),
+                           vocab_size=vocab_size(config))
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
         notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
                      f"--calib-samples {cfg.calib_samples})")

@@ -4,18 +4,42 @@ Used by calibration (observe the bf16 model), verify (the reference runner) and 
 Weights go through ``open_checkpoint`` so every source kind loads the same safe way
 (safetensors, or ``torch.load(weights_only=True)``) — never ``from_pretrained`` on untrusted
 pickles, never a hub download.
+
+Untrusted configs: transformers is always called with ``trust_remote_code=False``, and a
+config whose ``auto_map`` names code that transformers has no built-in class for is refused
+with a message naming the entry (an ``auto_map`` that a built-in class covers is ignored, as
+``trust_remote_code=False`` does). The architecture is first built on the meta device (no
+memory) and every parameter shape is compared with the checkpoint's tensors; only then is the
+model built for real, so a config that lies about its sizes costs nothing.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fp8export._progress import info
+from fp8export.checkpoint.model_config import remote_code_entries, validate_config
 from fp8export.errors import Fp8ExportError
 
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+_AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+                 "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}
+# Keys transformers would act on that a checkpoint must not choose for us: which code to import
+# and from where, and an attention kernel that may not be installed (we pick sdpa/eager).
+_DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "name_or_path",
+                 "attn_implementation", "_attn_implementation", "custom_pipelines")
+# Buffers the model makes itself (rotary tables, position ids): not in any checkpoint.
+REBUILT_BUFFERS = ("inv_freq", "position_ids", "original_inv_freq")
+# Non-parameter memory the architecture may allocate from config values alone (position id
+# tables, masks); real models need megabytes.
+MAX_BUFFER_BYTES = 4 << 30
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def task_of(config: dict[str, Any]) -> str:
@@ -31,43 +55,159 @@ def task_of(config: dict[str, Any]) -> str:
     return "base"
 
 
-def hf_config(config: dict[str, Any], source: Path):
-    """A transformers PretrainedConfig from a config.json dict (quantization_config dropped)."""
-    from transformers import AutoConfig
+def config_file(source: Path) -> Path:
+    """The config.json that describes ``source`` (a folder, or a weights file beside one)."""
+    source = Path(source)
+    return source / "config.json" if source.is_dir() else source.parent / "config.json"
 
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def hf_config(config: dict[str, Any], source: Path):
+    """A transformers PretrainedConfig from a config.json dict (see ``_DROPPED_KEYS``)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    where = config_file(source)
+    validate_config(config, where)
+    cfg = {k: v for k, v in config.items() if k not in _DROPPED_KEYS}
     model_type = cfg.pop("model_type", None)
     if not model_type:
         raise Fp8ExportError(f"{source}: config.json has no 'model_type'; cannot build the model.")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        _refuse_remote_code(config, where, ("AutoConfig",), f"model_type {model_type!r}")
+        raise Fp8ExportError(
+            f"{source}: transformers does not know model_type {model_type!r}. "
+            "Upgrade transformers or convert a supported architecture.")
     try:
         return AutoConfig.for_model(model_type, **cfg)
-    except (KeyError, ValueError) as exc:
+    except Exception as exc:  # config classes raise any type for values they do not accept
+        raise Fp8ExportError(f"{where}: transformers does not accept this {model_type} config "
+                             f"({_first_line(exc)}). Restore the model's config.json.") from exc
+
+
+def _refuse_remote_code(config: dict[str, Any], where: Path, entries: tuple[str, ...],
+                        what: str) -> None:
+    for rc in remote_code_entries(config, where):
+        if rc.entry in entries:
+            raise Fp8ExportError(
+                f"{rc.describe()}: {what} needs this custom code from the checkpoint, and "
+                "fp8export never runs code from a checkpoint (trust_remote_code=False). Use a "
+                "checkpoint of an architecture transformers implements itself.")
+
+
+def _check_counts(config: dict[str, Any], names: list[str], where: Path) -> None:
+    """Layer and expert counts of the config against the tensor names, before any build (a
+    config claiming a million layers would take hours to build even on the meta device)."""
+    for keys, pattern, what in ((("num_hidden_layers", "n_layer", "num_layers"), _LAYER_INDEX,
+                                 "layers"),
+                                (("num_local_experts", "num_experts", "n_routed_experts"),
+                                 _EXPERT_INDEX, "experts")):
+        found = {int(m.group(1)) for n in names for m in [pattern.search(n)] if m}
+        if not found:
+            continue
+        for key in keys:
+            v = config.get(key)
+            if isinstance(v, int) and v > max(found) + 1:
+                raise Fp8ExportError(
+                    f"{where}: {key!r} is {v} but the weights hold {what} 0..{max(found)} only. "
+                    "The config does not describe these weights; restore the model's config.json.")
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+def _build(auto, cfg, dtype: torch.dtype, where: Path, arch: str, *, meta: bool):
+    kwargs = {"trust_remote_code": False, _dtype_kwarg(): dtype}
+    try:
+        if meta:
+            with torch.device("meta"):
+                return auto.from_config(cfg, **kwargs)
+        return auto.from_config(cfg, **kwargs)
+    except Fp8ExportError:
+        raise
+    except Exception as exc:  # bad config values surface as any exception inside transformers
+        raise Fp8ExportError(f"{where}: transformers cannot build {arch} from this config "
+                             f"({_first_line(exc)}). Fix the values in config.json.") from exc
+
+
+def missing_tensors(model, present) -> list[str]:
+    """Names of ``model``'s state dict that ``present`` lacks and the model cannot do without:
+    buffers it rebuilds itself and tied parameters whose alias is present are not missing."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    alias_of = {n: names for names in aliases.values() for n in names}
+    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    return [name for name in model.state_dict()
+            if name not in present and not name.endswith(REBUILT_BUFFERS)
+            and not any(a in present for a in alias_of.get(name, ()))
+            and not (tie and name.endswith(("lm_head.weight", "decoder.weight")))]
+
+
+def check_shapes(model, shapes: Mapping[str, tuple[int, ...]], source: Path) -> None:
+    """Every parameter and stored buffer of ``model`` (built on the meta device) against the
+    checkpoint's tensor shapes; raise on a mismatch, a missing tensor, or huge buffers."""
+    expected = model.state_dict()
+    for name, t in expected.items():
+        got = shapes.get(name)
+        if got is not None and tuple(got) != tuple(t.shape):
+            raise Fp8ExportError(
+                f"{source}: tensor {name} has shape {tuple(got)} but the architecture in "
+                f"config.json expects {tuple(t.shape)}. The checkpoint does not match its "
+                "config.json.")
+    missing = missing_tensors(model, shapes)
+    if missing:
         raise Fp8ExportError(
-            f"{source}: transformers does not know model_type {model_type!r} ({exc}). "
-            "Upgrade transformers or convert a supported architecture."
-        ) from exc
+            f"{source}: {len(missing)} weights the architecture needs are missing, e.g. "
+            f"{missing[:3]}. The checkpoint does not match its config.json.")
+    buffers = [(n, b) for n, b in model.named_buffers() if n not in expected]
+    total = sum(b.numel() * b.element_size() for _, b in buffers)
+    if total > MAX_BUFFER_BYTES:
+        name, big = max(buffers, key=lambda nb: nb[1].numel())
+        raise Fp8ExportError(
+            f"{config_file(source)}: the architecture would allocate {total / 2**30:.1f} GiB of "
+            f"buffers from config values alone (e.g. {name} {tuple(big.shape)}); a size in "
+            "config.json (max_position_embeddings?) is absurd. Restore the model's config.json.")
 
 
-def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch.float32):
-    """Instantiate the architecture of ``config`` with random weights (no download)."""
+def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch.float32, *,
+                shapes: Mapping[str, tuple[int, ...]] | None = None):
+    """Instantiate the architecture of ``config`` with random weights (no download).
+
+    With ``shapes`` (tensor name → shape of the checkpoint that will be loaded into it) the
+    architecture is first built on the meta device and checked against them
+    (:func:`check_shapes`), so nothing is allocated for a config that does not fit the weights.
+    """
     import transformers
 
+    where = config_file(source)
     task = task_of(config)
-    auto = {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "masked-lm": transformers.AutoModelForMaskedLM,
-        "seq-cls": transformers.AutoModelForSequenceClassification,
-        "base": transformers.AutoModel,
-    }[task]
+    auto_name = _AUTO_CLASSES[task]
+    auto = getattr(transformers, auto_name)
+    if shapes is not None:
+        _check_counts(config, list(shapes), where)
     cfg = hf_config(config, source)
-    try:
-        try:
-            model = auto.from_config(cfg, dtype=dtype)  # transformers >= 4.56 spelling
-        except TypeError:
-            model = auto.from_config(cfg, torch_dtype=dtype)
-    except ValueError as exc:
-        raise Fp8ExportError(f"{source}: cannot build {task} model from config ({exc}).") from exc
-    return model.eval()
+    if type(cfg) not in auto._model_mapping:
+        _refuse_remote_code(config, where, (auto_name,),
+                            f"building {config.get('model_type')} as {auto_name}")
+        raise Fp8ExportError(f"{source}: transformers has no {task} class for model_type "
+                             f"{config.get('model_type')!r}. Check 'architectures' in config.json.")
+    if any(rc.entry in (auto_name, "AutoConfig") for rc in remote_code_entries(config, where)):
+        info(f"Note: {where}: 'auto_map' ignored; transformers' own "
+             f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
+             "(trust_remote_code=False).")
+    arch = (config.get("architectures") or [config.get("model_type")])[0]
+    if shapes is not None:
+        check_shapes(_build(auto, cfg, dtype, where, arch, meta=True), shapes, source)
+    return _build(auto, cfg, dtype, where, arch, meta=False).eval()
 
 
 def _refuse_quantized(ckpt, path: Path) -> None:
@@ -108,11 +248,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                 "Put the model's config.json in the folder."
             )
         _refuse_quantized(ckpt, Path(path))
-        model = empty_model(ckpt.config, Path(path), dtype=dtype)
+        shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
+        if tensors:
+            shapes.update({k: tuple(t.shape) for k, t in tensors.items() if k in shapes})
+        model = empty_model(ckpt.config, Path(path), dtype=dtype, shapes=shapes)
         state = {}
-        for info in ckpt.tensors():
-            t = tensors[info.name] if tensors and info.name in tensors else ckpt.load(info.name)
-            state[info.name] = t
+        for info_ in ckpt.tensors():
+            t = tensors[info_.name] if tensors and info_.name in tensors else ckpt.load(info_.name)
+            state[info_.name] = t
         config = dict(ckpt.config)
     expected = model.state_dict()
     loadable = {}
@@ -124,18 +267,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                     f"config.json expects {tuple(expected[name].shape)}."
                 )
             loadable[name] = t.to(dtype) if t.is_floating_point() else t
-    missing = [k for k in expected if k not in loadable]
-    tied = set()
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied = {k for k in missing if k.endswith("lm_head.weight") or k.endswith("decoder.weight")}
-    # Non-persistent buffers (rotary inv_freq, position_ids) are rebuilt by the model itself.
-    missing = [k for k in missing if k not in tied and not k.endswith(("inv_freq", "position_ids"))]
+    missing = missing_tensors(model, loadable)
     if missing:
         raise Fp8ExportError(
             f"{path}: {len(missing)} weights the architecture needs are missing, e.g. "
             f"{missing[:3]}. The checkpoint does not match its config.json."
         )
     model.load_state_dict(loadable, strict=False)
-    if tied:
+    if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.to(device).eval(), config

@@ -31,6 +31,7 @@ import io
 import logging
 import os
 import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -137,9 +138,10 @@ def build_torch_model(folder, dtype):
     """The transformers model of ``folder`` (an Fp8Folder) holding its dequantized weights."""
     import torch
 
-    from fp8export.models import empty_model
+    from fp8export.models import empty_model, missing_tensors
 
-    model = empty_model(folder.config, folder.path, dtype=dtype)
+    model = empty_model(folder.config, folder.path, dtype=dtype,
+                        shapes={k: tuple(t.shape) for k, t in folder.tensors.items()})
     state = folder.model_state(dtype)
     expected = model.state_dict()
     loadable = {}
@@ -151,8 +153,7 @@ def build_torch_model(folder, dtype):
                 f"{folder.path}: tensor {name} has shape {tuple(t.shape)} but the architecture in "
                 f"config.json expects {tuple(expected[name].shape)}. Re-run `fp8export convert`.")
         loadable[name] = t
-    missing = [k for k in expected if k not in loadable
-               and not k.endswith(("inv_freq", "position_ids", "lm_head.weight", "decoder.weight"))]
+    missing = missing_tensors(model, loadable)
     if missing:
         raise Fp8ExportError(
             f"{folder.path}: {len(missing)} weights the architecture needs are missing, e.g. "
@@ -291,7 +292,9 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     """Save ``proto`` to ``output`` atomically (temp folder + rename), external data > 2 GB.
 
     ``check_fn(path)`` runs on the temporary file before it is renamed into place; if it raises,
-    nothing is left behind. Returns ``(output, data_path or None)``.
+    nothing is left behind. The temporary folder has a random name and is created exclusively
+    (``mkdtemp``), so nothing planted beside the output is followed. Any OSError (read-only or
+    full location) becomes an Fp8ExportError. Returns ``(output, data_path or None)``.
     """
     import onnx
 
@@ -300,12 +303,12 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     data_path = output.parent / data_name
     if output.exists() and not force:
         raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
-    output.parent.mkdir(parents=True, exist_ok=True)
     external = _initializer_bytes(proto) > EXTERNAL_DATA_BYTES
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp: Path | None = None
+    moved_data = False
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
         tmp_model = tmp / output.name
         if external:
             onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
@@ -316,11 +319,19 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
             check_fn(tmp_model)
         if external:
             os.replace(tmp / data_name, data_path)
+            moved_data = True
         elif data_path.exists() and force:
             data_path.unlink()  # a stale external-data file from an earlier, larger export
         os.replace(tmp_model, output)
+    except OSError as exc:
+        if moved_data:
+            data_path.unlink(missing_ok=True)
+        raise Fp8ExportError(f"{output}: writing the ONNX file failed ({exc.strerror or exc}); "
+                             "nothing was written. Check the path, its permissions and the free "
+                             "space.") from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return output, (data_path if external else None)
 
 
@@ -331,6 +342,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     import onnx
 
     from fp8export.keras_model.config import is_keras_config
+    from fp8export.checkpoint.atomic import refuse_inside_input
     from fp8export.onnx.check import check_model
     from fp8export.onnx.fp8dir import read_fp8_folder
     from fp8export.onnx.qdq import rewrite_qdq
@@ -341,6 +353,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
+    refuse_inside_input(output, cfg.fp8_dir)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
     keras = is_keras_config(folder.config)

@@ -8,7 +8,6 @@ while the tensor is missing, scales that are not positive finite numbers.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,20 @@ from typing import Any
 
 import torch
 
+from fp8export.checkpoint.manifest import read_manifest
+from fp8export.checkpoint.model_config import read_model_config
 from fp8export.errors import Fp8ExportError
 
 MANIFEST = "fp8export.json"
+
+
+def read_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the FP8 folder's safetensors files, as stored, through the checkpoint
+    readers (index and shard names kept inside the folder, headers validated)."""
+    from fp8export.checkpoint.hf_folder import open_hf_folder
+
+    with open_hf_folder(folder) as ckpt:
+        return {info.name: ckpt.load(info.name) for info in ckpt.tensors()}
 
 
 @dataclass(frozen=True)
@@ -63,17 +73,6 @@ class Fp8Folder:
         return state
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise Fp8ExportError(f"{path}: {what} is not valid JSON ({exc}). Re-run "
-                             "`fp8export convert`.") from exc
-    if not isinstance(data, dict):
-        raise Fp8ExportError(f"{path}: {what} must be a JSON object. Re-run `fp8export convert`.")
-    return data
-
-
 def _scalar_scale(t: torch.Tensor, tensor_name: str, folder: Path) -> float:
     if t.numel() != 1:
         raise Fp8ExportError(
@@ -97,23 +96,12 @@ def read_fp8_folder(path: str | Path) -> Fp8Folder:
         raise Fp8ExportError(
             f"{folder}: no {MANIFEST} manifest, so which layers are FP8 and their scales are "
             "unknown. Convert the checkpoint first: `fp8export convert CKPT -o FP8DIR`.")
-    manifest = _read_json(folder / MANIFEST, "the manifest")
-    if not (folder / "config.json").is_file():
+    manifest = read_manifest(folder)
+    config = read_model_config(folder)
+    if config is None:
         raise Fp8ExportError(f"{folder}: no config.json, so the architecture is unknown. Put the "
                              "model's config.json in the folder.")
-    config = _read_json(folder / "config.json", "config.json")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise Fp8ExportError(f"{folder}: no .safetensors files. Re-run `fp8export convert`.")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError) as exc:
-            raise Fp8ExportError(f"{f}: cannot read ({exc}). Re-run `fp8export convert`.") from exc
+    tensors = read_folder_tensors(folder)
 
     quantized = manifest.get("quantized")
     if not isinstance(quantized, dict) or not quantized:

@@ -10,7 +10,6 @@ scales then run as one GEMM (``fp8_fused.py``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +28,30 @@ def is_fp8_folder(path: str | Path) -> bool:
 
 
 def read_manifest(fp8_dir: str | Path) -> dict[str, Any]:
+    from fp8export.checkpoint.manifest import read_manifest as read
+
     p = Path(fp8_dir) / MANIFEST
     if not p.is_file():
         raise Fp8ExportError(f"{fp8_dir}: no {MANIFEST}; this is not an FP8 folder written by "
                              "`fp8export convert`. Convert the checkpoint first.")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise Fp8ExportError(f"{p}: not valid JSON ({exc}). Re-run `fp8export convert`.") from exc
+    return read(Path(fp8_dir))
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:
-    p = Path(folder) / "config.json"
-    if not p.is_file():
+    from fp8export.checkpoint.model_config import read_model_config
+
+    config = read_model_config(Path(folder))
+    if config is None:
         raise Fp8ExportError(f"{folder}: no config.json, so the architecture is unknown. Put the "
                              "model's config.json in the folder.")
-    return json.loads(p.read_text())
+    return config
 
 
 def load_fp8_tensors(fp8_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's ``*.safetensors`` files, as stored (E4M3 stays E4M3)."""
-    from safetensors.torch import load_file
+    from fp8export.onnx.fp8dir import read_folder_tensors
 
-    files = sorted(Path(fp8_dir).glob("*.safetensors"))
-    if not files:
-        raise Fp8ExportError(f"{fp8_dir}: no .safetensors files in the FP8 folder. Re-run "
-                             "`fp8export convert`.")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
+    return read_folder_tensors(Path(fp8_dir))
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -123,7 +116,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     from fp8export.models import empty_model
 
     tensors = load_fp8_tensors(where)
-    model = empty_model(config, where, dtype=dtype)
+    model = empty_model(config, where, dtype=dtype,
+                        shapes={k: tuple(t.shape) for k, t in tensors.items()})
     quantized = manifest.get("quantized") or {}
     fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
                                  where=where)

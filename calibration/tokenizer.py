@@ -1,0 +1,129 @@
+"""The checkpoint's tokenizer, loaded from a private copy made through the guarded reader.
+
+``AutoTokenizer.from_pretrained(folder)`` would read whatever the folder holds, however it is
+linked, and follow names inside ``tokenizer_config.json`` (``auto_map`` to import code,
+``tokenizer_file`` / ``vocab_file`` to read any path). So transformers never sees the user's
+folder: the known tokenizer files are copied into a fresh private temporary folder through
+:func:`fp8export.checkpoint.guarded.copy_input` (regular files inside the checkpoint, size
+capped, JSON depth- and integer-checked), ``tokenizer_config.json`` is rewritten without the
+keys that name code or files, ``config.json`` is reduced to its ``model_type``, and the
+tokenizer is loaded from there with ``trust_remote_code=False`` and ``local_files_only=True``.
+
+A tokenizer that exists only as custom code (``auto_map`` names ``AutoTokenizer`` and
+``tokenizer_class`` is not a class transformers ships) is refused, naming the entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fp8export.checkpoint.guarded import CONFIG, TOKENIZER, copy_input, parse_json, read_input
+from fp8export.checkpoint.model_config import read_model_config, remote_code_entries
+from fp8export.errors import Fp8ExportError
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The files transformers' tokenizers read (besides tokenizer_config.json); nothing else is copied.
+TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt", "merges.txt")
+# Files that alone make a tokenizer (tokenizer_config.json alone does not).
+VOCABULARIES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                "vocab.json", "vocab.txt")
+# tokenizer_config.json keys that name code to import or files to open.
+_UNSAFE_KEYS = ("auto_map", "name_or_path", "_name_or_path")
+
+
+def _present(folder: Path, names) -> list[Path]:
+    return [folder / n for n in names if os.path.lexists(folder / n)]
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer's vocabulary (names only; nothing is read)."""
+    return folder.is_dir() and bool(_present(folder, VOCABULARIES))
+
+
+def _safe_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items()
+            if k not in _UNSAFE_KEYS and not k.endswith(("_file", "_files"))}
+
+
+def _builtin_class(name: Any) -> bool:
+    if not isinstance(name, str) or not name:
+        return False
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    for candidate in (name, name.removesuffix("Fast"), name + "Fast"):
+        cls = tokenizer_class_from_name(candidate)
+        if cls is not None and cls.__module__.startswith("transformers."):
+            return True
+    return False
+
+
+def _model_facts(folder: Path) -> tuple[str | None, list[str]]:
+    """The model_type transformers knows (for picking a tokenizer class) and the config.json
+    ``auto_map`` entries naming a tokenizer."""
+    config = read_model_config(folder)
+    if not config:
+        return None, []
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    remote = [rc.describe() for rc in remote_code_entries(config, folder / "config.json")
+              if rc.entry == "AutoTokenizer"]
+    model_type = config.get("model_type")
+    return (model_type if model_type in CONFIG_MAPPING_NAMES else None), remote
+
+
+def load_tokenizer(folder: Path, *, for_file: Path | None = None):
+    """The tokenizer of the checkpoint folder ``folder`` (see the module docstring)."""
+    folder = Path(folder)
+    vocab = _present(folder, VOCABULARIES)
+    if not vocab:
+        raise Fp8ExportError(
+            f"{for_file or folder}: text data needs the checkpoint's tokenizer, but {folder} has "
+            "no tokenizer files (tokenizer.json / tokenizer.model / vocab). Save the tokenizer "
+            "into the checkpoint folder (tokenizer.save_pretrained), or give pre-tokenised "
+            ".npz / .safetensors data with 'input_ids'.")
+    tok_cfg: dict[str, Any] = {}
+    tok_cfg_path = folder / TOKENIZER_CONFIG
+    if os.path.lexists(tok_cfg_path):
+        raw = parse_json(read_input(tok_cfg_path, CONFIG, root=folder), tok_cfg_path,
+                         TOKENIZER_CONFIG)
+        if not isinstance(raw, dict):
+            raise Fp8ExportError(f"{tok_cfg_path}: must hold a JSON object. Restore the "
+                                 "tokenizer files (tokenizer.save_pretrained).")
+        tok_cfg = raw
+    model_type, remote = _model_facts(folder)
+    remote[:0] = [rc.describe() for rc in remote_code_entries(tok_cfg, tok_cfg_path)
+                  if rc.entry == "AutoTokenizer"]
+    if remote and not _builtin_class(tok_cfg.get("tokenizer_class")):
+        raise Fp8ExportError(
+            f"{remote[0]}: the tokenizer exists only as custom code in the checkpoint, and "
+            "fp8export never runs code from a checkpoint (trust_remote_code=False). Save a "
+            "tokenizer of a class transformers ships (tokenizer.json), or give pre-tokenised "
+            ".npz / .safetensors data with 'input_ids'.")
+    import transformers
+
+    with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
+        private = Path(tmp)
+        for src in _present(folder, TOKENIZER_FILES):
+            dest = copy_input(src, private / src.name, TOKENIZER, root=folder)
+            if dest.suffix == ".json":
+                parse_json(dest.read_bytes(), src, src.name)  # depth/integer limits
+        (private / TOKENIZER_CONFIG).write_text(json.dumps(_safe_tokenizer_config(tok_cfg)),
+                                                encoding="utf-8")
+        if model_type:
+            (private / "config.json").write_text(json.dumps({"model_type": model_type}),
+                                                 encoding="utf-8")
+        try:
+            return transformers.AutoTokenizer.from_pretrained(
+                str(private), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # transformers/tokenizers raise many types on bad files
+            text = str(exc).strip().replace(tmp, str(folder))
+            first = text.splitlines()[0][:300] if text else ""
+            raise Fp8ExportError(
+                f"{folder}: cannot load the tokenizer ({type(exc).__name__}: {first}). Check the "
+                "tokenizer files in the checkpoint folder.") from exc
