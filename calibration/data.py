@@ -18,13 +18,14 @@ always gives the same batches (calibration is deterministic bit for bit).
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fp8export._progress import info
+from fp8export.checkpoint.guarded import CONFIG, DATA, open_input, parse_json, read_json_object
 from fp8export.errors import Fp8ExportError, UsageError
 
 if TYPE_CHECKING:
@@ -34,6 +35,13 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKEN_SUFFIXES = (".npz", ".safetensors")
 SUFFIXES = TEXT_SUFFIXES + TOKEN_SUFFIXES
 IGNORE_INDEX = -100  # padding value of per-token labels: the index torch/HF losses ignore
+# Bounds on what a data file may ask of us. A sample line is truncated to the model's maximum
+# positions anyway; 1 MiB of text is ~250k tokens (the tokenizer itself aborts the process on a
+# line of a few hundred MB). Token files: rows and row length within the same spirit.
+MAX_LINE_BYTES = 1 << 20
+MAX_SAMPLES = 1_000_000
+MAX_TOKENS_PER_SAMPLE = 1 << 20
+MAX_LABEL = (1 << 31) - 1
 
 _FORMATS_HINT = (
     "Give a .txt file (one sample a line), a .jsonl file (a 'text' field a line), or a "
@@ -87,7 +95,8 @@ class Batch:
 
 
 def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: int | None = None,
-                 seq_len: int | None = None, max_positions: int | None = None) -> Samples:
+                 seq_len: int | None = None, max_positions: int | None = None,
+                 vocab_size: int | None = None, num_labels: int | None = None) -> Samples:
     """Read ``path`` into :class:`Samples`.
 
     Args:
@@ -98,38 +107,40 @@ def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: i
         seq_len: requested maximum tokens per sample.
         max_positions: the model's maximum positions (``max_position_embeddings``); samples are
             truncated to ``min(seq_len, max_positions)`` with a notice.
+        vocab_size: the model's vocabulary; every token id must be in ``[0, vocab_size)``.
+        num_labels: classes of a sequence classifier; sequence labels must be below it.
 
     Raises:
         Fp8ExportError: missing / empty / unreadable / binary file, unknown suffix, text that
-            tokenises to nothing, text without a tokenizer, token files without ``input_ids``.
+            tokenises to nothing, text without a tokenizer, token files without ``input_ids``,
+            a line longer than :data:`MAX_LINE_BYTES`, more than :data:`MAX_SAMPLES` samples,
+            token ids outside the vocabulary, labels out of range.
     """
     p = Path(path)
     for name, value in (("--calib-samples", max_samples), ("--seq-len", seq_len)):
         if value is not None and int(value) < 1:
             raise Fp8ExportError(f"{name} must be >= 1, got {value}.")
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():
         raise Fp8ExportError(f"{p}: no such data file. {_FORMATS_HINT}")
     if p.is_dir():
         raise Fp8ExportError(f"{p}: is a folder, not a data file. {_FORMATS_HINT}")
     suffix = p.suffix.lower()
     if suffix not in SUFFIXES:
         raise Fp8ExportError(f"{p}: unknown data format {p.suffix!r}. {_FORMATS_HINT}")
-    try:
-        size = p.stat().st_size
-    except OSError as exc:
-        raise Fp8ExportError(f"{p}: cannot read the data file ({exc.strerror}).") from exc
-    if size == 0:
-        raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
 
     limits = [v for v in (seq_len, max_positions) if v is not None and v > 0]
     max_len = min(limits) if limits else None
+    bounds = _Bounds(p, vocab_size, num_labels)
 
-    if suffix in TEXT_SUFFIXES:
-        texts, raw_labels = _read_text(p, suffix, max_samples)
-        ids, labels, pad_id = _tokenise(p, texts, raw_labels, tokenizer_dir, max_samples)
-    else:
-        ids, labels = _read_tokens(p, suffix, max_samples)
-        pad_id = _pad_id_of(tokenizer_dir)
+    with open_input(p, DATA) as f:  # a regular file within the size cap (no FIFO, no device)
+        if os.fstat(f.fileno()).st_size == 0:
+            raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
+        if suffix in TEXT_SUFFIXES:
+            ids, labels, pad_id = _tokenise(p, _text_samples(p, f, suffix), tokenizer_dir,
+                                            max_samples, bounds)
+        else:
+            ids, labels = _read_tokens(p, f, suffix, max_samples, bounds)
+            pad_id = _pad_id_of(tokenizer_dir, vocab_size)
 
     truncated = 0
     if max_len is not None:
@@ -195,127 +206,173 @@ def num_batches(samples: Samples, batch_size: int) -> int:
 # readers
 
 
-def _read_utf8_lines(p: Path) -> list[str]:
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise Fp8ExportError(f"{p}: cannot read the data file ({exc.strerror}).") from exc
-    # A NUL byte never occurs in text; catching it first gives a clearer message than a
-    # decode error deep in a binary blob (e.g. an .npz renamed to .txt).
-    if b"\x00" in raw[:65536]:
-        raise Fp8ExportError(
-            f"{p}: looks like a binary file, not UTF-8 text. {_FORMATS_HINT}")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise Fp8ExportError(
-            f"{p}: is not UTF-8 text (byte {exc.start}: {exc.reason}). Re-encode it as UTF-8."
-        ) from exc
-    return text.splitlines()
+@dataclass(frozen=True)
+class _Bounds:
+    """What a data file's numbers must stay within (token ids, labels, sample count)."""
+
+    path: Path
+    vocab_size: int | None
+    num_labels: int | None
+
+    def check_count(self, n: int) -> None:
+        if n > MAX_SAMPLES:
+            raise Fp8ExportError(
+                f"{self.path}: more than {MAX_SAMPLES} samples; pass --samples / --calib-samples "
+                "to use the first N, or split the file.")
+
+    def check_ids(self, i: int, lo: int, hi: int, *, text: bool = False) -> None:
+        top = self.vocab_size if self.vocab_size else MAX_LABEL + 1
+        if lo < 0 or hi >= top:
+            bad = lo if lo < 0 else hi
+            why = (" The tokenizer does not match the model." if text else
+                   " The data was tokenised for another model.")
+            raise Fp8ExportError(
+                f"{self.path}: sample {i + 1} has token id {bad}, outside the model's "
+                f"vocabulary [0, {top}).{why}")
+
+    def check_label(self, i: int, value: int) -> int:
+        top = self.num_labels if self.num_labels else MAX_LABEL + 1
+        if not 0 <= value < top:
+            raise Fp8ExportError(
+                f"{self.path}: sample {i + 1} has label {value}, outside [0, {top})"
+                + (" (the model's classes)" if self.num_labels else "") + ".")
+        return value
+
+    def check_token_labels(self, i: int, row) -> None:
+        top = self.vocab_size if self.vocab_size else MAX_LABEL + 1
+        bad = [int(v) for v in row if not (v == IGNORE_INDEX or 0 <= v < top)]
+        if bad:
+            raise Fp8ExportError(
+                f"{self.path}: sample {i + 1} has per-token label {bad[0]}, neither "
+                f"{IGNORE_INDEX} (ignored) nor a token id in [0, {top}).")
 
 
-def _read_text(p: Path, suffix: str, max_samples: int | None):
-    lines = _read_utf8_lines(p)
-    texts: list[str] = []
-    labels: list[Any] = []
-    for lineno, line in enumerate(lines, 1):
+def _lines(p: Path, f: IO[bytes]) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file, read one bounded line at a time."""
+    offset = 0
+    lineno = 0
+    while True:
+        try:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+        except OSError as exc:
+            raise Fp8ExportError(f"{p}: cannot read the data file ({exc.strerror}).") from exc
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise Fp8ExportError(
+                f"{p}:{lineno}: the line is longer than {MAX_LINE_BYTES} bytes. A sample is one "
+                "line of at most that much text; split or shorten it.")
+        # A NUL byte never occurs in text; catching it first gives a clearer message than a
+        # decode error deep in a binary blob (e.g. an .npz renamed to .txt).
+        if b"\x00" in raw:
+            raise Fp8ExportError(
+                f"{p}: looks like a binary file, not UTF-8 text. {_FORMATS_HINT}")
+        try:
+            text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise Fp8ExportError(
+                f"{p}: is not UTF-8 text (byte {offset + exc.start}: {exc.reason}). Re-encode "
+                "it as UTF-8.") from exc
+        offset += len(raw)
+        for piece in text.splitlines():
+            yield lineno, piece
+
+
+def _text_samples(p: Path, f: IO[bytes], suffix: str) -> Iterator[tuple[str, Any]]:
+    """``(text, label)`` of every non-blank line (label None for .txt and unlabelled .jsonl)."""
+    for lineno, line in _lines(p, f):
         if not line.strip():
             continue
         if suffix == ".txt":
-            texts.append(line)
+            yield line, None
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
+            obj = parse_json(line, f"{p}:{lineno}", "the line")
+        except Fp8ExportError as exc:
             raise Fp8ExportError(
-                f"{p}:{lineno}: not valid JSON ({exc.msg}). Each line of a .jsonl file must be "
-                'one object like {"text": "..."}.') from exc
+                f"{exc} Each line of a .jsonl file must be one object like "
+                '{"text": "..."}.') from exc
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise Fp8ExportError(
                 f"{p}:{lineno}: needs a string 'text' field, e.g. {{\"text\": \"...\"}}.")
-        texts.append(obj["text"])
-        labels.append(obj.get("label"))
-    if not texts:
-        raise Fp8ExportError(f"{p}: holds no samples (only blank lines). {_FORMATS_HINT}")
-    has = [lab is not None for lab in labels]
-    if any(has) and not all(has):
-        first = has.index(False) if not all(has) else 0
-        raise Fp8ExportError(
-            f"{p}: some lines have a 'label' and some do not (sample {first + 1} has none). "
-            "Give a label on every line or on none.")
-    return texts, (labels if labels and all(has) else None)
+        yield obj["text"], obj.get("label")
 
 
 def _load_tokenizer(p: Path, tokenizer_dir: Path | None):
+    from fp8export.calibration.tokenizer import load_tokenizer
+
     if tokenizer_dir is None:
         raise Fp8ExportError(
             f"{p}: text data needs the checkpoint's tokenizer, but no tokenizer folder is known "
             "(a single weights file was given). Pass a Hugging Face folder with tokenizer files, "
             "or give pre-tokenised .npz / .safetensors data with 'input_ids'.")
     tdir = Path(tokenizer_dir)
-    if tdir.is_file():
-        tdir = tdir.parent
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-             "vocab.txt", "spiece.model")
-    if not any((tdir / n).exists() for n in names):
-        raise Fp8ExportError(
-            f"{p}: text data needs the checkpoint's tokenizer, but {tdir} has no tokenizer files "
-            "(tokenizer.json / tokenizer_config.json / vocab). Save the tokenizer into the "
-            "checkpoint folder (tokenizer.save_pretrained), or give pre-tokenised .npz / "
-            ".safetensors data with 'input_ids'.")
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(tdir), local_files_only=True)
-    except Exception as exc:  # transformers raises many types (OSError, ValueError, ...)
-        raise Fp8ExportError(
-            f"{tdir}: cannot load the tokenizer ({type(exc).__name__}: {exc}). Check the "
-            "tokenizer files in the checkpoint folder.") from exc
+    return load_tokenizer(tdir.parent if tdir.is_file() else tdir, for_file=p)
 
 
-def _tokenise(p: Path, texts: list[str], raw_labels: list[Any] | None,
-              tokenizer_dir: Path | None, max_samples: int | None):
+def _tokenise(p: Path, texts: Iterator[tuple[str, Any]], tokenizer_dir: Path | None,
+              max_samples: int | None, bounds: _Bounds):
     tok = _load_tokenizer(p, tokenizer_dir)
-    label2id = _label2id(tokenizer_dir) if raw_labels is not None else {}
+    label2id: dict[str, int] | None = None
     try:
         n_special = int(tok.num_special_tokens_to_add(pair=False))
     except Exception:  # slow tokenizers without the method: count nothing as special
         n_special = 0
     ids: list[list[int]] = []
-    labels: list[Any] | None = [] if raw_labels is not None else None
-    skipped = 0
-    for i, text in enumerate(texts):
+    labels: list[Any] | None = None
+    labelled: bool | None = None
+    skipped = lines = 0
+    for text, label in texts:
         if max_samples is not None and len(ids) >= max_samples:
             break
+        lines += 1
+        bounds.check_count(lines)
+        if labelled is None:
+            labelled = label is not None
+            labels = [] if labelled else None
+        elif labelled != (label is not None):
+            raise Fp8ExportError(
+                f"{p}: some lines have a 'label' and some do not (sample {lines} "
+                f"{'has none' if labelled else 'has one'}). Give a label on every line or on "
+                "none.")
         enc = tok(text, add_special_tokens=True, truncation=False)["input_ids"]
         # A line that yields only the special tokens (BOS/CLS/SEP) carries no text for the
         # statistics: skip it, and fail below if that leaves nothing.
         if len(enc) <= n_special:
             skipped += 1
             continue
-        ids.append([int(t) for t in enc])
+        row = [int(t) for t in enc]
+        bounds.check_ids(len(ids), min(row), max(row), text=True)
+        ids.append(row)
         if labels is not None:
-            labels.append(_label_value(p, raw_labels[i], label2id, i))
+            if label2id is None:
+                label2id = _label2id(tokenizer_dir)
+            labels.append(bounds.check_label(len(ids) - 1,
+                                             _label_value(p, label, label2id, len(ids) - 1)))
+    if not lines:
+        raise Fp8ExportError(f"{p}: holds no samples (only blank lines). {_FORMATS_HINT}")
     if not ids:
         raise Fp8ExportError(
             f"{p}: the text tokenises to nothing with the tokenizer in {tokenizer_dir} "
-            f"({len(texts)} lines, none giving a non-special token). Check the file's "
+            f"({lines} lines, none giving a non-special token). Check the file's "
             "encoding and that it is the right tokenizer.")
     if skipped:
         info(f"Note: {p}: {skipped} lines tokenised to nothing and were skipped.")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return ids, labels, int(pad) if pad is not None else 0
+    pad = int(pad) if isinstance(pad, int) else 0
+    if pad < 0 or (bounds.vocab_size and pad >= bounds.vocab_size):
+        pad = 0  # padded positions are masked out; the id only has to be a valid index
+    return ids, labels, pad
 
 
 def _label2id(tokenizer_dir: Path | None) -> dict[str, int]:
-    if tokenizer_dir is None:
+    from fp8export.checkpoint.model_config import read_model_config
+
+    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
         return {}
-    cfg = Path(tokenizer_dir) / "config.json"
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return {str(k): int(v) for k, v in (data.get("label2id") or {}).items()}
+    config = read_model_config(Path(tokenizer_dir)) or {}
+    return {str(k): int(v) for k, v in (config.get("label2id") or {}).items()}
 
 
 def _label_value(p: Path, value: Any, label2id: dict[str, int], i: int) -> int:
@@ -326,32 +383,115 @@ def _label_value(p: Path, value: Any, label2id: dict[str, int], i: int) -> int:
     if isinstance(value, str):
         if value in label2id:
             return label2id[value]
-        if value.lstrip("-").isdigit():
+        if value.lstrip("-").isdigit() and len(value) <= 19:
             return int(value)
         raise Fp8ExportError(
-            f"{p}: sample {i + 1} has label {value!r}, which the checkpoint's config.json "
+            f"{p}: sample {i + 1} has label {value[:40]!r}, which the checkpoint's config.json "
             f"label2id does not name (known: {sorted(label2id) or 'none'}). Use integer labels.")
-    raise Fp8ExportError(f"{p}: sample {i + 1} has label {value!r}; use an int or a string.")
+    raise Fp8ExportError(f"{p}: sample {i + 1} has label {str(value)[:40]!r}; use an int or a "
+                         "string.")
 
 
-def _read_tokens(p: Path, suffix: str, max_samples: int | None):
+_INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
+# Compression a real token file reaches (ids compress well; a bomb declares far more).
+_MAX_NPZ_RATIO = 1000
+
+
+def _npy_array(p: Path, name: str, data: bytes):
+    """One ``.npy`` member, its header checked against its length before anything is allocated
+    (``np.load`` would allocate what the header declares, then find the data short)."""
+    import io
+
+    import numpy as np
+    from numpy.lib import format as npy
+
+    buf = io.BytesIO(data)
+    try:
+        version = npy.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = npy.read_array_header_1_0(buf)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy.read_array_header_2_0(buf)
+        else:
+            shape, fortran, dtype = npy._read_array_header(buf, version)
+    except (ValueError, TypeError, SyntaxError, OverflowError) as exc:
+        raise Fp8ExportError(f"{p}: member {name!r} is not a readable .npy array ({exc}). "
+                             f"{_FORMATS_HINT}") from exc
+    if dtype.hasobject:
+        raise Fp8ExportError(f"{p}: {name!r} holds Python objects; refused (token ids are "
+                             "integers). Save a plain integer array.")
+    count = 1
+    for d in shape:
+        count *= int(d)
+    need = count * dtype.itemsize
+    if need != len(data) - buf.tell():
+        raise Fp8ExportError(
+            f"{p}: {name!r} declares shape {tuple(shape)} ({need} bytes) but holds "
+            f"{len(data) - buf.tell()} bytes; the file is corrupt.")
+    arr = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
+    return arr.reshape(shape, order="F" if fortran else "C")
+
+
+def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
+    import zipfile
+    import zlib
+
+    errors = (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError,
+              NotImplementedError, RuntimeError)
+    try:
+        zf = zipfile.ZipFile(f)
+    except errors as exc:
+        raise Fp8ExportError(f"{p}: cannot read it as .npz ({type(exc).__name__}: {exc}). "
+                             f"{_FORMATS_HINT}") from exc
+    out: dict[str, Any] = {}
+    with zf:
+        found = sorted(i.filename.removesuffix(".npy") for i in zf.infolist())
+        for key in ("input_ids", "attention_mask", "labels"):
+            try:
+                member = zf.getinfo(f"{key}.npy")
+            except KeyError:
+                continue
+            ratio = member.file_size / max(member.compress_size, 1)
+            if member.file_size > DATA.max_bytes or (member.file_size > 1 << 20
+                                                     and ratio > _MAX_NPZ_RATIO):
+                raise Fp8ExportError(
+                    f"{p}: {key!r} declares {member.file_size} bytes from "
+                    f"{member.compress_size} compressed; refused (a zip bomb or a corrupt file).")
+            try:
+                data = zf.read(member)
+            except errors as exc:
+                raise Fp8ExportError(f"{p}: cannot read {key!r} ({type(exc).__name__}: {exc}). "
+                                     f"{_FORMATS_HINT}") from exc
+            out[key] = _npy_array(p, key, data)
+    out["__found__"] = found
+    return out
+
+
+def _safetensors_arrays(p: Path) -> dict[str, Any]:
+    from fp8export.checkpoint.safetensors_reader import SafetensorsFile
+
+    sf = SafetensorsFile(p)  # validated header: offsets, dtypes and sizes agree with the file
+    try:
+        out: dict[str, Any] = {"__found__": sorted(t.name for t in sf.tensors)}
+        dtypes = {t.name: t.dtype for t in sf.tensors}
+        for key in ("input_ids", "attention_mask", "labels"):
+            if key not in dtypes:
+                continue
+            t = sf.load(key)
+            out[key] = (t.numpy() if dtypes[key] in _INT_DTYPES else t.float().numpy())
+        return out
+    finally:
+        sf.close()
+
+
+def _read_tokens(p: Path, f: IO[bytes], suffix: str, max_samples: int | None, bounds: _Bounds):
     import numpy as np
 
-    try:
-        if suffix == ".npz":
-            with np.load(p, allow_pickle=False) as z:  # never unpickle user data
-                arrays = {k: z[k] for k in z.files}
-        else:
-            from safetensors.numpy import load_file
-
-            arrays = load_file(str(p))
-    except Exception as exc:  # zipfile.BadZipFile, SafetensorError, ValueError, OSError
-        raise Fp8ExportError(
-            f"{p}: cannot read it as {suffix} ({type(exc).__name__}: {exc}). "
-            f"{_FORMATS_HINT}") from exc
+    arrays = _npz_arrays(p, f) if suffix == ".npz" else _safetensors_arrays(p)
+    found = arrays.pop("__found__")
     if "input_ids" not in arrays:
         raise Fp8ExportError(
-            f"{p}: has no 'input_ids' array (found: {sorted(arrays) or 'nothing'}). Save the "
+            f"{p}: has no 'input_ids' array (found: {found or 'nothing'}). Save the "
             "token ids as 'input_ids' [N, T] (and optionally 'attention_mask').")
     ids = np.asarray(arrays["input_ids"])
     if ids.ndim == 1:
@@ -361,6 +501,11 @@ def _read_tokens(p: Path, suffix: str, max_samples: int | None):
             f"{p}: 'input_ids' has shape {ids.shape}; expected [N, T] with N, T > 0.")
     if not np.issubdtype(ids.dtype, np.integer):
         raise Fp8ExportError(f"{p}: 'input_ids' has dtype {ids.dtype}; token ids must be integers.")
+    if ids.shape[1] > MAX_TOKENS_PER_SAMPLE:
+        raise Fp8ExportError(f"{p}: 'input_ids' rows hold {ids.shape[1]} tokens (limit "
+                             f"{MAX_TOKENS_PER_SAMPLE}); split the samples.")
+    if max_samples is None:
+        bounds.check_count(ids.shape[0])
     mask = arrays.get("attention_mask")
     if mask is not None:
         mask = np.asarray(mask)
@@ -378,6 +523,9 @@ def _read_tokens(p: Path, suffix: str, max_samples: int | None):
             raise Fp8ExportError(
                 f"{p}: 'labels' has shape {labels_arr.shape}; expected [N] = [{ids.shape[0]}] "
                 f"or the shape of 'input_ids' {ids.shape}.")
+        if not np.issubdtype(labels_arr.dtype, np.integer):
+            raise Fp8ExportError(f"{p}: 'labels' has dtype {labels_arr.dtype}; labels must be "
+                                 "integers.")
     out: list[list[int]] = []
     labels: list[Any] | None = [] if labels_arr is not None else None
     skipped = 0
@@ -389,12 +537,15 @@ def _read_tokens(p: Path, suffix: str, max_samples: int | None):
         if row.size == 0:
             skipped += 1
             continue
+        bounds.check_ids(i, int(row.min()), int(row.max()))
         out.append([int(t) for t in row])
         if labels is not None:
             if labels_arr.ndim == 1:
-                labels.append(int(labels_arr[i]))
+                labels.append(bounds.check_label(i, int(labels_arr[i])))
             else:
-                labels.append(tuple(int(t) for t in labels_arr[i][keep]))
+                lab = labels_arr[i][keep]
+                bounds.check_token_labels(i, lab)
+                labels.append(tuple(int(t) for t in lab))
     if not out:
         raise Fp8ExportError(
             f"{p}: every sample's attention_mask is all zeros; there are no tokens to use.")
@@ -403,21 +554,23 @@ def _read_tokens(p: Path, suffix: str, max_samples: int | None):
     return out, labels
 
 
-def _pad_id_of(tokenizer_dir: Path | None) -> int:
-    """The pad id from the checkpoint's config (0 if none): padded positions are masked anyway."""
-    if tokenizer_dir is None:
+def _pad_id_of(tokenizer_dir: Path | None, vocab_size: int | None = None) -> int:
+    """The pad id from the checkpoint's configs (0 if none, or if it is not a valid token id:
+    padded positions are masked anyway, but still go through the embedding)."""
+    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
         return 0
+    folder = Path(tokenizer_dir)
     for name in ("tokenizer_config.json", "config.json"):
-        try:
-            data = json.loads((Path(tokenizer_dir) / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        path = folder / name
+        if not os.path.lexists(path):
             continue
+        data = read_json_object(path, CONFIG, root=folder, what=name)
         for key in ("pad_token_id", "eos_token_id"):
             v = data.get(key)
             if isinstance(v, list):
                 v = v[0] if v else None
-            if isinstance(v, int):
-                return v
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v if 0 <= v < (vocab_size or MAX_LABEL + 1) else 0
     return 0
 
 

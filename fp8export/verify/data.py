@@ -37,21 +37,23 @@ RANDOM_SAMPLES = 8
 RANDOM_LEN = 32
 
 
-def has_tokenizer(folder: Path) -> bool:
-    return folder.is_dir() and any((folder / n).is_file() for n in (
-        "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model"))
-
-
 def load_verify_samples(data: Path | None, reference: Path, config: dict[str, Any], *,
                         samples: int | None, seq_len: int | None):
     """``(Samples, data_info)`` for verify; ``data_info`` is JSON-serialisable for the report."""
+    from fp8export.calibration.api import vocab_size
     from fp8export.calibration.data import as_samples, load_samples
+    from fp8export.calibration.tokenizer import has_tokenizer
+    from fp8export.models import task_of
 
     tok_dir = reference if reference.is_dir() else reference.parent
     max_pos = config.get("max_position_embeddings") or config.get("n_positions")
+    vocab = vocab_size(config)
+    labels = None
+    if task_of(config) == "seq-cls":  # other configs carry a default id2label of 2 classes
+        labels = config.get("num_labels") or len(config.get("id2label") or {}) or None
     if data is not None:
         s = load_samples(data, tok_dir, max_samples=samples, seq_len=seq_len,
-                         max_positions=max_pos)
+                         max_positions=max_pos, vocab_size=vocab, num_labels=labels)
         if len(s) == 0:
             raise Fp8ExportError(f"{data}: no usable samples in the data file. Give at least "
                                  "one non-empty line / record.")
@@ -62,7 +64,8 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
         with tempfile.TemporaryDirectory() as tmp:
             f = Path(tmp) / "builtin.txt"
             f.write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n", encoding="utf-8")
-            s = load_samples(f, tok_dir, seq_len=seq_len, max_positions=max_pos)
+            s = load_samples(f, tok_dir, seq_len=seq_len, max_positions=max_pos,
+                             vocab_size=vocab)
         note = (f"No --data given: used fp8export's built-in sample set ({len(s)} short English "
                 "sentences, tokenised with the reference's tokenizer). Pass --data with your "
                 "own evaluation data for a verdict about your task.")
@@ -70,7 +73,7 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
                    "tokens": s.num_tokens, "note": note}
     import numpy as np
 
-    vocab = int(config.get("vocab_size") or 0)
+    vocab = vocab or 0
     if vocab < 2:
         raise Fp8ExportError(f"{reference}: no --data, no tokenizer and no vocab_size in "
                              "config.json, so verify cannot make inputs. Pass --data with a "
