@@ -192,6 +192,8 @@ class _DiskReader:
         import torch
 
         n = end - begin
+        if n == 0:  # an empty tensor: nothing to read (frombuffer refuses a count of 0)
+            return torch.empty(0, dtype=torch.uint8)
         if self.direct is not None:
             start = begin - begin % _ALIGN
             length = -(-(end - start) // _ALIGN) * _ALIGN

@@ -84,17 +84,70 @@ def load_state_dict(path: Path) -> Any:
             "corrupt, or not a torch.save file: re-download or re-save it.") from exc
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, Any], ignored: list[str]) -> None:
+# Nested state dicts are a few levels deep (wrapper → model → submodule); deeper is hostile.
+MAX_NESTING = 64
+
+
+def _flatten(obj: Any, path: Path, out: dict[str, Any], ignored: list[str]) -> None:
+    """Tensors of nested dicts by dotted name (iterative: a hostile nesting is refused, not a
+    RecursionError)."""
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            _flatten(value, name, out, ignored)
-    else:
-        ignored.append(prefix or "<root>")
+    stack = [("", obj, 0)]
+    while stack:
+        prefix, value, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            if depth >= MAX_NESTING:
+                raise Fp8ExportError(f"{path}: dicts nested more than {MAX_NESTING} deep (at "
+                                     f"{prefix[:80]!r}…); not a state dict. Save "
+                                     "model.state_dict().")
+            items = [(f"{prefix}.{key}" if prefix else str(key), v, depth + 1)
+                     for key, v in value.items()]
+            stack.extend(reversed(items))
+        else:
+            ignored.append(prefix or "<root>")
+
+
+def check_tensor(t: torch.Tensor, name: str, path: Path) -> str:
+    """The safetensors dtype name of a tensor read from a torch file, after refusing what no
+    state dict holds: meta or nested tensors, sparse/quantized layouts, and views whose
+    storage is smaller than their shape implies (stride 0 or overlapping strides: a tiny file
+    that expands to 10^12 elements)."""
+    where = f"{path}: tensor {name!r}"
+    if t.is_nested:
+        raise Fp8ExportError(f"{where} is a nested tensor; a state dict holds dense tensors. "
+                             "Save model.state_dict().")
+    import torch
+
+    if t.is_quantized or t.layout != torch.strided:
+        raise Fp8ExportError(f"{where} is sparse or quantized; save it dense "
+                             "(tensor.to_dense() / dequantize()) first.")
+    if t.device.type == "meta":
+        raise Fp8ExportError(f"{where} is a meta tensor: the file holds its shape but no data. "
+                             "Save the real weights.")
+    dtype = _dtype_name(t.dtype)
+    if dtype is None:
+        raise Fp8ExportError(
+            f"{where} has dtype {t.dtype}, which fp8export does not read. Convert it to "
+            "bfloat16/float16/float32 first.")
+    if t.numel() == 0:
+        return dtype
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    reach = 1
+    for st, sz in dims:
+        if st < reach:
+            raise Fp8ExportError(
+                f"{where} has shape {tuple(t.shape)} with strides {t.stride()}: its elements "
+                "overlap (a stride-0 or overlapping view), so the file holds far fewer values "
+                "than the shape says. Refused; save tensor.contiguous() instead.")
+        reach = st * sz
+    stored = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    if t.numel() * t.element_size() > stored:
+        raise Fp8ExportError(f"{where} needs {t.numel() * t.element_size()} bytes but its "
+                             f"storage holds {stored}; the file is corrupt.")
+    return dtype
 
 
 def unwrap(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -113,7 +166,7 @@ def unwrap(obj: Any, path: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
                              "Save model.state_dict() instead of the model or a list.")
     tensors: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
-    _flatten(obj, "", tensors, ignored)
+    _flatten(obj, path, tensors, ignored)
     if ignored:
         more = f" and {len(ignored) - 8} more" if len(ignored) > 8 else ""
         shown = ", ".join(ignored[:8]) + more
@@ -139,14 +192,7 @@ class TorchFile:
         self._tensors, self.notes = unwrap(load_state_dict(path), path)
         self.tensors: list[TensorInfo] = []
         for name, t in self._tensors.items():
-            dtype = _dtype_name(t.dtype)
-            if dtype is None:
-                raise Fp8ExportError(
-                    f"{path}: tensor {name!r} has dtype {t.dtype}, which fp8export does not read. "
-                    "Convert it to bfloat16/float16/float32 first.")
-            if t.is_sparse or t.is_quantized:
-                raise Fp8ExportError(f"{path}: tensor {name!r} is sparse or quantized; save it "
-                                     "dense (tensor.to_dense() / dequantize()) first.")
+            dtype = check_tensor(t, name, path)
             self.tensors.append(TensorInfo(name=name, dtype=dtype, shape=tuple(t.shape), file=path))
 
     def load(self, name: str) -> torch.Tensor:

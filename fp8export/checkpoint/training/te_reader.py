@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, _aux_files, _config, weight_files
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile, read_header
 from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
-from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, _dtype_name, is_zip
+from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, check_tensor, is_zip
 from fp8export.checkpoint.training import torchao
 from fp8export.checkpoint.training.base import TrainingState
 from fp8export.checkpoint.training.te import EXTRA_STATE, plan_modules, te_training_state
@@ -282,15 +282,11 @@ class Fp8StateCheckpoint(Checkpoint):
     @staticmethod
     def _info(src: _TorchSource | _SafetensorsSource, name: str) -> TensorInfo | None:
         if isinstance(src, _SafetensorsSource):
-            return next(t for t in src.file.tensors if t.name == name)
+            return src.file.info(name)
         value = src.entries[name]
         if not _tensor(value):
             return None
-        dtype = _dtype_name(value.dtype)
-        if dtype is None or value.is_sparse or value.is_quantized:
-            raise Fp8ExportError(f"{src.path}: tensor {name!r} is {value.dtype}"
-                                 f"{' (sparse/quantized)' if dtype else ''}, which fp8export "
-                                 "does not read; save it dense in bf16/fp16/fp32.")
+        dtype = check_tensor(value, name, src.path)
         return TensorInfo(name=name, dtype=dtype, shape=tuple(value.shape), file=src.path)
 
     def tensors(self) -> list[TensorInfo]:
