@@ -26,7 +26,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.atomic import write_file_atomic
+from fp8export.checkpoint.atomic import refuse_inside_input, write_file_atomic
+from fp8export.checkpoint.guarded import AMAX, WEIGHTS, open_input, read_json_object
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales import ActivationRange
@@ -40,7 +41,7 @@ VERSION = 1
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_input(path, WEIGHTS) as f:  # a regular file (never a FIFO or a device)
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -60,9 +61,12 @@ def source_hashes(checkpoint: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_output(path: Path, force: bool) -> None:
-    """Refuse to replace an existing file without ``--force`` (checked before any work)."""
+def check_output(path: Path, force: bool, checkpoint: Path | None = None) -> None:
+    """Refuse to replace an existing file without ``--force``, and to write inside the
+    ``checkpoint`` being calibrated (checked before any work)."""
     p = Path(path)
+    if checkpoint is not None:
+        refuse_inside_input(p, checkpoint)
     if p.is_dir():
         raise Fp8ExportError(f"{p}: is a folder; -o/--output takes a file path like amax.json.")
     if p.exists() and not force:
@@ -107,43 +111,64 @@ def write_amax_file(result: CalibrationResult, path: str | Path, *, force: bool 
     return p
 
 
-def read_amax_file(path: str | Path) -> dict[str, ActivationRange]:
-    """Ranges from an ``amax.json`` (validated: every amax finite and > 0).
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    Raises Fp8ExportError naming the file and the module at fault.
+
+def read_amax_file(path: str | Path) -> dict[str, ActivationRange]:
+    """Ranges from an ``amax.json`` (validated: every amax finite and > 0, every field of the
+    type the schema says).
+
+    Raises Fp8ExportError naming the file and the module or field at fault.
     """
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
+    if not p.exists() and not p.is_symlink():
         raise Fp8ExportError(f"{p}: no such amax file. Write one with `fp8export calibrate "
-                             "CKPT --calib-data PATH -o amax.json`.") from exc
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise Fp8ExportError(f"{p}: not a readable JSON amax file ({exc}). Write one with "
-                             "`fp8export calibrate`.") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                             "CKPT --calib-data PATH -o amax.json`.")
+    doc = read_json_object(p, AMAX)
+    if doc.get("format") != FORMAT:
         raise Fp8ExportError(f"{p}: not an fp8export amax file (missing \"format\": "
                              f"\"{FORMAT}\"). Write one with `fp8export calibrate`.")
     if doc.get("version") != VERSION:
-        raise Fp8ExportError(f"{p}: amax file version {doc.get('version')!r} is not supported "
-                             f"(this fp8export reads version {VERSION}); re-run calibrate.")
+        raise Fp8ExportError(f"{p}: amax file version {str(doc.get('version'))[:20]!r} is not "
+                             f"supported (this fp8export reads version {VERSION}); re-run "
+                             "calibrate.")
+
+    def bad(field: str, expected: str) -> Fp8ExportError:
+        return Fp8ExportError(f"{p}: {field!r} is {str(doc.get(field))[:40]!r}; expected "
+                              f"{expected}. Re-run `fp8export calibrate`.")
+
     modules = doc.get("modules")
     if not isinstance(modules, dict) or not modules:
         raise Fp8ExportError(f"{p}: holds no modules; re-run `fp8export calibrate`.")
-    details_common = {"method": doc.get("method"), **(doc.get("options") or {}),
+    options = doc.get("options") or {}
+    if not isinstance(options, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, (str, bool)) or _number(v))
+            for k, v in options.items()):
+        raise bad("options", "an object of option names to plain values")
+    if not (doc.get("method") is None or isinstance(doc.get("method"), str)):
+        raise bad("method", "a calibrator name")
+    for field in ("samples", "tokens"):
+        v = doc.get(field)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad(field, "a count (an integer >= 0)")
+    details_common = {"method": doc.get("method"), **options,
                       "samples": doc.get("samples"), "tokens": doc.get("tokens"),
                       "amax_file": p.name}
     out: dict[str, ActivationRange] = {}
     for m, entry in modules.items():
         a = entry.get("amax") if isinstance(entry, dict) else entry
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) \
-                or a <= 0:
+        if not _number(a) or not math.isfinite(a) or a <= 0:
             raise Fp8ExportError(
-                f"{p}: module {m} has amax {a!r}; every amax must be a finite number > 0. "
-                "Re-run `fp8export calibrate`, or remove the entry to fall back.")
+                f"{p}: module {m} has amax {str(a)[:40]!r}; every amax must be a finite number "
+                "> 0. Re-run `fp8export calibrate`, or remove the entry to fall back.")
         d = dict(details_common)
         if isinstance(entry, dict) and "observed_amax" in entry:
-            d["observed_amax"] = entry["observed_amax"]
+            obs = entry["observed_amax"]
+            if obs is not None and (not _number(obs) or not math.isfinite(obs)):
+                raise Fp8ExportError(f"{p}: module {m} has observed_amax {str(obs)[:40]!r}; "
+                                     "expected a finite number. Re-run `fp8export calibrate`.")
+            d["observed_amax"] = obs
         out[m] = ActivationRange(module=m, amax=float(a), source=ScaleSource.CALIBRATION,
                                  details=d)
     return out

@@ -30,21 +30,58 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _create_private(path: Path) -> int:
+    """Create ``path`` exclusively: never an existing file, never through a symlink."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    return os.open(path, flags, 0o644)
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a hidden temporary sibling, fsync, then rename: a crash
-    leaves the old file or the new one, never half of one."""
+    leaves the old file or the new one, never half of one. The temporary name is random and
+    created exclusively (a planted symlink is not followed); any OSError (read-only folder, full
+    disk) is an Fp8ExportError and leaves nothing behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
     try:
-        with open(tmp, "wb") as f:
+        fd = _create_private(tmp)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+    except OSError as exc:
+        raise Fp8ExportError(f"{path}: writing it failed ({exc.strerror or exc}); nothing was "
+                             "written. Check the path, its permissions and the free space."
+                             ) from exc
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+# Files a checkpoint given as a single file still reads from beside it.
+READ_BESIDE = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "tokenizer.model", "generation_config.json", "model.safetensors.index.json",
+               "pytorch_model.bin.index.json")
+
+
+def refuse_inside_input(output: Path, source: Path, option: str = "-o/--output") -> None:
+    """Refuse an output that would land inside (or replace, or contain) the input ``source``:
+    a folder input owns everything under it; a file input owns itself and the files read
+    from beside it (config, tokenizer, index)."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    inside = out == src or out in src.parents
+    if src.is_dir():
+        inside = inside or src in out.parents
+    else:
+        beside = (*READ_BESIDE, f"{src.name}.data")  # and an ONNX graph's external data
+        inside = inside or (out.parent == src.parent and out.name in beside)
+    if inside:
+        raise Fp8ExportError(
+            f"{output}: {option} would write inside, contain or replace the input {source}; "
+            "fp8export never writes into its input. Choose a path beside it.")
 
 
 def check_output_target(target: Path, force: bool) -> None:

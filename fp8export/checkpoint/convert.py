@@ -18,7 +18,6 @@ source is read twice (amax scan, quantization) plus once by the hasher, the outp
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,12 @@ if "torch" not in sys.modules:
 from fp8export import __version__
 from fp8export._progress import progress
 from fp8export.checkpoint.activation import resolve_activation_ranges
-from fp8export.checkpoint.atomic import AtomicDir, check_output_target, fsync_dir
+from fp8export.checkpoint.atomic import (
+    AtomicDir,
+    check_output_target,
+    fsync_dir,
+    refuse_inside_input,
+)
 from fp8export.checkpoint.formats import (
     LOADED_BY,
     activation_scheme,
@@ -46,6 +50,7 @@ from fp8export.checkpoint.formats import (
     quantization_config,
     scale_shape,
 )
+from fp8export.checkpoint.guarded import TOKENIZER, copy_input
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -93,14 +98,6 @@ class ConvertResult:
         for reason in self.excluded.values():
             counts[reason] = counts.get(reason, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _check_not_source(checkpoint: Path, output: Path) -> None:
-    src, out = checkpoint.resolve(), output.resolve()
-    if src == out or out in src.parents or src in out.parents:
-        raise Fp8ExportError(f"{output}: the output folder would contain or replace the "
-                             f"checkpoint {checkpoint}. Choose an output path beside it, e.g. "
-                             f"{checkpoint.parent / (checkpoint.stem + '-fp8')}.")
 
 
 def _listed(items: list[str]) -> str:
@@ -196,8 +193,10 @@ def _hash_sources(ckpt: Checkpoint, stop: threading.Event) -> dict[Path, str]:
     return {p: file_sha256(p, stop=stop) for p in ckpt.source_files}
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    shutil.copyfile(src, dst)
+def _copy_file(src: Path, dst: Path, root: Path) -> None:
+    # Through the guarded reader: a loader file that is a FIFO, a device or a link out of the
+    # checkpoint is refused, not copied.
+    copy_input(src, dst, TOKENIZER, root=root)
     with open(dst, "rb") as f:
         os.fsync(f.fileno())
 
@@ -209,7 +208,7 @@ def convert(cfg: ConvertConfig) -> ConvertResult:
     """
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
-    _check_not_source(cfg.checkpoint, out)
+    refuse_inside_input(out, cfg.checkpoint)
     stop = threading.Event()  # ends the background hashing early when convert fails
     with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
         # sha256 runs in C without the GIL: it overlaps with the weight scan.
@@ -317,7 +316,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                     (tmp / rel).mkdir(parents=True, exist_ok=True)
                 else:
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    _copy_file(aux, tmp / rel)
+                    _copy_file(aux, tmp / rel, root)
                 written.add(rel)
             for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
                 fsync_dir(sub)  # publish() syncs the top folder only

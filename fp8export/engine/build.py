@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8export._progress import stage
-from fp8export.checkpoint.atomic import write_file_atomic
+from fp8export.checkpoint.atomic import refuse_inside_input, write_file_atomic
+from fp8export.checkpoint.guarded import TIMING_CACHE, read_input
 from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
 from fp8export.errors import Fp8ExportError, UsageError
 
@@ -144,6 +145,9 @@ def _plan(cfg: BuildEngineConfig, *, for_print: bool = False) -> _Plan:
         raise Fp8ExportError(
             f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
     out = cfg.resolved_output
+    refuse_inside_input(out, cfg.onnx)
+    if cfg.timing_cache is not None:
+        refuse_inside_input(cfg.timing_cache, cfg.onnx, "--timing-cache")
     if out.exists() and not cfg.force and not for_print:
         raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
     inputs = graph_inputs(cfg.onnx)
@@ -224,7 +228,7 @@ def _build_python(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
     config.builder_optimization_level = cfg.optimization_level
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the inspector needs it
     has_cache = cfg.timing_cache is not None and cfg.timing_cache.exists()
-    cache_bytes = cfg.timing_cache.read_bytes() if has_cache else b""
+    cache_bytes = read_input(cfg.timing_cache, TIMING_CACHE) if has_cache else b""
     cache = config.create_timing_cache(cache_bytes)
     config.set_timing_cache(cache, ignore_mismatch=False)
     if plan.profile:

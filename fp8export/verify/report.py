@@ -9,11 +9,14 @@ strict JSON. Text from the data (worst samples) is untrusted: escaped for each f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 from pathlib import Path
 from typing import Any
+
+from fp8export.errors import Fp8ExportError
 
 JSON_KEYS_ORDER = ("passed", "backend", "samples", "metrics", "thresholds", "failures",
                    "per_layer", "header")
@@ -254,19 +257,42 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
 
 
 def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
-    """Write report.json, report.md, report.html and junit.xml; return their paths."""
+    """Write report.json, report.md, report.html and junit.xml; return their paths.
+
+    All four are rendered first, then each is written atomically; if writing fails (read-only
+    or full location) the ones already written are removed and Fp8ExportError says why.
+    """
+    from fp8export.checkpoint.atomic import write_file_atomic
     from fp8export.verify.junit import junit_xml
     from fp8export.verify.report_html import html_report
 
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    created = not report_dir.exists()
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Fp8ExportError(f"{report_dir}: cannot create the report folder "
+                             f"({exc.strerror or exc}). Choose another --report-dir.") from exc
     paths = {name: report_dir / name for name in
              ("report.json", "report.md", "report.html", "junit.xml")}
     result = dict(result)
     result["reports"] = {k: str(v) for k, v in paths.items()}
-    paths["report.json"].write_text(json.dumps(report_dict(result), indent=2,
-                                               allow_nan=False) + "\n")
-    paths["report.md"].write_text(markdown(result), encoding="utf-8")
-    paths["report.html"].write_text(html_report(result), encoding="utf-8")
-    paths["junit.xml"].write_bytes(junit_xml(result))
+    contents = {
+        "report.json": (json.dumps(report_dict(result), indent=2, allow_nan=False) + "\n").encode(),
+        "report.md": markdown(result).encode("utf-8"),
+        "report.html": html_report(result).encode("utf-8"),
+        "junit.xml": junit_xml(result),
+    }
+    written: list[Path] = []
+    try:
+        for name, data in contents.items():
+            write_file_atomic(paths[name], data)
+            written.append(paths[name])
+    except Fp8ExportError:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                report_dir.rmdir()
+        raise
     return {k: str(v) for k, v in paths.items()}

@@ -120,7 +120,7 @@ def test_failure_mid_way_leaves_nothing_and_keeps_the_old_output(tiny_llama, tmp
 
 
 def test_output_may_not_contain_the_checkpoint(tiny_llama, tmp_path):
-    with pytest.raises(Fp8ExportError, match="would contain or replace the checkpoint"):
+    with pytest.raises(Fp8ExportError, match="would write inside, contain or replace the input"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=tiny_llama.parent, force=True))
     assert (tiny_llama / "model.safetensors").exists()
 
