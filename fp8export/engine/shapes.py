@@ -71,12 +71,9 @@ class GraphInput:
 
 def graph_inputs(onnx_path: Path) -> list[GraphInput]:
     """Inputs of the graph (initializers excluded), without loading external weights."""
-    import onnx
+    from fp8export.onnx.load import load_onnx
 
-    try:
-        model = onnx.load(str(onnx_path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError / OSError variants
-        raise Fp8ExportError(f"{onnx_path}: not a readable ONNX model ({exc}).") from exc
+    model = load_onnx(onnx_path)
     inits = {i.name for i in model.graph.initializer}
     out = []
     for inp in model.graph.input:

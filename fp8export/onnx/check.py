@@ -7,6 +7,9 @@ docs/onnx.md and ``shared/reference/tensorrt_fp8_onnx.md`` sections 1, 2, 5):
 ``ir-version``       IR version <= 13, the newest onnxruntime 1.31 loads (export writes 10, or 11
                      at opset 23).
 ``custom-domain``    no custom-domain ops: TensorRT would need a plugin (onnx-tensorrt importer).
+``op``               only the standard ops export-onnx emits for transformer models (:data:`OPS`):
+                     no control flow (``Loop``/``Scan``/``If``: a graph from elsewhere could loop
+                     for ever), sequences or random ops. Checked before anything runs a graph.
 ``axis``             every per-channel Q/DQ writes ``axis`` (TRT 10.1 parser defaulted a missing
                      axis to 0, later parsers to 1); a scalar scale makes ``axis`` meaningless, so
                      per-tensor Q/DQ may omit it (ModelOpt does).
@@ -47,6 +50,21 @@ _FP8_TYPES = {17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "F
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 _GEMMS = {"MatMul", "Gemm"}
 _STANDARD_DOMAINS = {"", "ai.onnx"}
+# Standard ops of the graphs torch.onnx (dynamo) emits for transformers models — measured on
+# Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2, OPT and BERT exports — plus the Q/DQ rewrite, the
+# opset-23 transformer ops and the elementwise/normalisation ops of Keras exports. Anything
+# else (control flow, sequences, random numbers) is not a graph fp8export wrote.
+OPS = frozenset("""
+    Abs Add And ArgMax Attention AveragePool BatchNormalization Cast CastLike Ceil Clip Concat
+    Constant ConstantOfShape Conv Cos CumSum DequantizeLinear Div Dropout Einsum Elu Equal Erf
+    Exp Expand Flatten Floor Gather GatherElements GatherND Gelu Gemm GlobalAveragePool Greater
+    GreaterOrEqual GroupNormalization HardSigmoid HardSwish Identity InstanceNormalization IsInf
+    IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax MatMul Max MaxPool Mean
+    Min Mod Mul Neg Not Or Pad Pow QuantizeLinear Range Reciprocal ReduceL2 ReduceMax ReduceMean
+    ReduceMin ReduceProd ReduceSum Relu Reshape RMSNormalization RotaryEmbedding Round
+    ScatterElements ScatterND Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus Split
+    Sqrt Squeeze Sub Sum Tanh Tile Transpose Trilu Unsqueeze Where Xor
+""".split())
 # onnxruntime 1.31: "Unsupported model IR version: 14, max supported IR version: 13"
 ORT_MAX_IR = 13
 
@@ -307,14 +325,34 @@ def _trace(g: _Graph, name: str):
     return None, between
 
 
+def check_ops(model) -> list[Issue]:
+    """The ``custom-domain`` and ``op`` rules alone: what must hold before a graph is run."""
+    issues = []
+    for o in model.opset_import:
+        if o.domain not in _STANDARD_DOMAINS:
+            issues.append(Issue("error", "custom-domain", "model", f"opset import of custom "
+                                f"domain {o.domain!r}: not in the standard profile."))
+    for node in model.graph.node:
+        where = node.name or (node.output[0] if node.output else node.op_type)
+        if node.domain not in _STANDARD_DOMAINS:
+            issues.append(Issue("error", "custom-domain", where, f"{node.domain}::{node.op_type} "
+                                "is a custom op; TensorRT needs a plugin and onnxruntime a "
+                                "contrib kernel. Use standard ops only."))
+        elif node.op_type not in OPS:
+            issues.append(Issue("error", "op", where, f"{node.op_type} is not an op "
+                                "export-onnx emits (no control flow, sequences or random ops); "
+                                "fp8export checks and runs only graphs of its own profile."))
+    return issues
+
+
 def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
     """Check a model (path or ``onnx.ModelProto``) against the FP8 profile."""
-    import onnx
+    from fp8export.onnx.load import load_onnx
 
     base_dir = None
     if isinstance(path_or_model, (str, Path)):
         path = Path(path_or_model)
-        model = onnx.load(str(path), load_external_data=False)
+        model = load_onnx(path)
         base_dir = str(path.parent)
         source = source or str(path)
     else:
@@ -331,16 +369,10 @@ def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
         issues.append(Issue("error", "ir-version", "model", f"IR version {model.ir_version}: "
                             f"onnxruntime 1.31 loads IR <= {ORT_MAX_IR}. Set model.ir_version to "
                             "the minimum its opset needs (onnx.helper.find_min_ir_version_for)."))
-    for o in model.opset_import:
-        if o.domain not in _STANDARD_DOMAINS:
-            issues.append(Issue("error", "custom-domain", "model", f"opset import of custom "
-                                f"domain {o.domain!r}: not in the standard profile."))
+    issues.extend(check_ops(model))
     for node in model.graph.node:
         where = node.name or (node.output[0] if node.output else node.op_type)
         if node.domain not in _STANDARD_DOMAINS:
-            issues.append(Issue("error", "custom-domain", where, f"{node.domain}::{node.op_type} "
-                                "is a custom op; TensorRT needs a plugin and onnxruntime a "
-                                "contrib kernel. Use standard ops only."))
             continue
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             for i, name in enumerate(node.input):

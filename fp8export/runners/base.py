@@ -17,6 +17,10 @@ import numpy as np
 from fp8export.errors import Fp8ExportError
 
 
+class TimeLimitExceeded(Fp8ExportError):
+    """Inference did not finish before the runner's deadline (the caller names the limit)."""
+
+
 class Runner(ABC):
     """Base class of every runner (torch reference, torch FP8, onnxruntime, TensorRT)."""
 
@@ -27,6 +31,9 @@ class Runner(ABC):
         self.name = name or self.backend
         self.is_active = False
         self.last_inference_time: float | None = None
+        #: ``time.monotonic()`` by which inference must end (None: no limit). Runners that can
+        #: stop mid-batch (onnxruntime) do; the others are checked before each batch.
+        self.deadline: float | None = None
 
     # lifecycle -----------------------------------------------------------------------------
     def activate(self) -> Runner:
@@ -42,10 +49,15 @@ class Runner(ABC):
             raise Fp8ExportError(f"runner {self.name} must be activated before infer()")
         if not isinstance(feed, dict) or not feed:
             raise Fp8ExportError(f"runner {self.name}: feed must be a non-empty dict of arrays")
+        self.check_deadline()
         start = time.perf_counter()
         out = self._infer(feed)
         self.last_inference_time = time.perf_counter() - start
         return out
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise TimeLimitExceeded(f"runner {self.name}: the time limit was reached")
 
     def deactivate(self) -> None:
         if self.is_active:

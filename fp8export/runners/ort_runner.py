@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fp8export.errors import Fp8ExportError
-from fp8export.runners.base import Runner
+from fp8export.runners.base import Runner, TimeLimitExceeded
 
 _BF16 = 16
 
@@ -38,15 +38,9 @@ def graph_uses_bf16(model) -> bool:
 
 
 def _load_header(path: Path):
-    import onnx
+    from fp8export.onnx.load import load_onnx
 
-    if not path.is_file():
-        raise Fp8ExportError(f"{path}: no such ONNX file. Export one with `fp8export "
-                             "export-onnx FP8DIR -o model.onnx`.")
-    try:
-        return onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf DecodeError and friends
-        raise Fp8ExportError(f"{path}: not a readable ONNX model ({exc}).") from exc
+    return load_onnx(path)
 
 
 def _prepare_feed(feed: dict[str, np.ndarray], inputs: dict[str, str], name: str):
@@ -94,7 +88,14 @@ class OrtRunner(Runner):
     def _activate(self) -> None:
         import onnxruntime as ort
 
+        from fp8export.onnx.check import check_ops
+
         header = _load_header(self.path)
+        refused = check_ops(header)
+        if refused:
+            shown = "; ".join(f"{i.where}: {i.message}" for i in refused[:3])
+            raise Fp8ExportError(f"{self.path}: refused before running it: {shown}"
+                                 + (f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""))
         providers = self._choose_providers()
         if graph_uses_bf16(header):
             raise Fp8ExportError(
@@ -120,8 +121,33 @@ class OrtRunner(Runner):
         self._outputs = [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import threading
+        import time
+
+        import onnxruntime as ort
+
         run_feed = _prepare_feed(feed, self._inputs, self.name)
-        values = self.session.run(self._outputs, run_feed)
+        options = ort.RunOptions()
+        options.log_severity_level = 4  # the time-limit stop is reported by us, not logged
+        timer = None
+        if self.deadline is not None:
+            # onnxruntime checks the flag between kernels (inside Loop bodies too): a graph
+            # that would run for ever stops at the deadline.
+            timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0),
+                                    lambda: setattr(options, "terminate", True))
+            timer.daemon = True
+            timer.start()
+        try:
+            values = self.session.run(self._outputs, run_feed, options)
+        except Exception as exc:  # onnxruntime's Fail/RuntimeException types
+            if options.terminate:
+                raise TimeLimitExceeded(f"runner {self.name}: stopped at the time limit") from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise Fp8ExportError(f"{self.path}: onnxruntime failed while running the graph: "
+                                 f"{first[:300]}") from exc
+        finally:
+            if timer is not None:
+                timer.cancel()
         return dict(zip(self._outputs, values))
 
     def _deactivate(self) -> None:
@@ -146,11 +172,11 @@ class OnnxReferenceRunner(Runner):
         self.evaluator = None
 
     def _activate(self) -> None:
-        import onnx
         from onnx.reference import ReferenceEvaluator
 
-        _load_header(self.path)
-        model = onnx.load(str(self.path))
+        from fp8export.onnx.load import load_onnx
+
+        model = load_onnx(self.path, load_data=True)
         self.evaluator = ReferenceEvaluator(model)
         self._inputs = {i.name: ("tensor(int64)" if i.type.tensor_type.elem_type == 7 else "")
                         for i in model.graph.input}

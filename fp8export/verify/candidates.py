@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from fp8export.checkpoint.model_config import read_model_config
 from fp8export.errors import Fp8ExportError
 from fp8export.runners.base import Runner
 
@@ -23,12 +23,9 @@ def candidate_kind(path: Path) -> str:
     if p.is_dir():
         if (p / "fp8export.json").is_file():
             return "fp8-folder"
-        cfg = p / "config.json"
-        if cfg.is_file():
-            try:
-                qc = json.loads(cfg.read_text()).get("quantization_config")
-            except (json.JSONDecodeError, AttributeError):
-                raise Fp8ExportError(f"{cfg}: not a valid config.json.") from None
+        config = read_model_config(p)
+        if config is not None:
+            qc = config.get("quantization_config")
             if qc:
                 raise Fp8ExportError(
                     f"{p}: a quantized folder without fp8export.json (written by another tool, "

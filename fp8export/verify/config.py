@@ -10,6 +10,10 @@ from fp8export.config import Device, StrEnum
 from fp8export.errors import UsageError
 from fp8export.verify.thresholds import check_spec
 
+# A verify run on the built-in samples takes seconds; an hour means something never ends (an
+# ONNX graph that loops, a model far too large for the device).
+DEFAULT_TIMEOUT_S = 3600.0
+
 
 class Backend(StrEnum):
     """How the candidate runs (``verify --backend``); auto picks from the path."""
@@ -47,6 +51,7 @@ class VerifyConfig:
     per_layer: bool = False
     device: Device = Device.AUTO
     fp8_mode: str = "auto"
+    timeout: float | None = DEFAULT_TIMEOUT_S  # wall-clock limit of the run; None or 0: none
     write_reports: bool = True
     command_line: str | None = field(default=None, compare=False)  # as typed, for the report
     extra: dict = field(default_factory=dict, compare=False)
@@ -64,6 +69,9 @@ class VerifyConfig:
             v = getattr(self, name)
             if v is not None and int(v) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}.")
+        if self.timeout is not None and not float(self.timeout) >= 0:
+            raise UsageError(f"--timeout must be >= 0 seconds (0: no limit), got "
+                             f"{self.timeout}.")
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
             raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
                              "or scaled_mm.")

@@ -15,6 +15,7 @@ from typing import Any
 
 from fp8export._progress import info, progress, stage
 from fp8export.errors import Fp8ExportError, VerificationFailed
+from fp8export.runners.base import TimeLimitExceeded
 from fp8export.verify.config import VerifyConfig
 
 
@@ -108,15 +109,15 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult and the
             reports are already on disk.
     """
-    from fp8export.models import task_of
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
-    from fp8export.verify.data import load_verify_samples
-    from fp8export.verify.metrics import Comparison, class_logits
-    from fp8export.verify.provenance import header
-    from fp8export.verify.report_samples import worst_samples
-    from fp8export.verify.thresholds import evaluate, load_thresholds
+    from fp8export.verify.thresholds import load_thresholds
 
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.monotonic()
+    if cfg.write_reports:
+        from fp8export.checkpoint.atomic import refuse_inside_input
+
+        for source in (cfg.reference, cfg.candidate):
+            refuse_inside_input(cfg.report_dir, source, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     kind = candidate_kind(cfg.candidate)
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
@@ -126,6 +127,43 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                                  fp8_mode=cfg.fp8_mode)
     notes: list[str] = []
     dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
+    limit = float(cfg.timeout or 0)
+    if limit:
+        ref_runner.deadline = cand_runner.deadline = started + limit
+    try:
+        result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
+                      dialect)
+    except TimeLimitExceeded as exc:
+        raise Fp8ExportError(
+            f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
+            "written. A graph that never ends (a Loop from elsewhere) or a model too large for "
+            "the device; raise --timeout if the run is just slow.") from exc
+    if cfg.write_reports:
+        from fp8export.verify.report import write_reports
+
+        with stage(f"writing the reports to {cfg.report_dir}"):
+            result.reports = write_reports(result.to_dict(), cfg.report_dir)
+    failures = result.failures
+    if failures:
+        names = ", ".join(f["message"] for f in failures)
+        per_layer = result.per_layer
+        worst = f" Worst layer: {per_layer[0]['module']}." if per_layer else ""
+        applicable = sum(c["status"] != "skipped" for c in result.checks)
+        raise VerificationFailed(f"{len(failures)} of {applicable} thresholds failed: {names}."
+                                 f"{worst} Report: {cfg.report_dir}", result)
+    return result
+
+
+def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
+         thr_source: str, thresholds, dialect: str | None) -> VerifyResult:
+    """Load, infer and compare (the part under the time limit); no reports written."""
+    from fp8export.models import task_of
+    from fp8export.verify.data import load_verify_samples
+    from fp8export.verify.metrics import Comparison, class_logits
+    from fp8export.verify.provenance import header
+    from fp8export.verify.report_samples import worst_samples
+    from fp8export.verify.thresholds import evaluate
+
     per_layer = None
     with contextlib.ExitStack() as running:
         with stage(f"loading the reference {cfg.reference} (torch, {cfg.reference_dtype})"):
@@ -204,15 +242,4 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                 "total_s": round(time.perf_counter() - t0, 3)},
         header=head, worst_samples=worst,
     )
-    if cfg.write_reports:
-        from fp8export.verify.report import write_reports
-
-        with stage(f"writing the reports to {cfg.report_dir}"):
-            result.reports = write_reports(result.to_dict(), cfg.report_dir)
-    if failures:
-        names = ", ".join(f["message"] for f in failures)
-        worst = f" Worst layer: {per_layer[0]['module']}." if per_layer else ""
-        applicable = sum(c["status"] != "skipped" for c in checks)
-        raise VerificationFailed(f"{len(failures)} of {applicable} thresholds failed: {names}."
-                                 f"{worst} Report: {cfg.report_dir}", result)
     return result

@@ -9,11 +9,11 @@ The reasoning behind each preset is in docs/verify.md.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from fp8export.checkpoint.guarded import THRESHOLDS, parse_json, read_input
 from fp8export.errors import Fp8ExportError, UsageError
 
 #: metric -> "min" (higher is better: bound is a minimum) or "max" (bound is a maximum)
@@ -108,17 +108,18 @@ def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, f
     if text in PRESETS:
         return text, normalize(PRESETS[text], f"preset {text}")
     p = Path(text)
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         raise Fp8ExportError(f"{p}: no such thresholds file.")
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(p.read_text())
-        else:
-            import yaml
+    raw = read_input(p, THRESHOLDS)  # a regular file of at most 1 MiB
+    if p.suffix.lower() == ".json":
+        data = parse_json(raw, p, "thresholds file")
+    else:
+        import yaml
 
-            data = yaml.safe_load(p.read_text())
-    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError, reported alike
-        raise Fp8ExportError(f"{p}: cannot parse thresholds file ({exc}).") from exc
+        try:
+            data = yaml.safe_load(raw.decode("utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+            raise Fp8ExportError(f"{p}: cannot parse thresholds file ({exc}).") from exc
     if not isinstance(data, dict) or not data:
         raise Fp8ExportError(f"{p}: thresholds file must be a mapping of metric: bound, e.g. "
                              "{kl_mean: 0.02, top1_agreement: 0.9}.")
