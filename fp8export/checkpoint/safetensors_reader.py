@@ -189,6 +189,12 @@ class SafetensorsFile:
         self._dtypes = {t.name: t for t in self.tensors}
         self._fd: int | None = None
 
+    def info(self, name: str) -> TensorInfo:
+        info = self._dtypes.get(name)
+        if info is None:
+            raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
+        return info
+
     def _open(self) -> int:
         if self._fd is None:
             from safetensors import SafetensorError, safe_open

@@ -85,14 +85,23 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _direct_children(prefix: str, names: Iterable[str]) -> set[str]:
-    start = f"{prefix}." if prefix else ""
-    return {n[len(start):] for n in names if n.startswith(start) and "." not in n[len(start):]}
+def _children(names: Iterable[str]) -> dict[str, set[str]]:
+    """Module prefix → the names of its direct entries, in one pass over all names (looking
+    them up per module would be quadratic: 60k tensors took a minute)."""
+    out: dict[str, set[str]] = {}
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        out.setdefault(parent, set()).add(leaf)
+    return out
 
 
 def plan_module(prefix: str, names: Iterable[str]) -> TeModule:
     """Classify the TE module at ``prefix`` from its direct parameter names (no data read)."""
-    params = _direct_children(prefix, names) - {EXTRA_STATE}
+    return _plan(prefix, _children(names).get(prefix, set()))
+
+
+def _plan(prefix: str, children: set[str]) -> TeModule:
+    params = children - {EXTRA_STATE}
     renames: dict[str, str] = {}
     if "fc1_weight" in params and "fc2_weight" in params:
         for p in params:
@@ -137,7 +146,8 @@ def plan_modules(names: Iterable[str]) -> dict[str, TeModule]:
     names = list(names)
     prefixes = [n[: -len(EXTRA_STATE)].rstrip(".") for n in names
                 if n == EXTRA_STATE or n.endswith("." + EXTRA_STATE)]
-    plans = {p: plan_module(p, names) for p in prefixes}
+    children = _children(names)
+    plans = {p: _plan(p, children.get(p, set())) for p in prefixes}
     stored = set(names)
     seen: dict[str, str] = {}
     for plan in plans.values():
