@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.atomic import refuse_inside_input, write_file_atomic
+from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input, write_file_atomic
 from fp8export.checkpoint.guarded import AMAX, WEIGHTS, open_input, read_json_object
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
@@ -74,6 +74,7 @@ def check_output(path: Path, force: bool, checkpoint: Path | None = None) -> Non
                              "another -o/--output path.")
     if not p.parent.exists():
         raise Fp8ExportError(f"{p.parent}: the output folder does not exist; create it first.")
+    probe_writable(p)
 
 
 def amax_document(result: CalibrationResult) -> dict[str, Any]:

@@ -323,9 +323,12 @@ def _tokenise(p: Path, texts: Iterator[tuple[str, Any]], tokenizer_dir: Path | N
     labels: list[Any] | None = None
     labelled: bool | None = None
     skipped = lines = 0
-    for text, label in texts:
-        if max_samples is not None and len(ids) >= max_samples:
+    # Pull a line only when another sample is wanted: nothing past them is read.
+    while max_samples is None or len(ids) < max_samples:
+        item = next(texts, None)
+        if item is None:
             break
+        text, label = item
         lines += 1
         bounds.check_count(lines)
         if labelled is None:

@@ -125,12 +125,12 @@ def _dtype_kwarg() -> str:
 
 
 def _build(auto, cfg, dtype: torch.dtype, where: Path, arch: str, *, meta: bool):
-    kwargs = {"trust_remote_code": False, _dtype_kwarg(): dtype}
+    kwargs = {_dtype_kwarg(): dtype}
     try:
         if meta:
             with torch.device("meta"):
-                return auto.from_config(cfg, **kwargs)
-        return auto.from_config(cfg, **kwargs)
+                return auto.from_config(cfg, trust_remote_code=False, **kwargs)
+        return auto.from_config(cfg, trust_remote_code=False, **kwargs)
     except Fp8ExportError:
         raise
     except Exception as exc:  # bad config values surface as any exception inside transformers

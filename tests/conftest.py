@@ -9,11 +9,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# transformers copies a checkpoint's auto_map code here before importing it. fp8export never
+# lets it, but a regression must not leave a payload in the user's own Hugging Face cache.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="fp8export-test-hf-modules-"))
 SAMPLES = REPO / "samples"
 
 

@@ -61,6 +61,23 @@ def write_file_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
+def probe_writable(output: Path, option: str = "-o/--output") -> None:
+    """Fail before any work when ``output`` cannot be written: create and remove a random file
+    in the folder that will hold it (or its nearest existing ancestor, which would)."""
+    output = Path(output)
+    folder = output if output.is_dir() else output.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    probe = folder / f".{output.name}.probe-{secrets.token_hex(8)}"
+    try:
+        os.close(_create_private(probe))
+        os.unlink(probe)
+    except OSError as exc:
+        raise Fp8ExportError(f"{output}: cannot write there ({exc.strerror or exc}). Choose "
+                             f"another {option}, or fix the folder's permissions or space."
+                             ) from exc
+
+
 # Files a checkpoint given as a single file still reads from beside it.
 READ_BESIDE = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "tokenizer.model", "generation_config.json", "model.safetensors.index.json",

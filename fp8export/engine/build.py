@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8export._progress import stage
-from fp8export.checkpoint.atomic import refuse_inside_input, write_file_atomic
+from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input, write_file_atomic
 from fp8export.checkpoint.guarded import TIMING_CACHE, read_input
 from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
 from fp8export.errors import Fp8ExportError, UsageError
@@ -150,6 +150,7 @@ def _plan(cfg: BuildEngineConfig, *, for_print: bool = False) -> _Plan:
         refuse_inside_input(cfg.timing_cache, cfg.onnx, "--timing-cache")
     if out.exists() and not cfg.force and not for_print:
         raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
+    probe_writable(out)
     inputs = graph_inputs(cfg.onnx)
     profile = default_profile(inputs, list(cfg.shapes))
     return _Plan(out, profile, _structural_check(cfg.onnx))

@@ -341,8 +341,8 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
+    from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input
     from fp8export.keras_model.config import is_keras_config
-    from fp8export.checkpoint.atomic import refuse_inside_input
     from fp8export.onnx.check import check_model
     from fp8export.onnx.fp8dir import read_fp8_folder
     from fp8export.onnx.qdq import rewrite_qdq
@@ -354,6 +354,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
     refuse_inside_input(output, cfg.fp8_dir)
+    probe_writable(output)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
     keras = is_keras_config(folder.config)

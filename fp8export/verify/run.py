@@ -114,10 +114,11 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.write_reports:
-        from fp8export.checkpoint.atomic import refuse_inside_input
+        from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input
 
         for source in (cfg.reference, cfg.candidate):
             refuse_inside_input(cfg.report_dir, source, "--report-dir")
+        probe_writable(cfg.report_dir, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     kind = candidate_kind(cfg.candidate)
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),

@@ -14,6 +14,29 @@ import torch
 from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Case:
+    """One corpus case (see make_corpus.py for the meaning of each field)."""
+
+    id: str
+    reader: str  # which reader / stage the case aims at
+    argv: list[str]
+    expect: list[str]
+    exit: int = 1
+    marker: str | None = None
+    outputs: list[str] = field(default_factory=list)
+    note: str = ""
+    # exit-0 fallback cases: [key path into fp8export.json, expected value] pairs
+    manifest: list = field(default_factory=list)
+    # text on stdin: "y" answers to any prompt, so a command that reads stdin runs the payload
+    stdin: str | None = None
+    # the case would hang or exhaust memory on a build without the guard: run it as a
+    # separate process with a time and memory limit, never in the test process
+    isolate: bool = False
+    # files that must keep their bytes (path -> sha256), e.g. the checkpoint an output names
+    unchanged: dict = field(default_factory=dict)
 TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
 
 H = 16  # hidden size of the tiny Llama-shaped model
@@ -205,3 +228,22 @@ def onnx_model(path: Path, *, opset: int = 21, custom: bool = False) -> Path:
     model.ir_version = 10 if opset >= 21 else 8
     onnx.save(model, str(path))
     return path
+
+
+def sha256_file(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def fp8_folder(root: Path, name: str) -> Path:
+    """A real FP8 folder, written by fp8export's own convert (in-process), to be damaged."""
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+
+    src = root / "fp8-source"
+    if not src.exists():
+        hf_folder(src)
+    out = root / name
+    api.convert(ConvertConfig(checkpoint=src, output=out, scales="weights"))
+    return out

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from corpus_files import (  # noqa: E402  (helpers re-exported: tests use make_corpus.<name>)
+    Case,
     REPO,
     TE_FIXTURES,
     H,
@@ -54,21 +55,9 @@ from corpus_files import (  # noqa: E402  (helpers re-exported: tests use make_c
     keras_members,
     write_zip,
     onnx_model,
+    fp8_folder,
+    sha256_file,
 )
-
-
-@dataclass
-class Case:
-    id: str
-    reader: str  # which reader / stage the case aims at
-    argv: list[str]
-    expect: list[str]
-    exit: int = 1
-    marker: str | None = None
-    outputs: list[str] = field(default_factory=list)
-    note: str = ""
-    # exit-0 fallback cases: [key path into fp8export.json, expected value] pairs
-    manifest: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------- builders
@@ -605,19 +594,6 @@ def calibrate_cmd_binary_data(root, cid):
 
 
 # --- FP8 folders: export-onnx -----------------------------------------------------------
-def fp8_folder(root: Path, name: str) -> Path:
-    """A real FP8 folder, written by fp8export's own convert (in-process), to be damaged."""
-    from fp8export import api
-    from fp8export.config import ConvertConfig
-
-    src = root / "fp8-source"
-    if not src.exists():
-        hf_folder(src)
-    out = root / name
-    api.convert(ConvertConfig(checkpoint=src, output=out, scales="weights"))
-    return out
-
-
 @case
 def export_onnx_truncated_fp8(root, cid):
     d = fp8_folder(root, cid)
@@ -692,6 +668,12 @@ def verify_custom_op(root, cid):
 def verify_wrong_opset(root, cid):
     return _verify_case(root, cid, {"opset": 17}, ["opset"],
                         "candidate ONNX at opset 17")
+
+
+# --- untrusted checkpoints, second round: code, paths, sizes, outputs, ONNX -------------
+from corpus_untrusted import BUILDERS as _UNTRUSTED  # noqa: E402
+
+BUILDERS.extend(_UNTRUSTED)
 
 
 # ------------------------------------------------------------------------------- driver

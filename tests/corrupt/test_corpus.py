@@ -45,7 +45,10 @@ def _params(slow_unless=None):
     return out
 # one per reader/stage, run as real processes in the default run
 SUBPROCESS_IDS = ["st_truncated", "bin_malicious_pickle", "te2_malicious_extra_state",
-                  "keras_zip_bomb", "calib_binary_txt", "engine_custom_op"]
+                  "keras_zip_bomb", "calib_binary_txt", "engine_custom_op",
+                  # every command a checkpoint's code could reach, with "y" on a real stdin
+                  *(fn.__name__ for fn in make_corpus.BUILDERS
+                    if fn.__name__.startswith("code_"))]
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -72,15 +75,19 @@ def _dig(obj, keys):
 
 def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     everything = stdout + stderr
-    assert code == c.exit, f"{c.id}: exit {code}, expected {c.exit}\n{everything[-3000:]}"
-    assert "Traceback" not in everything, everything
     if c.marker:
         assert not Path(c.marker).exists(), f"{c.id}: the payload ran ({c.marker} exists)"
+    assert "[y/N]" not in everything, f"{c.id}: something prompted on stdin\n{everything[-2000:]}"
+    assert code == c.exit, f"{c.id}: exit {code}, expected {c.exit}\n{everything[-3000:]}"
+    assert "Traceback" not in everything, everything
+    for path, digest in c.unchanged.items():
+        assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
     if c.exit == 0:
         for out in map(Path, c.outputs):
-            manifest = json.loads((out / "fp8export.json").read_text())
-            for keys, value in c.manifest:
-                assert _dig(manifest, keys) == value, (keys, _dig(manifest, keys))
+            if c.manifest:
+                manifest = json.loads((out / "fp8export.json").read_text())
+                for keys, value in c.manifest:
+                    assert _dig(manifest, keys) == value, (keys, _dig(manifest, keys))
             assert not _leftovers(out)[1:], _leftovers(out)
         return
     errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
@@ -106,16 +113,38 @@ def test_corpus_is_large_and_covers_every_reader(corpus):
 def test_case(corpus, cid):
     _, cases = corpus
     c = cases[cid]
-    result = CliRunner().invoke(cli, c.argv)
+    if c.isolate:  # would hang or exhaust memory without its guard: never in this process
+        r = _subprocess(c, timeout=ISOLATED_TIMEOUT_S)
+        check(c, r.returncode, r.stderr, r.stdout)
+        return
+    result = CliRunner().invoke(cli, c.argv, input=c.stdin)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception  # a crash: show it with its traceback
     check(c, result.exit_code, result.stderr, result.stdout)
 
 
-def _subprocess(c: make_corpus.Case) -> subprocess.CompletedProcess:
+# Isolated cases finish in seconds when guarded; unguarded they block (FIFO, a 10^15-step
+# Loop) or read /dev/zero. The limits turn that into a failure instead of a hung CI job.
+ISOLATED_TIMEOUT_S = 120
+ISOLATED_MEMORY = 4 << 30
+
+
+def _limit_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY, ISOLATED_MEMORY))
+
+
+def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
-    return subprocess.run([sys.executable, "-m", "fp8export.cli", *c.argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
+    try:
+        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout, input=c.stdin or "",
+                              preexec_fn=_limit_memory if c.isolate else None)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{c.id}: still running after {timeout} s (it blocks or never "
+                             "ends)") from exc
 
 
 @pytest.mark.parametrize("cid", _params(slow_unless=SUBPROCESS_IDS))
