@@ -195,8 +195,8 @@ def parse_json(raw: bytes | str, where: str | Path, what: str = "JSON file", *,
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise Fp8ExportError(f"{where}: {what} is not UTF-8 text ({exc.reason} at byte "
-                             f"{exc.start}). Restore the original file.") from exc
+        raise Fp8ExportError(f"{where}: {what} is not valid JSON: not UTF-8 text ({exc.reason} "
+                             f"at byte {exc.start}). Restore the original file.") from exc
     try:
         return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant,
                           object_pairs_hook=object_pairs_hook)

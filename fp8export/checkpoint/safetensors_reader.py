@@ -20,13 +20,13 @@ while we read it) is an error naming the file and tensor.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp8export.checkpoint.guarded import WEIGHTS, open_input, parse_json
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
 
@@ -77,8 +77,8 @@ def read_header_spans(path: Path) -> tuple[list[TensorInfo], dict[str, str],
     """:func:`read_header` plus each tensor's absolute ``(begin, end)`` byte span in the file
     and the offset where the data area starts."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_input(path, WEIGHTS) as f:  # a regular file: never a FIFO or a device
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise Fp8ExportError(
@@ -99,10 +99,10 @@ def read_header_spans(path: Path) -> tuple[list[TensorInfo], dict[str, str],
     except OSError as exc:
         raise Fp8ExportError(f"{path}: cannot read ({exc.strerror}).") from exc
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
-        raise Fp8ExportError(f"{path}: the safetensors header is not valid JSON ({exc}). The file "
-                             "is corrupt: re-download or re-save it.") from exc
+        header = parse_json(raw, path, "the safetensors header",
+                            object_pairs_hook=_no_duplicate_keys)
+    except Fp8ExportError as exc:
+        raise Fp8ExportError(f"{exc} The file is corrupt: re-download or re-save it.") from exc
     if not isinstance(header, dict):
         raise Fp8ExportError(f"{path}: the safetensors header is not a JSON object; the file is "
                              "corrupt: re-download or re-save it.")

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp8export.checkpoint.guarded import WEIGHTS, open_input
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
 
@@ -60,6 +61,7 @@ def load_state_dict(path: Path) -> Any:
     """``torch.load`` the file safely (weights only, CPU, mmap when possible); errors named."""
     import torch
 
+    open_input(path, WEIGHTS).close()  # a regular file: torch would block on a FIFO
     mmap = is_zip(path)
     try:
         return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
