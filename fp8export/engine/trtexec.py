@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -163,7 +164,13 @@ def run_trtexec(cmd: list[str], log: Path) -> float:
     echo = progress_enabled()
     info(f"building with {cmd[0]} (log: {log})")
     start = time.perf_counter()
-    with open(log, "w") as out:
+    try:  # never through a symlink planted at the (predictable) log name
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                     0o644)
+    except OSError as exc:
+        raise Fp8ExportError(f"{log}: cannot write the trtexec log ({exc.strerror or exc}). "
+                             "Remove it, or choose another -o.") from exc
+    with os.fdopen(fd, "w") as out:
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
         try:
@@ -226,14 +233,18 @@ def build_with_trtexec(argv: Callable[[Path, Path, Path | None], list[str]], eng
     from fp8export.checkpoint.atomic import fsync_dir
 
     info_path, log = layer_info_path(engine), log_path(engine)
-    tag = f".tmp-{os.getpid()}"
+    from fp8export.checkpoint.guarded import TIMING_CACHE, copy_input
+
+    # Random names: trtexec opens what it is given, so a name planted beside the output (a
+    # symlink elsewhere) must not be guessable.
+    tag = f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
     tmp_engine = engine.with_name(f".{engine.name}{tag}")
     tmp_info = info_path.with_name(f".{info_path.name}{tag}")
     tmp_cache = None
     if timing_cache is not None:
         tmp_cache = timing_cache.with_name(f".{timing_cache.name}{tag}")
         if timing_cache.is_file():
-            shutil.copyfile(timing_cache, tmp_cache)
+            copy_input(timing_cache, tmp_cache, TIMING_CACHE)
     try:
         seconds = run_trtexec(argv(tmp_engine, tmp_info, tmp_cache), log)
         facts = parse_log(log.read_text(errors="replace"))

@@ -64,15 +64,16 @@ def converted_from(candidate: Path, reference_files: list[dict[str, Any]]
     same sha256, ``(False, [differing names])`` when not, ``(None, [])`` when the candidate
     records no source (not an FP8 folder, or an unreadable manifest).
     """
-    import json
+    from fp8export.checkpoint.manifest import read_manifest
+    from fp8export.errors import Fp8ExportError
 
     manifest = Path(candidate) / MANIFEST_NAME
     if not manifest.is_file() or manifest.is_symlink():
         return None, []
     try:
-        source = json.loads(manifest.read_text(encoding="utf-8")).get("source") or {}
+        source = read_manifest(Path(candidate)).get("source") or {}
         listed = [f for f in source.get("files") or [] if isinstance(f, dict)]
-    except (OSError, ValueError, AttributeError):
+    except Fp8ExportError:
         return None, []
     if not listed:
         return None, []

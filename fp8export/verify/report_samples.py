@@ -43,8 +43,8 @@ def display_text(text: str, limit: int, keep: str = "start") -> str:
 
 def _tokenizer(folder: Path):
     from fp8export.calibration.data import _load_tokenizer
+    from fp8export.calibration.tokenizer import has_tokenizer
     from fp8export.errors import Fp8ExportError
-    from fp8export.verify.data import has_tokenizer
 
     if not has_tokenizer(folder):
         return None
