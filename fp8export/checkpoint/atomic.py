@@ -37,7 +37,7 @@ def _create_private(path: Path) -> int:
     return os.open(path, flags, 0o644)
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
+def write_file_atomic(path: Path, data: bytes, what: str = "the file") -> None:
     """Write ``data`` to ``path`` via a hidden temporary sibling, fsync, then rename: a crash
     leaves the old file or the new one, never half of one. The temporary name is random and
     created exclusively (a planted symlink is not followed); any OSError (read-only folder, full
@@ -53,8 +53,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
-        raise Fp8ExportError(f"{path}: writing it failed ({exc.strerror or exc}); nothing was "
-                             "written. Check the path, its permissions and the free space."
+        raise Fp8ExportError(f"{path}: cannot write {what} ({exc.strerror or exc}); nothing "
+                             "was written. Check the path, its permissions and the free space."
                              ) from exc
     finally:
         if os.path.lexists(tmp):

@@ -193,8 +193,4 @@ def write_plot(result: InspectResult, path: Path, force: bool = False) -> None:
         from fp8export.plots.mpl import png_bytes
 
         data = png_bytes(fig)
-    try:
-        write_file_atomic(path, data)
-    except OSError as exc:
-        raise Fp8ExportError(f"{path}: cannot write the plot ({exc.strerror or exc}). "
-                             "Choose a writable path for --plot.") from exc
+    write_file_atomic(path, data, what="the plot")  # an OSError becomes one clear error

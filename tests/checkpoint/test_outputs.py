@@ -24,7 +24,7 @@ def test_temporary_name_is_random_and_a_planted_link_is_not_followed(tmp_path, m
 
 def test_unwritable_location_is_one_error_and_leaves_nothing(tmp_path):
     target = tmp_path / "missing-folder" / "out.json"
-    with pytest.raises(Fp8ExportError, match="out.json: writing it failed"):
+    with pytest.raises(Fp8ExportError, match="out.json: cannot write the file"):
         write_file_atomic(target, b"x")
     with pytest.raises(Fp8ExportError, match="cannot write there"):
         probe_writable(f"/proc/fp8export-test-{os.getpid()}.json")

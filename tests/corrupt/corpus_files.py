@@ -1,14 +1,15 @@
 """Files and helpers the corrupt-input corpus is built from (split from make_corpus.py)."""
 
 from __future__ import annotations
-import io
+
 import json
 import os
 import struct
 import sys
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
 import numpy as np
 import torch
 from safetensors.torch import save_file

@@ -27,15 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from corpus_files import (
-    H,
     LLAMA_CONFIG,
-    V,
     Case,
+    H,
+    V,
     fp8_folder,
     hf_folder,
-    llama_tensors,
     onnx_model,
     sha256_file,
     sharded_folder,
@@ -141,52 +139,46 @@ def _out(root: Path, cid: str, suffix: str = "") -> Path:
 
 # ------------------------------------------------------------------------ code execution
 
+def _calibrating_code(root, cid, *, command: str, what: str) -> Case:
+    """calibrate / convert --scales calibrate on a checkpoint carrying a config or tokenizer
+    payload."""
+    marker = root / f"{cid}.PWNED"
+    if what == "tokenizer":
+        ckpt = with_code_tokenizer(model_with_tokenizer(root / cid, HELIUM_CONFIG), marker)
+        expect = ["tokenizer_config.json", "auto_map", "AutoTokenizer", "never runs code"]
+    else:
+        ckpt = with_code_config(model_with_tokenizer(root / cid), marker)
+        expect = ["config.json", "auto_map", "AutoModelForCausalLM", "never runs code"]
+    data = calib_text(root / f"{cid}-data" / "calib.txt")
+    if command == "calibrate":
+        out = _out(root, cid, "-amax.json")
+        argv = ["calibrate", str(ckpt), "--calib-data", str(data), "-o", str(out)]
+    else:
+        out = _out(root, cid)
+        argv = ["convert", str(ckpt), "-o", str(out), "--scales", "calibrate", "--calib-data",
+                str(data)]
+    return Case(cid, "code", argv, expect, marker=str(marker), outputs=[str(out)], stdin=YES,
+                note=f"{' '.join(argv[:1])}: {what} auto_map → evil.py, no built-in class for it")
+
+
 @case
 def code_calibrate_tokenizer(root, cid):
-    marker = root / f"{cid}.PWNED"
-    ckpt = with_code_tokenizer(model_with_tokenizer(root / cid, HELIUM_CONFIG), marker)
-    out = _out(root, cid, "-amax.json")
-    return Case(cid, "code", ["calibrate", str(ckpt), "--calib-data",
-                              str(calib_text(root / f"{cid}-data" / "calib.txt")), "-o", str(out)],
-                ["tokenizer_config.json", "auto_map", "AutoTokenizer", "never runs code"],
-                marker=str(marker), outputs=[str(out)], stdin=YES,
-                note="tokenizer_config.json auto_map → evil.py (no built-in tokenizer class)")
+    return _calibrating_code(root, cid, command="calibrate", what="tokenizer")
 
 
 @case
 def code_calibrate_config(root, cid):
-    marker = root / f"{cid}.PWNED"
-    ckpt = with_code_config(model_with_tokenizer(root / cid), marker)
-    out = _out(root, cid, "-amax.json")
-    return Case(cid, "code", ["calibrate", str(ckpt), "--calib-data",
-                              str(calib_text(root / f"{cid}-data" / "calib.txt")), "-o", str(out)],
-                ["config.json", "auto_map", "AutoModelForCausalLM", "never runs code"],
-                marker=str(marker), outputs=[str(out)], stdin=YES,
-                note="config.json auto_map → evil.py for a class transformers does not have")
+    return _calibrating_code(root, cid, command="calibrate", what="config")
 
 
 @case
 def code_convert_calibrate_config(root, cid):
-    marker = root / f"{cid}.PWNED"
-    ckpt = with_code_config(model_with_tokenizer(root / cid), marker)
-    out = _out(root, cid)
-    data = calib_text(root / f"{cid}-data" / "calib.txt")
-    return Case(cid, "code", ["convert", str(ckpt), "-o", str(out), "--scales", "calibrate",
-                              "--calib-data", str(data)],
-                ["config.json", "auto_map", "AutoModelForCausalLM"], marker=str(marker),
-                outputs=[str(out)], stdin=YES, note="convert --scales calibrate, config payload")
+    return _calibrating_code(root, cid, command="convert", what="config")
 
 
 @case
 def code_convert_calibrate_tokenizer(root, cid):
-    marker = root / f"{cid}.PWNED"
-    ckpt = with_code_tokenizer(model_with_tokenizer(root / cid, HELIUM_CONFIG), marker)
-    out = _out(root, cid)
-    data = calib_text(root / f"{cid}-data" / "calib.txt")
-    return Case(cid, "code", ["convert", str(ckpt), "-o", str(out), "--scales", "calibrate",
-                              "--calib-data", str(data)],
-                ["tokenizer_config.json", "auto_map", "AutoTokenizer"], marker=str(marker),
-                outputs=[str(out)], stdin=YES, note="convert --scales calibrate, tokenizer payload")
+    return _calibrating_code(root, cid, command="convert", what="tokenizer")
 
 
 @case

@@ -23,41 +23,45 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import struct
 import sys
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-from corpus_files import (  # noqa: E402  (helpers re-exported: tests use make_corpus.<name>)
-    Case,
+from corpus_files import (
+    FFN,
+    KERAS_CONFIG,
+    LLAMA_CONFIG,
     REPO,
     TE_FIXTURES,
+    Case,
     H,
-    FFN,
     V,
     _WriteMarker,
-    llama_tensors,
-    LLAMA_CONFIG,
+    fp8_folder,
     hf_folder,
-    sharded_folder,
-    write_index,
+    keras_members,
+    llama_tensors,
+    onnx_model,
     raw_safetensors,
+    sha256_file,
+    sharded_folder,
     st_header,
     te_fixtures,
     tiny_h5,
-    KERAS_CONFIG,
-    keras_members,
+    write_index,
     write_zip,
-    onnx_model,
-    fp8_folder,
-    sha256_file,
 )
+from safetensors.torch import save_file
+
+# The helpers are re-exported: tests and reliability_helpers use make_corpus.<name>.
+__all__ = ["BUILDERS", "Case", "build_corpus", "main", "FFN", "KERAS_CONFIG", "LLAMA_CONFIG",
+           "REPO", "TE_FIXTURES", "V", "H", "fp8_folder", "hf_folder", "keras_members",
+           "llama_tensors", "onnx_model", "raw_safetensors", "sha256_file", "sharded_folder",
+           "st_header", "te_fixtures", "tiny_h5", "write_index", "write_zip"]
 
 
 # ------------------------------------------------------------------------------- builders
