@@ -9,9 +9,9 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from fp8export.calibration import data as data_mod
 from fp8export.calibration.data import load_samples
+
 from fp8export.errors import Fp8ExportError
 
 
