@@ -87,11 +87,13 @@ def _keras_layers(config: dict) -> list | None:
 
 def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
     """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
-    from fp8export.checkpoint._paths import read_json
+    from pathlib import Path
+
     from fp8export.checkpoint.formats import VLLM_ONLY, dialect_of
+    from fp8export.checkpoint.model_config import read_model_config
     from fp8export.config import OutputFormat
 
-    config = read_json(folder / "config.json", "config.json")
+    config = read_model_config(Path(folder))
     dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
     if dialect == str(OutputFormat.VLLM):
         notes.append(f"{VLLM_ONLY} verify ran it with fp8export's torch FP8 runtime, which reads "
