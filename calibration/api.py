@@ -118,69 +118,25 @@ def _weight_bytes_bf16(path: Path) -> int:
         return sum(t.numel for t in ckpt.tensors()) * 2
 
 
-def load_calibration_model(path: Path, device: str):
-    """The bf16 model on ``device``; across several GPUs via accelerate when it does not fit one.
+def load_calibration_model(path: Path, device: str, max_memory: dict | None = None):
+    """The bf16 model on ``device``, or spread over several devices (``fp8export.placement``:
+    ``max_memory`` given, or a model larger than one GPU with several visible).
 
-    Returns ``(model, config_dict, input_device, notes)``.
+    Returns ``(model, config_dict, input_device, notes, placement)``; ``placement`` is None on
+    one device, else the caller closes it when done.
     """
     import torch
 
-    from fp8export.models import load_model
+    from fp8export import placement
+    from fp8export.models import load_model, load_model_spread
 
-    notes: list[str] = []
-    if device == "cuda" and torch.cuda.device_count() > 1:
-        need = _weight_bytes_bf16(path)
-        free, _total = torch.cuda.mem_get_info(0)
-        if need > 0.8 * free:  # leave room for activations
-            model, config = _load_dispatched(path)
-            notes.append(f"model ({need / 2**30:.1f} GiB bf16) spread over "
-                         f"{torch.cuda.device_count()} GPUs with accelerate device_map='auto'")
-            emb = model.get_input_embeddings()
-            return model, config, emb.weight.device, notes
+    spread = placement.budgets(device, _weight_bytes_bf16(path) if device == "cuda" else 0,
+                               max_memory)
+    if spread is not None:
+        model, config, where = load_model_spread(path, spread, dtype=torch.bfloat16)
+        return model, config, torch.device(where.main_device), [where.note()], where
     model, config = load_model(path, dtype=torch.bfloat16, device=device)
-    return model, config, torch.device(device), notes
-
-
-def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    from fp8export.checkpoint.source import open_checkpoint
-
-    with open_checkpoint(path) as ckpt:
-        return {t.name: tuple(t.shape) for t in ckpt.tensors()}
-
-
-def _load_dispatched(path: Path):
-    """accelerate's ``device_map="auto"`` (an existing engine, not a hand-rolled sharder)."""
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("accelerate") is None:
-        raise Fp8ExportError(
-            f"{path}: the model does not fit one GPU; spreading it over several needs the "
-            "optional 'accelerate' package (pip install accelerate), or use --device cpu.")
-    import transformers
-
-    from fp8export.models import task_of
-
-    p = Path(path)
-    if not p.is_dir() or not any(p.glob("*.safetensors")):
-        raise Fp8ExportError(f"{p}: multi-GPU loading needs a Hugging Face folder with "
-                             ".safetensors weights (never unpickled). Convert the weights, or use "
-                             "--device cpu.")
-    from fp8export.checkpoint.model_config import read_model_config
-    from fp8export.models import empty_model
-
-    config = read_model_config(p) or {}
-    with torch.device("meta"):  # refuses custom code and configs that do not fit the weights
-        empty_model(config, p, dtype=torch.bfloat16, shapes=_shapes(p))
-    auto = {"causal-lm": transformers.AutoModelForCausalLM,
-            "masked-lm": transformers.AutoModelForMaskedLM,
-            "seq-cls": transformers.AutoModelForSequenceClassification,
-            "base": transformers.AutoModel}[task_of(config)]
-    model = auto.from_pretrained(str(p), dtype=torch.bfloat16, device_map="auto",
-                                 local_files_only=True, use_safetensors=True,
-                                 trust_remote_code=False)
-    return model.eval(), config
+    return model, config, torch.device(device), [], None
 
 
 def max_positions(config: dict[str, Any]) -> int | None:
@@ -383,11 +339,10 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
 
 def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
                ) -> CalibrationResult:
-    from fp8export.calibration.amax_file import check_output, source_hashes, write_amax_file
+    from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
-    from fp8export.calibration.data import load_samples
 
-    from fp8export.numerics.fp8 import amax_to_scale
+    from fp8export.placement import parse_max_memory
 
     if cfg.output is not None:
         check_output(cfg.output, cfg.force, cfg.checkpoint)
@@ -396,7 +351,26 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     get_calibrator(method, **cfg.method_options())  # validate options before loading
     device = resolve_device(cfg.device)
     with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
-        model, config, input_device, notes = load_calibration_model(cfg.checkpoint, device)
+        model, config, input_device, notes, spread = load_calibration_model(
+            cfg.checkpoint, device, parse_max_memory(cfg.max_memory))
+    if spread is not None:
+        device = ",".join(spread.devices)
+    try:
+        return _calibrate_loaded(cfg, known_groups, model, config, input_device, notes, device,
+                                 method)
+    finally:
+        if spread is not None:
+            spread.close()
+
+
+def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_device, notes,
+                      device: str, method: str) -> CalibrationResult:
+    from fp8export.calibration.amax_file import source_hashes, write_amax_file
+    from fp8export.calibration.calibrators import get_calibrator
+    from fp8export.calibration.data import load_samples
+
+    from fp8export.numerics.fp8 import amax_to_scale
+
     if cfg.modules:
         modules = list(cfg.modules)
         if not cfg.fuse_scales:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fp8export.config import CalibMethod, Device, sibling_output
 from fp8export.errors import UsageError
+from fp8export.placement import parse_max_memory
 
 DEFAULT_CALIB_SAMPLES = 512  # TensorRT / ModelOpt examples calibrate on a few hundred samples
 DEFAULT_BATCH_SIZE = 8
@@ -37,6 +38,7 @@ class CalibrateConfig:
     batch_size: int | None = DEFAULT_BATCH_SIZE
     seq_len: int | None = None  # default: the model's maximum positions
     device: Device = Device.AUTO
+    max_memory: str | None = None  # "0=70GiB,1=70GiB,cpu=100GiB": spread (fp8export.placement)
     modules: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -52,6 +54,7 @@ class CalibrateConfig:
         object.__setattr__(self, "calib_method",
                            CalibMethod.parse(self.calib_method, "--calib-method"))
         object.__setattr__(self, "device", Device.parse(self.device, "--device"))
+        parse_max_memory(self.max_memory)  # a usage error before any work
         for name in ("modules", "include", "exclude"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name, flag in (("calib_samples", "--calib-samples"), ("batch_size", "--batch-size"),
@@ -83,8 +86,8 @@ class CalibrateConfig:
     def to_dict(self) -> dict:
         out = {}
         for k in ("checkpoint", "calib_data", "output", "calib_method", "percentile",
-                  "calib_samples", "batch_size", "seq_len", "device", "modules", "include",
-                  "exclude", "fuse_scales", "force"):
+                  "calib_samples", "batch_size", "seq_len", "device", "max_memory", "modules",
+                  "include", "exclude", "fuse_scales", "force"):
             v = getattr(self, k)
             out[k] = str(v) if isinstance(v, (Path, Enum)) else (list(v) if isinstance(v, tuple)
                                                                  else v)

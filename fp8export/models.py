@@ -124,11 +124,17 @@ def _dtype_kwarg() -> str:
     return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
 
 
-def _build(auto, cfg, dtype: torch.dtype, where: Path, arch: str, *, meta: bool):
+def _build(auto, cfg, dtype: torch.dtype, where: Path, arch: str, *, meta: bool,
+           empty: bool = False):
     kwargs = {_dtype_kwarg(): dtype}
     try:
         if meta:
             with torch.device("meta"):
+                return auto.from_config(cfg, trust_remote_code=False, **kwargs)
+        if empty:
+            from fp8export.placement import empty_weights
+
+            with empty_weights():
                 return auto.from_config(cfg, trust_remote_code=False, **kwargs)
         return auto.from_config(cfg, trust_remote_code=False, **kwargs)
     except Fp8ExportError:
@@ -179,8 +185,11 @@ def check_shapes(model, shapes: Mapping[str, tuple[int, ...]], source: Path) -> 
 
 
 def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch.float32, *,
-                shapes: Mapping[str, tuple[int, ...]] | None = None):
+                shapes: Mapping[str, tuple[int, ...]] | None = None, empty: bool = False):
     """Instantiate the architecture of ``config`` with random weights (no download).
+
+    ``empty``: parameters stay on the meta device (buffers are real), to be loaded onto the
+    devices of a plan (``fp8export.placement``).
 
     With ``shapes`` (tensor name → shape of the checkpoint that will be loaded into it) the
     architecture is first built on the meta device and checked against them
@@ -207,7 +216,7 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     if shapes is not None:
         check_shapes(_build(auto, cfg, dtype, where, arch, meta=True), shapes, source)
-    return _build(auto, cfg, dtype, where, arch, meta=False).eval()
+    return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
 
 
 def _refuse_quantized(ckpt, path: Path) -> None:
@@ -277,3 +286,44 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.to(device).eval(), config
+
+
+def checkpoint_bytes(path: str | Path, itemsize: int | None) -> int:
+    """Bytes of the checkpoint's tensors loaded with floating tensors at ``itemsize`` bytes
+    (None: as stored; an FP8 folder keeps its E4M3 weights)."""
+    from fp8export.checkpoint.source import open_checkpoint
+
+    sizes = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+    with open_checkpoint(path) as ckpt:
+        return sum(t.numel * (itemsize if itemsize and t.dtype in ("BF16", "F16", "F32", "F64")
+                              else sizes.get(t.dtype, 4)) for t in ckpt.tensors())
+
+
+def load_model_spread(path: str | Path, budgets: dict[int | str, int], *,
+                      dtype: torch.dtype = torch.bfloat16):
+    """:func:`load_model` spread over the devices of ``budgets`` (``fp8export.placement``):
+    built on the meta device, each weight read once and put straight onto its device.
+
+    Returns ``(model, config_dict, placement)``.
+    """
+    from fp8export import placement
+    from fp8export.checkpoint.source import open_checkpoint
+
+    placement.need_accelerate(str(path))
+    with open_checkpoint(path) as ckpt:
+        if not ckpt.config:
+            raise Fp8ExportError(f"{path}: no config.json beside the weights, so the "
+                                 "architecture is unknown. Put the model's config.json in the "
+                                 "folder.")
+        _refuse_quantized(ckpt, Path(path))
+        shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
+        model = empty_model(ckpt.config, Path(path), dtype=dtype, shapes=shapes, empty=True)
+        expected = set(model.state_dict())
+        device_map = placement.plan(model, budgets, dtype)
+        placement.fill(model, device_map, ((i.name, ckpt.load(i.name)) for i in ckpt.tensors()
+                                           if i.name in expected), dtype=dtype)
+        config = dict(ckpt.config)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    placement.check_loaded(model, str(path))
+    return model.eval(), config, placement.dispatch(model, device_map)

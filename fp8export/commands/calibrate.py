@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from fp8export.placement import MAX_MEMORY_HELP
+
 _CHOICES = {"case_sensitive": False}
 
 
@@ -32,13 +34,14 @@ _CHOICES = {"case_sensitive": False}
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"], **_CHOICES), default="auto",
               show_default=True, help="auto: cuda when available. Several GPUs: models that do "
                    "not fit one are spread with accelerate (optional package).")
+@click.option("--max-memory", metavar="DEV=SIZE,...", help=MAX_MEMORY_HELP)
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Also calibrate these modules (default: exactly those convert quantizes).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Do not calibrate these modules (default: none beyond convert's own).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 def command(checkpoint, calib_data, output, calib_method, percentile, calib_samples, batch_size,
-            seq_len, device, include, exclude, force):
+            seq_len, device, max_memory, include, exclude, force):
     """Observe the inputs of every linear layer `convert` quantizes, on the bf16 model.
 
     Writes amax.json (method, sample count, per-layer amax and scale = amax/448, the
@@ -52,7 +55,8 @@ def command(checkpoint, calib_data, output, calib_method, percentile, calib_samp
     cfg = CalibrateConfig(checkpoint=checkpoint, calib_data=calib_data, output=output,
                           calib_method=calib_method, percentile=percentile,
                           calib_samples=calib_samples, batch_size=batch_size, seq_len=seq_len,
-                          device=device, include=include, exclude=exclude, force=force)
+                          device=device, max_memory=max_memory, include=include,
+                          exclude=exclude, force=force)
     cfg = CalibrateConfig(**{**cfg.__dict__, "output": cfg.resolved_output})
     result = api.calibrate(cfg)
     opts = "".join(f", {k}={v}" for k, v in result.options.items())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from fp8export.placement import MAX_MEMORY_HELP
+
 THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metric: bound "
                   "(e.g. {preset: default, kl_mean: 0.01}).")
 
@@ -34,6 +36,8 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                                                 "(SQNR of its output; FP8 folder candidates).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
+@click.option("--max-memory", metavar="DEV=SIZE,...",
+              help=MAX_MEMORY_HELP + " Shared by the reference and a torch candidate.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True,
               help="Wall-clock limit of the run in seconds (0: none); a graph that never ends "
                    "is stopped with an error.")
@@ -41,7 +45,7 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
-            samples, batch_size, seq_len, per_layer, device, timeout, fp8_mode):
+            samples, batch_size, seq_len, per_layer, device, max_memory, timeout, fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
@@ -54,7 +58,8 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
     cfg = VerifyConfig(reference=reference, candidate=candidate, data=data,
                        thresholds=thresholds, report_dir=report_dir, backend=backend,
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
-                       seq_len=seq_len, per_layer=per_layer, device=device, fp8_mode=fp8_mode,
+                       seq_len=seq_len, per_layer=per_layer, device=device,
+                       max_memory=max_memory, fp8_mode=fp8_mode,
                        timeout=timeout, command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)

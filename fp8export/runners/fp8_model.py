@@ -89,7 +89,8 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
 
 
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.bfloat16, mode: str = "auto", fuse: bool = True):
+                   dtype: torch.dtype = torch.bfloat16, mode: str = "auto", fuse: bool = True,
+                   budgets: dict[int | str, int] | None = None):
     """Build the FP8 folder's model with quantized linears as :class:`Fp8Linear`.
 
     Args:
@@ -99,10 +100,13 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         mode: "auto" (``torch._scaled_mm`` on CC >= 8.9, emulation elsewhere), "emulate" or
             "scaled_mm".
         fuse: run each fused group (q/k/v, gate/up) whose members share scales as one GEMM.
+        budgets: spread the model over these devices (``fp8export.placement``); ``device`` is
+            then only where the FP8 path is decided (the first GPU).
 
     Returns:
         ``(model, config, manifest, info)``; ``info`` says which path ran and which layers fell
-        back to emulation, and why (JSON-serialisable).
+        back to emulation, and why (JSON-serialisable); spread, ``info["placement"]`` is the
+        :class:`~fp8export.placement.Placement` (its ``describe()`` for reports).
     """
     from fp8export.keras_model.config import is_keras_config
 
@@ -115,9 +119,14 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         return _load_keras_fp8(where, dev, dtype, resolved)
     from fp8export.models import empty_model
 
+    if budgets is not None:
+        from fp8export.placement import need_accelerate
+
+        need_accelerate(str(where))
     tensors = load_fp8_tensors(where)
     model = empty_model(config, where, dtype=dtype,
-                        shapes={k: tuple(t.shape) for k, t in tensors.items()})
+                        shapes={k: tuple(t.shape) for k, t in tensors.items()},
+                        empty=budgets is not None)
     quantized = manifest.get("quantized") or {}
     fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
                                  where=where)
@@ -141,15 +150,27 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     if missing:
         raise Fp8ExportError(f"{where}: {len(missing)} tensors the architecture needs are "
                              f"missing, e.g. {missing[:3]}. Re-run `fp8export convert`.")
-    model.load_state_dict(loadable, strict=False)
+    if budgets is None:
+        model.load_state_dict(loadable, strict=False)
+    else:  # parameters are on the meta device: load them (host memory, as read) one by one
+        from fp8export.placement import fill
+
+        fill(model, {"": "cpu"}, loadable.items())
     if tied:
         model.tie_weights()
-    model = model.to(dev).eval()
+    if budgets is None:
+        model = model.to(dev)
+    model.eval()
     groups = fused_groups(quantized, config) if fuse else {}
     unfused = fuse_projections(model, groups)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused}
+    if budgets is not None:  # planned after fusing: the fused weights are what gets placed
+        from fp8export import placement
+
+        placement.check_loaded(model, str(where))
+        info["placement"] = placement.dispatch(model, placement.plan(model, budgets, dtype))
     return model, config, manifest, info
 
 

@@ -29,8 +29,9 @@ class TorchFp8Runner(TorchModelRunner):
     backend = "torch-fp8"
 
     def __init__(self, path, *, dtype: str = "bf16", device: str = "auto", mode: str = "auto",
-                 compile: bool | str = "auto", name: str | None = None):
-        super().__init__(path, dtype=dtype, device=device, name=name)
+                 compile: bool | str = "auto", name: str | None = None,
+                 max_memory: dict[int | str, int] | None = None):
+        super().__init__(path, dtype=dtype, device=device, name=name, max_memory=max_memory)
         if compile not in COMPILE_MODES:
             from fp8export.errors import Fp8ExportError
 
@@ -45,10 +46,17 @@ class TorchFp8Runner(TorchModelRunner):
     def _build(self):
         import torch
 
+        from fp8export.models import checkpoint_bytes
         from fp8export.runners.fp8_model import load_fp8_model
 
+        spread = self._budgets(lambda: checkpoint_bytes(self.path, None))
+        device = self.device
+        if spread is not None:
+            gpus = [k for k in spread if isinstance(k, int)]
+            device = f"cuda:{gpus[0]}" if gpus else "cpu"
         model, config, self.manifest, self.info = load_fp8_model(
-            self.path, device=self.device, dtype=self.dtype, mode=self.mode)
+            self.path, device=device, dtype=self.dtype, mode=self.mode, budgets=spread)
+        self.placement = self.info.pop("placement", None)
         if self.compile in (False, "auto"):
             why = AUTO_EAGER_REASON if self.compile == "auto" else "eager: compile=False"
             if self.info["mode"] == "emulate":

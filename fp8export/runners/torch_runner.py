@@ -47,33 +47,49 @@ class TorchModelRunner(Runner):
     """A runner around a torch module built in ``_build()``; subclasses say how to build it."""
 
     def __init__(self, path: str | Path, *, dtype: str = "bf16", device: str = "auto",
-                 name: str | None = None):
+                 name: str | None = None, max_memory: dict[int | str, int] | None = None):
         super().__init__(name)
         self.path = Path(path)
         self.dtype_name = str(dtype)
         self.device_name = device
+        #: per-device budgets (``fp8export.placement``); None: one device unless the model
+        #: does not fit the GPU and several are visible
+        self.max_memory = max_memory
+        self.placement = None  # a Placement once activated spread over several devices
         self.model = None
         self.config: dict[str, Any] = {}
 
     @abstractmethod
     def _build(self):  # -> (model, config)
-        """Build the torch model on ``self.device`` in ``self.dtype``."""
+        """Build the torch model on ``self.device`` in ``self.dtype`` (or spread it over the
+        devices of ``self._budgets(...)``, setting ``self.placement``)."""
+
+    def _budgets(self, weight_bytes) -> dict[int | str, int] | None:
+        """Where to spread a model of ``weight_bytes()`` bytes, or None for ``self.device``."""
+        from fp8export.placement import budgets
+
+        return budgets(self.device, weight_bytes() if self.device == "cuda" else 0,
+                       self.max_memory)
 
     def _activate(self) -> None:
         self.device = resolve_device(self.device_name)
         self.dtype = torch_dtype(self.dtype_name)
         self.model, self.config = self._build()
+        # inputs go where the first layer runs (the embedding's GPU when spread)
+        self.input_device = self.placement.main_device if self.placement else self.device
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
         if "input_ids" not in feed:
             raise Fp8ExportError(f"runner {self.name}: feed needs 'input_ids', got {list(feed)}")
-        ids = torch.as_tensor(np.asarray(feed["input_ids"]), dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(np.asarray(feed["input_ids"]), dtype=torch.long,
+                              device=self.input_device)
         kwargs = {"input_ids": ids}
         if feed.get("attention_mask") is not None:
             kwargs["attention_mask"] = torch.as_tensor(np.asarray(feed["attention_mask"]),
-                                                       dtype=torch.long, device=self.device)
+                                                       dtype=torch.long,
+                                                       device=self.input_device)
         with torch.inference_mode():
             out = self.model(**kwargs, use_cache=False) if self._takes_cache() else \
                 self.model(**kwargs)
@@ -88,11 +104,16 @@ class TorchModelRunner(Runner):
 
     def _deactivate(self) -> None:
         self.model = None
+        if self.placement is not None:
+            self.placement.close()
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update(path=str(self.path), dtype=self.dtype_name,
                  device=getattr(self, "device", self.device_name))
+        if self.placement is not None:
+            d["device"] = ",".join(self.placement.devices)
+            d["placement"] = self.placement.describe()
         return d
 
 
@@ -102,6 +123,10 @@ class TorchRunner(TorchModelRunner):
     backend = "torch"
 
     def _build(self):
-        from fp8export.models import load_model
+        from fp8export.models import checkpoint_bytes, load_model, load_model_spread
 
-        return load_model(self.path, dtype=self.dtype, device=self.device)
+        spread = self._budgets(lambda: checkpoint_bytes(self.path, self.dtype.itemsize))
+        if spread is None:
+            return load_model(self.path, dtype=self.dtype, device=self.device)
+        model, config, self.placement = load_model_spread(self.path, spread, dtype=self.dtype)
+        return model, config

@@ -48,8 +48,10 @@ _BACKEND_OF = {"fp8-folder": "torch", "hf-folder": "torch", "onnx": "onnxruntime
 
 
 def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
-                   dtype: str = "bf16", fp8_mode: str = "auto") -> Runner:
-    """The runner for ``path`` (not yet activated); ``backend`` must fit the kind when given."""
+                   dtype: str = "bf16", fp8_mode: str = "auto",
+                   max_memory: dict[int | str, int] | None = None) -> Runner:
+    """The runner for ``path`` (not yet activated); ``backend`` must fit the kind when given.
+    ``max_memory``: spread a torch candidate over these devices (``fp8export.placement``)."""
     kind = candidate_kind(path)
     natural = _BACKEND_OF[kind]
     backend = str(backend)
@@ -59,11 +61,13 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
     if kind == "fp8-folder":
         from fp8export.runners.torch_fp8_runner import TorchFp8Runner
 
-        return TorchFp8Runner(path, dtype=dtype, device=device, mode=fp8_mode, name="candidate")
+        return TorchFp8Runner(path, dtype=dtype, device=device, mode=fp8_mode, name="candidate",
+                              max_memory=max_memory)
     if kind == "hf-folder":
         from fp8export.runners.torch_runner import TorchRunner
 
-        return TorchRunner(path, dtype=dtype, device=device, name="candidate")
+        return TorchRunner(path, dtype=dtype, device=device, name="candidate",
+                           max_memory=max_memory)
     if kind == "onnx":
         try:
             from fp8export.runners.ort_runner import OrtRunner
@@ -88,7 +92,8 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
     return TrtRunner(path)
 
 
-def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto") -> Runner:
+def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto",
+                   max_memory: dict[int | str, int] | None = None) -> Runner:
     """The torch reference runner; the reference must be an unquantized checkpoint.
 
     A Keras ``.keras`` / ``.weights.h5`` file is rebuilt in torch from its config (float8
@@ -110,4 +115,4 @@ def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto") -> 
         return KerasRunner(p, dtype=dtype, device=device, name="reference")
     from fp8export.runners.torch_runner import TorchRunner
 
-    return TorchRunner(p, dtype=dtype, device=device, name="reference")
+    return TorchRunner(p, dtype=dtype, device=device, name="reference", max_memory=max_memory)

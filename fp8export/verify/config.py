@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fp8export.config import Device, StrEnum
 from fp8export.errors import UsageError
+from fp8export.placement import parse_max_memory
 from fp8export.verify.thresholds import check_spec
 
 # A verify run on the built-in samples takes seconds; an hour means something never ends (an
@@ -50,6 +51,8 @@ class VerifyConfig:
     seq_len: int | None = 128
     per_layer: bool = False
     device: Device = Device.AUTO
+    # "0=70GiB,1=70GiB,cpu=100GiB": the reference and the candidate together (placement.py)
+    max_memory: str | None = None
     fp8_mode: str = "auto"
     timeout: float | None = DEFAULT_TIMEOUT_S  # wall-clock limit of the run; None or 0: none
     write_reports: bool = True
@@ -72,6 +75,7 @@ class VerifyConfig:
         if self.timeout is not None and not float(self.timeout) >= 0:
             raise UsageError(f"--timeout must be >= 0 seconds (0: no limit), got "
                              f"{self.timeout}.")
+        parse_max_memory(self.max_memory)  # a usage error before any model is loaded
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
             raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
                              "or scaled_mm.")

@@ -111,6 +111,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult and the
             reports are already on disk.
     """
+    from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.thresholds import load_thresholds
 
@@ -123,11 +124,12 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         probe_writable(cfg.report_dir, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     kind = candidate_kind(cfg.candidate)
+    max_memory = parse_max_memory(cfg.max_memory) or None
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
-                                device=str(cfg.device))
+                                device=str(cfg.device), max_memory=max_memory)
     cand_runner = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
                                  dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
-                                 fp8_mode=cfg.fp8_mode)
+                                 fp8_mode=cfg.fp8_mode, max_memory=max_memory)
     notes: list[str] = []
     dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
     limit = float(cfg.timeout or 0)
@@ -171,6 +173,10 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
     with contextlib.ExitStack() as running:
         with stage(f"loading the reference {cfg.reference} (torch, {cfg.reference_dtype})"):
             running.enter_context(ref_runner)
+        placed = getattr(ref_runner, "placement", None)
+        if placed is not None and getattr(cand_runner, "max_memory", None):
+            # --max-memory holds both models: the candidate gets what the reference left
+            cand_runner.max_memory = placed.remaining(cand_runner.max_memory)
         with stage(f"loading the candidate {cfg.candidate} ({kind}, {cand_runner.backend})"):
             running.enter_context(cand_runner)
         t_load = time.perf_counter() - t0

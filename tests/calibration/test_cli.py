@@ -131,17 +131,3 @@ def test_command_module_imports_only_click(python_exe):
             "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
             "assert not heavy, heavy; assert c.command.name == 'calibrate'")
     subprocess.run([python_exe, "-c", code], check=True)
-
-
-def test_multi_gpu_loader_uses_accelerate_device_map(tiny_llama):
-    """accelerate's device_map="auto" path (CPU-only here: places everything on the CPU)."""
-    import importlib.util
-
-    if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("optional dependency accelerate not installed")
-    import torch
-    from fp8export.calibration.api import _load_dispatched
-
-    model, config = _load_dispatched(tiny_llama)
-    assert config["model_type"] == "llama"
-    assert next(model.parameters()).dtype == torch.bfloat16
