@@ -252,8 +252,29 @@ def dispatch(model: torch.nn.Module, device_map: dict[str, int | str]) -> Placem
             shutil.rmtree(offload_dir, ignore_errors=True)
         raise
     refresh_fast_paths(model)
+    follow_current_device(model, device_map, main)
     return Placement(device_map=dict(device_map), main_device=main, bytes_per_device=per,
                      offload_dir=offload_dir)
+
+
+def follow_current_device(model: torch.nn.Module, device_map: dict[str, int | str],
+                          main: str) -> None:
+    """Make each placed block's GPU the current CUDA device while it runs: Triton kernels (the
+    FP8 runtime's quantize and small-M GEMM) launch on the current device, not on their
+    tensors' device. One ``set_device`` per block per forward."""
+    import torch
+
+    main_index = int(main.split(":")[1]) if main.startswith("cuda:") else None
+    for name, dev in device_map.items():
+        index = dev if isinstance(dev, int) else main_index
+        if index is not None:
+            model.get_submodule(name).register_forward_pre_hook(_set_device(index, torch))
+
+
+def _set_device(index: int, torch):
+    def hook(module, args):
+        torch.cuda.set_device(index)
+    return hook
 
 
 def refresh_fast_paths(model: torch.nn.Module) -> None:

@@ -33,6 +33,7 @@ def test_parse_max_memory_refuses_with_the_part_named(text, says):
 
 def test_config_refuses_bad_max_memory_before_any_work(tmp_path):
     from fp8export.calibration.config import CalibrateConfig
+
     from fp8export.verify.config import VerifyConfig
 
     with pytest.raises(UsageError, match="--max-memory"):
@@ -96,3 +97,40 @@ def test_spread_model_loads_every_layer_on_its_planned_device(repo_root):
     finally:
         placed.close()
     assert placed.offload_dir is None
+
+
+@needs_accelerate
+@pytest.mark.gpu
+def test_two_gpu_split_matches_one_gpu(repo_root, tmp_path):
+    """The sample Llama calibrated and verified on GPU 0, then split over GPUs 0 and 1: amax
+    bit for bit, verify metrics within float noise (bench/multi_gpu.py does this at 1.1 B)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from fp8export.calibration.config import CalibrateConfig
+
+    from fp8export import api
+    from fp8export.config import ConvertConfig
+    from fp8export.verify.config import VerifyConfig
+
+    model = repo_root / "samples" / "tiny-llama" / "model"
+    data = repo_root / "samples" / "tiny-llama" / "data"
+    common = dict(checkpoint=model, calib_data=data / "calib.txt", device="cuda",
+                  calib_samples=32, seq_len=128, calib_method="percentile")
+    one = api.calibrate(CalibrateConfig(**common))
+    split = api.calibrate(CalibrateConfig(**common, max_memory="0=4MiB,1=1GiB"))
+    assert one.device == "cuda" and split.device == "cuda:0,cuda:1"
+    assert split.amax == one.amax and split.details == one.details
+    api.convert(ConvertConfig(checkpoint=model, output=tmp_path / "fp8", calib_samples=32,
+                              calib_data=data / "calib.txt", device="cuda"))
+    runs = []
+    for mm in (None, "0=8MiB,1=1GiB"):
+        runs.append(api.verify(VerifyConfig(
+            reference=model, candidate=tmp_path / "fp8", data=data / "eval.txt", device="cuda",
+            samples=32, seq_len=128, per_layer=True, max_memory=mm, write_reports=False)))
+    a, b = runs
+    assert b.reference["device"] == "cuda:0,cuda:1" and b.candidate["device"] == "cuda:0,cuda:1"
+    for key in ("cosine_mean", "cosine_min", "kl_mean", "top1_agreement", "ppl_candidate"):
+        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5, abs=1e-7), key
+    assert [r["module"] for r in b.per_layer] == [r["module"] for r in a.per_layer]
