@@ -240,11 +240,19 @@ def build_big(args):
     return model, cfg, placed, time.perf_counter() - t0
 
 
-def fp8_candidate(ref, placed, modules, groups, amax):
+def _torch_device(dev) -> str:
+    return f"cuda:{dev}" if isinstance(dev, int) else "cpu"
+
+
+def fp8_candidate(ref, modules, groups, amax):
     """The FP8 model of ``ref`` from calibrated input amaxes (as convert would write it, with
     shared group scales), every layer on the device of the reference's layer."""
     import torch
-    from accelerate.utils import set_module_tensor_to_device
+    from accelerate.utils import (
+        get_balanced_memory,
+        infer_auto_device_map,
+        set_module_tensor_to_device,
+    )
     from fp8export.calibration.api import share_groups
     from transformers import AutoModelForCausalLM
 
@@ -255,30 +263,40 @@ def fp8_candidate(ref, placed, modules, groups, amax):
 
     with placement.empty_weights():
         cand = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+    # planned like verify plans a second model: in what the reference left free, with the
+    # quantized weights counted at one byte
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    free = {i: torch.cuda.mem_get_info(i)[0] - (2 << 30) for i in range(count)} or {"cpu": 1 << 40}
+    fp8 = {f"{m}.weight": torch.float8_e4m3fn for m in modules}
+    no_split = list(cand._no_split_modules)
+    balanced = get_balanced_memory(cand, max_memory=free, no_split_module_classes=no_split,
+                                   dtype=torch.bfloat16, special_dtypes=fp8)
+    cand_map = infer_auto_device_map(cand, max_memory=balanced, no_split_module_classes=no_split,
+                                     dtype=torch.bfloat16, special_dtypes=fp8)
     ref_mods = dict(ref.named_modules())
-    w_amax = {m: float(ref_mods[m].weight.abs().amax()) for m in modules}
+    w_amax = {m: float(ref_mods[m].weight.detach().abs().amax()) for m in modules}
     w_amax = share_groups(w_amax, groups)
     in_amax = share_groups(amax, groups)
     quantized = set(modules)
     for m in modules:
-        w = ref_mods[m].weight
+        w = ref_mods[m].weight.detach()
         ws = torch.tensor(w_amax[m] / E4M3_MAX, dtype=torch.float32, device=w.device)
         si = torch.tensor(in_amax[m] / E4M3_MAX, dtype=torch.float32, device=w.device)
+        target = _torch_device(placement.device_for(m, cand_map))
         parent, _, child = m.rpartition(".")
         setattr(cand.get_submodule(parent), child,
-                Fp8Linear(quantize_e4m3(w, ws), ws, si, None, mode="auto"))
-    for name, t in ref.state_dict().items():  # the rest is shared with the reference
-        if name.rpartition(".")[0] not in quantized:
-            set_module_tensor_to_device(cand, name, t.device, value=t)
-    for name, buf in ref.named_buffers():
-        if name.rpartition(".")[0] not in quantized:
-            set_module_tensor_to_device(cand, name, buf.device, value=buf)
+                Fp8Linear(quantize_e4m3(w, ws).to(target), ws.to(target), si.to(target), None,
+                          mode="auto"))
+    for name, t in list(ref.state_dict().items()) + list(ref.named_buffers()):
+        if name.rpartition(".")[0] not in quantized:  # copies of the high-precision rest
+            dev = _torch_device(placement.device_for(name, cand_map))
+            set_module_tensor_to_device(cand, name, dev, value=t.detach().to(dev))
     ordered = {g: sorted(ms, key=lambda n: ("q_proj", "k_proj", "v_proj", "gate_proj",
                                             "up_proj").index(n.rpartition(".")[2]))
                for g, ms in groups.items()}
     unfused = fuse_projections(cand, ordered)
     placement.check_loaded(cand, "bench candidate")
-    return cand.eval(), placement.dispatch(cand, placed.device_map), unfused
+    return cand.eval(), placement.dispatch(cand, cand_map), unfused
 
 
 def big(args) -> dict:
@@ -290,6 +308,7 @@ def big(args) -> dict:
     from fp8export.verify.metrics import Comparison
 
     model, cfg, placed, build_s = build_big(args)
+    print(f"reference placed: {placed.note()}", flush=True)
     out = {"model": {"params_b": round(params_of(cfg) / 1e9, 2),
                      "bf16_gib": round(params_of(cfg) * 2 / GiB, 1),
                      **{k: cfg[k] for k in ("hidden_size", "intermediate_size",
@@ -330,7 +349,8 @@ def big(args) -> dict:
         "approx_tflops_max": round(flops / ob.seconds / 1e12, 1)}
     amax = {m: r.amax for m, r in amaxes_from_stats(ob.stats, "max").items()}
     t0 = time.perf_counter()
-    cand, cand_placed, unfused = fp8_candidate(model, placed, modules, groups, amax)
+    out["gpu_memory_after_calibration"] = gpu_memory()
+    cand, cand_placed, unfused = fp8_candidate(model, modules, groups, amax)
     sync()
     out["fp8_candidate"] = {"build_s": round(time.perf_counter() - t0, 1),
                             "quantized_layers": len(modules), "unfused_groups": len(unfused),

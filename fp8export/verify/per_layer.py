@@ -16,6 +16,7 @@ by a static input scale). Lower SQNR is worse; the ranking is worst-first.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -84,9 +85,11 @@ class PerLayerProbe:
             y_ref = self._rows(output).to(torch.float64)
             layer = self.fp8[name]
             self._in_isolated = True
-            try:
-                with torch.inference_mode():
-                    y_iso = layer(x.to(layer.weight.device))
+            dev = layer.weight.device
+            try:  # the layer's GPU current: its Triton kernels launch on the current device
+                with torch.inference_mode(), (torch.cuda.device(dev) if dev.type == "cuda"
+                                              else contextlib.nullcontext()):
+                    y_iso = layer(x.to(dev))
             finally:
                 self._in_isolated = False
             y_iso = self._rows(y_iso).to(torch.float64).to(y_ref.device)
