@@ -134,3 +134,13 @@ def test_two_gpu_split_matches_one_gpu(repo_root, tmp_path):
     for key in ("cosine_mean", "cosine_min", "kl_mean", "top1_agreement", "ppl_candidate"):
         assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-5, abs=1e-7), key
     assert [r["module"] for r in b.per_layer] == [r["module"] for r in a.per_layer]
+
+
+@pytest.mark.parametrize("command", ["calibrate", "verify"])
+def test_cli_bad_max_memory_is_a_usage_error(run_cli, repo_root, command):
+    model = repo_root / "samples" / "tiny-llama" / "model"
+    data = repo_root / "samples" / "tiny-llama" / "data" / "calib.txt"
+    args = [model, "--calib-data", data] if command == "calibrate" else [model, model]
+    result = run_cli(command, *args, "--max-memory", "0:70GiB")
+    assert result.exit_code == 2, result.output
+    assert "--max-memory" in result.output and "DEVICE=SIZE" in result.output
