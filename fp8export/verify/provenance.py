@@ -97,7 +97,8 @@ def _device_name(device: str | None) -> str | None:
         return None
     torch = sys.modules.get("torch")
     try:
-        return str(torch.cuda.get_device_name(torch.device(device))) if torch else None
+        first = str(device).split(",")[0]  # a model spread over GPUs: "cuda:0,cuda:1"
+        return str(torch.cuda.get_device_name(torch.device(first))) if torch else None
     except Exception:  # the name is decoration; never fail a verification over it
         return None
 
