@@ -34,6 +34,10 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               help="Truncate samples to N tokens.")
 @click.option("--per-layer", is_flag=True, help="Rank quantized layers by the error each adds "
                                                 "(SQNR of its output; FP8 folder candidates).")
+@click.option("--noise-floor/--no-noise-floor", default=True, show_default=True,
+              help="Also run the reference in fp32 on the same inputs and report the bf16 "
+                   "reference's own loss (the noise floor) next to FP8's; costs one more "
+                   "forward and an fp32 copy of the reference in memory.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--max-memory", metavar="DEV=SIZE,...",
@@ -45,7 +49,8 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
-            samples, batch_size, seq_len, per_layer, device, max_memory, timeout, fp8_mode):
+            samples, batch_size, seq_len, per_layer, noise_floor, device, max_memory, timeout,
+            fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
@@ -58,8 +63,8 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
     cfg = VerifyConfig(reference=reference, candidate=candidate, data=data,
                        thresholds=thresholds, report_dir=report_dir, backend=backend,
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
-                       seq_len=seq_len, per_layer=per_layer, device=device,
-                       max_memory=max_memory, fp8_mode=fp8_mode,
+                       seq_len=seq_len, per_layer=per_layer, noise_floor=noise_floor,
+                       device=device, max_memory=max_memory, fp8_mode=fp8_mode,
                        timeout=timeout, command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
@@ -93,10 +98,18 @@ def _summary(result) -> None:
     if result is None:
         return
     m = result.metrics
-    parts = [f"{k}={m[k]:.4g}" for k in ("cosine_min", "top1_agreement", "kl_mean", "ppl_ratio")
-             if k in m]
+    parts = [f"{k}={m[k]:.4g}" for k in ("cosine_min", "top1_agreement", "neighbor_agreement",
+                                          "kl_mean", "ppl_ratio") if k in m]
     click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
-               f"backend {result.backend}; " + ", ".join(parts))
+               f"backend {result.backend}, judged by {result.family}; " + ", ".join(parts))
+    floor = result.noise_floor
+    if floor:
+        f = floor["metrics"]
+        shown = [f"{k}={f[k]:.4g}" for k in ("cosine_min", "top1_agreement",
+                                              "neighbor_agreement", "kl_mean", "ppl_ratio")
+                 if k in f]
+        click.echo(f"  noise floor ({floor['reference_dtype']} reference vs "
+                   f"{floor['against']}): " + ", ".join(shown))
     for f in result.failures:
         click.echo(f"  failed: {f['message']}")
     if result.per_layer:

@@ -36,6 +36,7 @@ class VerifyConfig:
 
     ``samples``/``seq_len`` bound the data; ``fp8_mode`` picks the torch FP8 path
     ("auto": ``torch._scaled_mm`` on compute capability >= 8.9, emulation elsewhere).
+    ``noise_floor`` also runs the reference in fp32 (noise_floor.py).
     ``command_line`` is what the report shows as the command (the CLI fills it in).
     """
 
@@ -50,6 +51,10 @@ class VerifyConfig:
     batch_size: int = 4
     seq_len: int | None = 128
     per_layer: bool = False
+    # One more forward of the reference in fp32 on the same inputs: the bf16 noise floor that
+    # FP8's loss is reported next to. On by default; it costs that forward and an fp32 copy
+    # of the reference in memory (--no-noise-floor for models where that does not fit).
+    noise_floor: bool = True
     device: Device = Device.AUTO
     # "0=70GiB,1=70GiB,cpu=100GiB": the reference and the candidate together (placement.py)
     max_memory: str | None = None

@@ -19,8 +19,12 @@ def junit_xml(result: dict[str, Any]) -> bytes:
     for key, value in (("reference", result["reference"]["path"]),
                        ("candidate", result["candidate"]["path"]),
                        ("backend", result["backend"]), ("samples", result["samples"]),
-                       ("thresholds", result["thresholds_source"])):
+                       ("thresholds", result["thresholds_source"]),
+                       ("metric_family", result.get("family", "logits"))):
         ET.SubElement(props, "property", name=key, value=str(value))
+    for row in (result.get("noise_floor") or {}).get("rows") or []:
+        ET.SubElement(props, "property", name=f"noise_floor.{row['metric']}",
+                      value=f"{row['floor']:.6g}")
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname=f"fp8export.verify.{c['metric']}",
                              name=c["name"], time="0")

@@ -27,7 +27,8 @@ METRIC_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Predictions", ("top1_agreement", "top5_overlap", "kl_mean", "kl_p99", "kl_max")),
     ("Perplexity", ("ppl_reference", "ppl_candidate", "ppl_ratio")),
     ("Accuracy", ("accuracy_reference", "accuracy_candidate", "accuracy_drop")),
-    ("Counts", ("tokens", "ppl_tokens")),
+    ("Embeddings", ("neighbor_agreement",)),
+    ("Counts", ("tokens", "ppl_tokens", "embedding_dim")),
 )
 METRIC_ORDER = tuple(k for _, keys in METRIC_GROUPS for k in keys)
 SHORT_HASH = 12
@@ -153,6 +154,9 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
         rows.append(("Backend", f"{h.get('backend')} on {dev}{runtime}; reference "
                                 f"{dtypes.get('reference')}, candidate activations "
                                 f"{dtypes.get('candidate') or 'as exported'}", None))
+    family = result.get("family")
+    if family:
+        rows.append(("Judged by", f"{family} metrics", None))
     rows.append(("Thresholds", str(result.get("thresholds_source")), None))
     env = h.get("environment") or {}
     if env:
@@ -160,6 +164,32 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
                                                if k != "platform")
                      + (f" — {env['platform']}" if env.get("platform") else ""), None))
     return rows
+
+
+def threshold_text(check: dict[str, Any]) -> str:
+    """A check's bound as shown: "≤ 0.02", or for a bound relative to the noise floor
+    "≤ 10x floor (0.0123)"."""
+    sym = "≥" if check["op"] == "min" else "≤"
+    bound = check.get("threshold")
+    if check.get("rule"):
+        return f"{sym} {check['rule']}" + (f" ({bound:.4g})" if bound is not None else "")
+    return f"{sym} {bound:g}"
+
+
+def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
+    floor = result.get("noise_floor") or {}
+    return [(r["metric"], _fmt(r["candidate"]), _fmt(r["floor"]), _fmt(r["candidate_vs_fp32"]),
+             "–" if r["ratio"] is None else f"{r['ratio']:.1f}x")
+            for r in floor.get("rows") or []]
+
+
+NOISE_FLOOR_TITLE = "Noise floor: FP8's loss next to the {dtype} reference's own"
+NOISE_FLOOR_HEAD = ("metric", "candidate vs reference", "reference vs fp32 (floor)",
+                    "candidate vs fp32", "candidate loss / floor loss")
+NOISE_FLOOR_TEXT = ("The reference runs in {dtype}; the same checkpoint run in fp32 on the same "
+                    "inputs shows how much {dtype} alone moves its outputs. Loss is 1 − value "
+                    "for similarities, value − 1 for ppl_ratio.")
 
 
 def worst_sample_text(s: dict[str, Any]) -> tuple[str, str | None, str]:
@@ -219,9 +249,15 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     lines += ["| check | value | threshold | result |", "|---|---|---|---|"]
     icon = {"passed": "✅ pass", "failed": "❌ FAIL", "skipped": "➖ n/a"}
     for c in result["checks"]:
-        sym = "≥" if c["op"] == "min" else "≤"
-        lines.append(f"| `{c['metric']}` | {_fmt(c['value'])} | {sym} {c['threshold']:g} | "
+        lines.append(f"| `{c['metric']}` | {_fmt(c['value'])} | {threshold_text(c)} | "
                      f"{icon[c['status']]} |")
+    floor_rows = noise_floor_rows(result)
+    if floor_rows:
+        dtype = result["noise_floor"]["reference_dtype"]
+        lines += ["", f"## {NOISE_FLOOR_TITLE.format(dtype=dtype)}", "",
+                  NOISE_FLOOR_TEXT.format(dtype=dtype), "",
+                  "| " + " | ".join(NOISE_FLOOR_HEAD) + " |", "|---|---|---|---|---|"]
+        lines += [f"| `{m}` | {c} | {f} | {v} | {r} |" for m, c, f, v, r in floor_rows]
     lines += ["", "<details><summary>All metrics</summary>", "",
               "| family | metric | value |", "|---|---|---|"]
     for group, k, v in metric_rows(result["metrics"]):

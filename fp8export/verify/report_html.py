@@ -7,7 +7,18 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from fp8export.verify.report import _db, _fmt, header_rows, metric_rows, worst_sample_text
+from fp8export.verify.report import (
+    NOISE_FLOOR_HEAD,
+    NOISE_FLOOR_TEXT,
+    NOISE_FLOOR_TITLE,
+    _db,
+    _fmt,
+    header_rows,
+    metric_rows,
+    noise_floor_rows,
+    threshold_text,
+    worst_sample_text,
+)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em auto;max-width:1100px;
@@ -55,11 +66,25 @@ def _checks(result: dict[str, Any]) -> list[str]:
              "<th>threshold</th><th>result</th></tr>"]
     cls = {"passed": "pass", "failed": "fail", "skipped": "na"}
     for c in result["checks"]:
-        sym = "≥" if c["op"] == "min" else "≤"
         parts.append(f"<tr><td><code>{_e(c['metric'])}</code></td>"
                      f"<td class='num'>{_e(_fmt(c['value']))}</td>"
-                     f"<td class='num'>{sym} {c['threshold']:g}</td>"
+                     f"<td class='num'>{_e(threshold_text(c))}</td>"
                      f"<td class='{cls[c['status']]}'>{_e(c['status'])}</td></tr>")
+    parts.append("</table>")
+    return parts + _noise_floor(result)
+
+
+def _noise_floor(result: dict[str, Any]) -> list[str]:
+    rows = noise_floor_rows(result)
+    if not rows:
+        return []
+    dtype = result["noise_floor"]["reference_dtype"]
+    parts = [f"<h2 id='noise-floor'>{_e(NOISE_FLOOR_TITLE.format(dtype=dtype))}</h2>",
+             f"<p class='muted'>{_e(NOISE_FLOOR_TEXT.format(dtype=dtype))}</p><table><tr>"
+             + "".join(f"<th>{_e(h)}</th>" for h in NOISE_FLOOR_HEAD) + "</tr>"]
+    for m, *values in rows:
+        parts.append(f"<tr><td><code>{_e(m)}</code></td>"
+                     + "".join(f"<td class='num'>{_e(v)}</td>" for v in values) + "</tr>")
     parts.append("</table>")
     return parts
 

@@ -43,6 +43,8 @@ class VerifyResult:
     reports: dict[str, str] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)  # what was judged (provenance.py)
     worst_samples: list[dict[str, Any]] = field(default_factory=list)  # with their text
+    family: str = "logits"  # which metrics judged the model (family.py)
+    noise_floor: dict[str, Any] | None = None  # the reference against fp32 (noise_floor.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +115,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     """
     from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
+    from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
     from fp8export.verify.thresholds import load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
@@ -123,21 +126,40 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             refuse_inside_input(cfg.report_dir, source, "--report-dir")
         probe_writable(cfg.report_dir, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
+    # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
+    measure_floor = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE \
+        and not cfg.max_memory
+    if thresholds.get(FLOOR_KEY) and not measure_floor:
+        why = ("--no-noise-floor was given" if not cfg.noise_floor else
+               "the reference already runs in fp32 (--reference-dtype fp32)"
+               if str(cfg.reference_dtype) == FLOOR_DTYPE else
+               "--max-memory spreads the model, leaving no room for an fp32 copy")
+        raise Fp8ExportError(
+            f"{thr_source}: its '{FLOOR_KEY}' bounds are relative to the noise floor, which is "
+            f"not measured because {why}. Measure it (bf16 reference, no --no-noise-floor) or "
+            "drop the floor bounds.")
     kind = candidate_kind(cfg.candidate)
     max_memory = parse_max_memory(cfg.max_memory) or None
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
                                 device=str(cfg.device), max_memory=max_memory)
+    floor_runner = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \
+        if measure_floor else None
     cand_runner = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
                                  dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
                                  fp8_mode=cfg.fp8_mode, max_memory=max_memory)
     notes: list[str] = []
+    if cfg.noise_floor and cfg.max_memory:
+        notes.append("No noise floor: --max-memory spreads the model over devices, leaving no "
+                     "room for the fp32 copy it needs.")
     dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
     limit = float(cfg.timeout or 0)
     if limit:
-        ref_runner.deadline = cand_runner.deadline = started + limit
+        for runner in (ref_runner, cand_runner, floor_runner):
+            if runner is not None:
+                runner.deadline = started + limit
     try:
         result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
-                      dialect)
+                      dialect, floor_runner)
     except TimeLimitExceeded as exc:
         raise Fp8ExportError(
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
@@ -160,11 +182,13 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
 
 def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
-         thr_source: str, thresholds, dialect: str | None) -> VerifyResult:
+         thr_source: str, thresholds, dialect: str | None, floor_runner=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
     from fp8export.verify.data import load_verify_samples
-    from fp8export.verify.metrics import Comparison, class_logits
+    from fp8export.verify.family import DESCRIPTIONS, MetricFamily, family_of, new_comparison
+    from fp8export.verify.metrics import class_logits
+    from fp8export.verify.noise_floor import FLOOR_DTYPE, side_by_side
     from fp8export.verify.provenance import header
     from fp8export.verify.report_samples import worst_samples
     from fp8export.verify.thresholds import evaluate
@@ -179,6 +203,9 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
             cand_runner.max_memory = placed.remaining(cand_runner.max_memory)
         with stage(f"loading the candidate {cfg.candidate} ({kind}, {cand_runner.backend})"):
             running.enter_context(cand_runner)
+        if floor_runner is not None:
+            with stage(f"loading the reference again in {FLOOR_DTYPE} (the noise floor)"):
+                running.enter_context(floor_runner)
         t_load = time.perf_counter() - t0
         ref_cfg = ref_runner.config
         _check_same_model(ref_cfg, cand_runner, cfg.reference, cfg.candidate)
@@ -203,8 +230,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                              "run verify on the FP8 folder for per-layer attribution.")
         from fp8export.calibration.data import iter_batches, num_batches
 
-        cmp = Comparison(causal=task == "causal-lm")
-        t_ref = t_cand = 0.0
+        cmp = floor_cmp = vs_fp32 = family = None
+        t_ref = t_cand = t_floor = 0.0
         try:
             for batch in progress(iter_batches(samples, cfg.batch_size),
                                   total=num_batches(samples, cfg.batch_size),
@@ -221,22 +248,52 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                                                          "the candidate"), head)
                 t_cand += cand_runner.last_inference_time or 0.0
                 labels = batch.labels.numpy() if batch.labels is not None else None
-                cmp.add(ref_logits, cand_logits, attention_mask=feed["attention_mask"],
-                        input_ids=feed["input_ids"], labels=labels, indices=batch.indices)
+                if cmp is None:  # the head decides the metrics, once
+                    family = family_of(task, ref_logits.ndim)
+                    cmp = new_comparison(family, task, cfg.reference)
+                    if floor_runner is not None:
+                        floor_cmp = new_comparison(family, task, cfg.reference)
+                        vs_fp32 = new_comparison(family, task, cfg.reference)
+                like = {"attention_mask": feed["attention_mask"], "input_ids": feed["input_ids"],
+                        "labels": labels, "indices": batch.indices}
+                cmp.add(ref_logits, cand_logits, **like)
+                if floor_runner is not None:
+                    fp32 = class_logits(_first_output(floor_runner.infer(feed),
+                                                      f"the {FLOOR_DTYPE} reference"), head)
+                    t_floor += floor_runner.last_inference_time or 0.0
+                    floor_cmp.add(fp32, ref_logits, **like)
+                    vs_fp32.add(fp32, cand_logits, **like)
         finally:
             if probe is not None:
                 per_layer = probe.result()
                 probe.close()
+        if cmp is None:
+            raise Fp8ExportError("no samples to compare: the data gave no batch. Give data "
+                                 "with at least one non-empty sample.")
         compared = cmp.result()
+        floor = None
+        if floor_cmp is not None:
+            floor_metrics = floor_cmp.result()["metrics"]
+            cand_fp32 = vs_fp32.result()["metrics"]
+            floor = {"reference_dtype": str(cfg.reference_dtype), "against": FLOOR_DTYPE,
+                     "metrics": floor_metrics, "candidate_vs_fp32": cand_fp32,
+                     "rows": side_by_side(compared["metrics"], floor_metrics, cand_fp32)}
         ref_desc, cand_desc = ref_runner.describe(), cand_runner.describe()
     for name, reason in (cand_desc.get("fallbacks") or {}).items():
         notes.append(f"{name}: ran in emulation, not torch._scaled_mm ({reason}).")
-    worst = worst_samples(compared["per_sample"], samples.input_ids,
-                          cfg.reference if cfg.reference.is_dir() else cfg.reference.parent,
-                          task, ref_cfg)
+    family_note = f"Judged by {DESCRIPTIONS[family]}"
+    if family is MetricFamily.EMBEDDINGS:
+        family_note += f": {cmp.pooling.describe()}"
+        if cmp.pooling.skipped:
+            family_note += (f"; modules after pooling not applied: "
+                            f"{', '.join(cmp.pooling.skipped)}")
+    notes.insert(0, family_note + ".")
+    worst = [] if family is MetricFamily.EMBEDDINGS else worst_samples(
+        compared["per_sample"], samples.input_ids,
+        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg)
     head = header(cfg, reference=ref_desc, candidate=cand_desc, kind=kind, data=data_info,
                   backend=cand_runner.backend)
-    checks = evaluate(compared["metrics"], thresholds)
+    checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
     result = VerifyResult(
@@ -247,8 +304,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         notes=notes,
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),
-                "candidate_s": round(t_cand, 3),
+                "candidate_s": round(t_cand, 3), "floor_s": round(t_floor, 3),
                 "total_s": round(time.perf_counter() - t0, 3)},
-        header=head, worst_samples=worst,
+        header=head, worst_samples=worst, family=str(family), noise_floor=floor,
     )
     return result

@@ -4,6 +4,8 @@ A thresholds spec maps metric names to a bound. The direction is the metric's ow
 metrics have a minimum, error metrics a maximum), so ``{"kl_mean": 0.02}`` means
 ``kl_mean <= 0.02``; the explicit form ``{"kl_mean": {"max": 0.02}}`` is accepted too. A file
 may start from a preset and override some bounds: ``{"preset": "default", "kl_mean": 0.01}``.
+Bounds relative to the noise floor (the bf16 reference against fp32) go under ``floor``
+(noise_floor.py); they are kept as ``thresholds["floor"]``.
 The reasoning behind each preset is in docs/verify.md.
 """
 
@@ -23,6 +25,7 @@ DIRECTIONS = {
     "rel_l2": "max", "max_abs": "max", "prob_max_abs": "max",
     "kl_mean": "max", "kl_p99": "max", "kl_max": "max",
     "ppl_ratio": "max", "accuracy_drop": "max",
+    "neighbor_agreement": "min",
 }
 
 PRESETS: dict[str, dict[str, float]] = {
@@ -30,17 +33,17 @@ PRESETS: dict[str, dict[str, float]] = {
     # scale off by 2x in most layers. Reasoning and measurements: docs/verify.md.
     "strict": {"cosine_mean": 0.998, "cosine_min": 0.995, "top1_agreement": 0.97,
                "top5_overlap": 0.93, "kl_mean": 0.002, "kl_p99": 0.02, "ppl_ratio": 1.005,
-               "accuracy_drop": 0.005},
+               "accuracy_drop": 0.005, "neighbor_agreement": 0.95},
     # The CI gate: a healthy conversion passes even on out-of-domain text (where the sample LM
     # measures KL 8e-3, ~90x its in-domain value), while one layer with a weight scale off by
     # 8x fails it.
     "default": {"cosine_mean": 0.995, "cosine_min": 0.99, "top1_agreement": 0.92,
                 "top5_overlap": 0.85, "kl_mean": 0.02, "kl_p99": 0.2, "ppl_ratio": 1.03,
-                "accuracy_drop": 0.01},
+                "accuracy_drop": 0.01, "neighbor_agreement": 0.9},
     # Small or hard-to-quantize models where drift is accepted; catches gross breakage only.
     "loose": {"cosine_mean": 0.98, "cosine_min": 0.95, "top1_agreement": 0.85,
               "top5_overlap": 0.7, "kl_mean": 0.05, "kl_p99": 0.5, "ppl_ratio": 1.1,
-              "accuracy_drop": 0.03},
+              "accuracy_drop": 0.03, "neighbor_agreement": 0.8},
 }
 
 
@@ -49,12 +52,20 @@ def _valid_names() -> str:
 
 
 def normalize(spec: dict[str, Any], source: str) -> dict[str, dict[str, float]]:
-    """``{metric: {"op": "min"|"max", "value": float}}`` from a spec; raises on unknown names."""
+    """``{metric: {"op": "min"|"max", "value": float}}`` from a spec; raises on unknown names.
+
+    Relative bounds (``floor``) are kept as ``{"floor": {metric: FloorBound.to_dict()}}``.
+    """
+    from fp8export.verify.noise_floor import FLOOR_KEY, parse_floor
+
     out: dict[str, dict[str, float]] = {}
     spec = dict(spec)
     base = spec.pop("preset", None)
+    relative = spec.pop(FLOOR_KEY, None)
     if base is not None:
         out.update(normalize(preset(str(base)), f"preset {base}"))
+    if relative is not None:
+        out[FLOOR_KEY] = parse_floor(relative, DIRECTIONS, source)
     for name, bound in spec.items():
         if name not in DIRECTIONS:
             raise Fp8ExportError(f"{source}: unknown metric {name!r} in thresholds; valid "
@@ -126,15 +137,20 @@ def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, f
     return str(p), normalize(data, str(p))
 
 
-def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]]
-             ) -> list[dict[str, Any]]:
+def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]],
+             floor: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One check per threshold: ``{metric, op, threshold, value, status, message}``.
 
     ``status`` is "passed", "failed", or "skipped" (the metric does not apply here, e.g.
-    perplexity of a classifier). A NaN or missing-but-applicable value fails.
+    perplexity of a classifier). A NaN or missing-but-applicable value fails. Relative bounds
+    are checked against ``floor`` (the noise floor's metrics) after the absolute ones.
     """
+    from fp8export.verify.noise_floor import FLOOR_KEY, evaluate_floor
+
     checks = []
     for name, t in thresholds.items():
+        if name == FLOOR_KEY:
+            continue
         op, bound = t["op"], t["value"]
         value = metrics.get(name)
         sym = ">=" if op == "min" else "<="
@@ -149,4 +165,4 @@ def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]]
             check.update(status="passed" if ok else "failed",
                          message=f"{name} = {v:.6g} (needs {sym} {bound:g})")
         checks.append(check)
-    return checks
+    return checks + evaluate_floor(metrics, floor, thresholds.get(FLOOR_KEY) or {})
