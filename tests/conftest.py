@@ -1,7 +1,8 @@
 """Shared fixtures and marker handling.
 
 Markers (pyproject, --strict-markers): ``gpu`` skips without CUDA, ``tensorrt`` skips without
-the tensorrt package (and a GPU), ``slow`` runs only with ``--run-slow`` or FP8EXPORT_SLOW=1.
+the tensorrt package (and a GPU), ``slow`` runs only with ``--run-slow`` or FP8EXPORT_SLOW=1,
+``nightly`` only with ``--run-nightly`` or FP8EXPORT_NIGHTLY=1 (.github/workflows/nightly.yml).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ SAMPLES = REPO / "samples"
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")
+    parser.addoption("--run-nightly", action="store_true", default=False,
+                     help="run tests marked nightly (minutes each)")
 
 
 def _has_cuda() -> bool:
@@ -35,11 +38,15 @@ def _has_cuda() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--run-slow") or os.environ.get("FP8EXPORT_SLOW") == "1"
+    run_nightly = config.getoption("--run-nightly") or os.environ.get("FP8EXPORT_NIGHTLY") == "1"
     has_cuda = None
     has_trt = importlib.util.find_spec("tensorrt") is not None
     for item in items:
         if "slow" in item.keywords and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: use --run-slow or FP8EXPORT_SLOW=1"))
+        if "nightly" in item.keywords and not run_nightly:
+            item.add_marker(pytest.mark.skip(
+                reason="nightly: use --run-nightly or FP8EXPORT_NIGHTLY=1"))
         if "gpu" in item.keywords or "tensorrt" in item.keywords:
             if has_cuda is None:
                 has_cuda = _has_cuda()

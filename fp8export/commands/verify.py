@@ -34,10 +34,10 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               help="Truncate samples to N tokens.")
 @click.option("--per-layer", is_flag=True, help="Rank quantized layers by the error each adds "
                                                 "(SQNR of its output; FP8 folder candidates).")
-@click.option("--noise-floor/--no-noise-floor", default=True, show_default=True,
-              help="Also run the reference in fp32 on the same inputs and report the bf16 "
-                   "reference's own loss (the noise floor) next to FP8's; costs one more "
-                   "forward and an fp32 copy of the reference in memory.")
+@click.option("--no-noise-floor", is_flag=True,
+              help="Skip the noise floor. By default the reference also runs in fp32 on the "
+                   "same inputs and the bf16 reference's own loss is reported next to FP8's "
+                   "(one more forward, an fp32 copy of the reference in memory).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--max-memory", metavar="DEV=SIZE,...",
@@ -49,8 +49,8 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
-            samples, batch_size, seq_len, per_layer, noise_floor, device, max_memory, timeout,
-            fp8_mode):
+            samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
+            timeout, fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
@@ -63,7 +63,7 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
     cfg = VerifyConfig(reference=reference, candidate=candidate, data=data,
                        thresholds=thresholds, report_dir=report_dir, backend=backend,
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
-                       seq_len=seq_len, per_layer=per_layer, noise_floor=noise_floor,
+                       seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
                        device=device, max_memory=max_memory, fp8_mode=fp8_mode,
                        timeout=timeout, command_line=_command_line(click.get_current_context()))
     try:

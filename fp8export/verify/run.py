@@ -287,7 +287,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         if cmp.pooling.skipped:
             family_note += (f"; modules after pooling not applied: "
                             f"{', '.join(cmp.pooling.skipped)}")
-    notes.insert(0, family_note + ".")
+    notes.append(family_note + ".")
     worst = [] if family is MetricFamily.EMBEDDINGS else worst_samples(
         compared["per_sample"], samples.input_ids,
         cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg)
