@@ -160,3 +160,24 @@ def test_classifier_is_judged_by_labels(tiny_llama, tmp_path):
     assert res.family == "labels" and "accuracy_candidate" in res.metrics
     assert "neighbor_agreement" not in res.metrics
     assert any("Judged by class labels" in n for n in res.notes)
+
+
+def test_encoder_with_a_damaged_layer_fails_on_embeddings(minilm, tmp_path):
+    import shutil
+
+    from fp8_folders import damage_scale
+
+    from fp8export.errors import VerificationFailed
+    from fp8export.verify.config import VerifyConfig
+    from fp8export.verify.run import verify
+
+    src, out = minilm
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    damage_scale(damaged, "encoder.layer.1.output.dense", 8.0)
+    with pytest.raises(VerificationFailed) as failed:
+        verify(VerifyConfig(reference=src, candidate=damaged, write_reports=False,
+                            noise_floor=False))
+    result = failed.value.result
+    assert result.family == "embeddings"
+    assert {f["metric"] for f in result.failures} & {"cosine_mean", "cosine_min"}
