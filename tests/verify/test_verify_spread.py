@@ -34,3 +34,17 @@ def test_spread_verify_matches_one_device(tiny_llama, tiny_fp8, eval_npz, tmp_pa
     assert [r["module"] for r in spread.per_layer] == [r["module"] for r in one.per_layer]
     for a, b in zip(one.per_layer, spread.per_layer, strict=True):
         assert b["sqnr_db"] == pytest.approx(a["sqnr_db"], rel=1e-6)
+
+
+def test_spread_verify_has_no_room_for_the_noise_floor(tiny_llama, tiny_fp8, eval_npz):
+    from fp8export.errors import Fp8ExportError
+    from fp8export.verify.config import VerifyConfig
+    from fp8export.verify.run import verify
+
+    common = dict(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz, device="cpu",
+                  samples=4, seq_len=16, write_reports=False, max_memory="cpu=200KiB")
+    spread = verify(VerifyConfig(**common))
+    assert spread.noise_floor is None
+    assert any(n.startswith("No noise floor: --max-memory") for n in spread.notes)
+    with pytest.raises(Fp8ExportError, match="--max-memory spreads the model"):
+        verify(VerifyConfig(**common, thresholds={"floor": {"kl_mean": {"factor": 10}}}))
