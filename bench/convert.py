@@ -23,12 +23,12 @@ elsewhere). The checkpoint, copy and output are deleted at the end unless ``--ke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import shutil
 import struct
-import dataclasses
 import subprocess
 import sys
 import time

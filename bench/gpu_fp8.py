@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fp8export.checkpoint.families import family_of, fused_group_of  # noqa: E402
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
 from fp8export.runners import fp8_gemm, fp8_quant  # noqa: E402
 from fp8export.runners.fp8_fused import fuse_projections  # noqa: E402
 from fp8export.runners.fp8_linear import Fp8Linear  # noqa: E402
+from fp8export.scales.families import family_of, fused_group_of  # noqa: E402
 
 DEFAULT_SHAPES = "1x128,1x512,1x2048,4x512,4x2048,8x2048,16x2048,32x512,64x256"
 RESULT: dict = {}

@@ -26,11 +26,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input, write_file_atomic
-from fp8export.checkpoint.guarded import AMAX, WEIGHTS, open_input, read_json_object
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
-from fp8export.scales import ActivationRange
+from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
+from fp8export.io.guarded import AMAX, WEIGHTS, open_input, read_json_object
+from fp8export.scales.ranges import ActivationRange
 
 if TYPE_CHECKING:
     from fp8export.calibration.api import CalibrationResult

@@ -20,7 +20,7 @@ from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPL
 from fp8export._progress import STAGE_PREFIX, info, progress_enabled, stage
 from fp8export.config import Device, ScaleSource
 from fp8export.errors import Fp8ExportError
-from fp8export.scales import ActivationRange
+from fp8export.scales.ranges import ActivationRange
 
 if TYPE_CHECKING:
 
@@ -191,8 +191,8 @@ def forward_fn(model, modules: Sequence[str]) -> Callable[[Batch, Any], Any]:
 def default_modules(checkpoint: Path, config: dict | None, *, include=(), exclude=(),
                     fuse_scales: bool = True) -> tuple[list[str], dict[str, list[str]]]:
     """What ``convert`` quantizes (its selection) and its fused groups."""
-    from fp8export.checkpoint.select import select_targets
     from fp8export.checkpoint.source import open_checkpoint
+    from fp8export.scales.select import select_targets
 
     with open_checkpoint(checkpoint) as ckpt:
         sel = select_targets(ckpt.tensors(), ckpt.config, include=include, exclude=exclude,
@@ -204,7 +204,7 @@ def groups_by_name(modules: Sequence[str], config: dict | None = None) -> dict[s
     """Fused groups among ``modules`` by the family table, else by sibling leaf names."""
     family = None
     try:
-        from fp8export.checkpoint.families import family_of, fused_group_of
+        from fp8export.scales.families import family_of, fused_group_of
 
         family = family_of(config)
     except ImportError:  # pragma: no cover - the selection module ships with fp8export

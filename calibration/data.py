@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from fp8export._progress import info
-from fp8export.checkpoint.guarded import CONFIG, DATA, open_input, parse_json, read_json_object
 from fp8export.errors import Fp8ExportError, UsageError
+from fp8export.io.guarded import CONFIG, DATA, open_input, parse_json, read_json_object
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@
 linked, and follow names inside ``tokenizer_config.json`` (``auto_map`` to import code,
 ``tokenizer_file`` / ``vocab_file`` to read any path). So transformers never sees the user's
 folder: the known tokenizer files are copied into a fresh private temporary folder through
-:func:`fp8export.checkpoint.guarded.copy_input` (regular files inside the checkpoint, size
+:func:`fp8export.io.guarded.copy_input` (regular files inside the checkpoint, size
 capped, JSON depth- and integer-checked), ``tokenizer_config.json`` is rewritten without the
 keys that name code or files, ``config.json`` is reduced to its ``model_type``, and the
 tokenizer is loaded from there with ``trust_remote_code=False`` and ``local_files_only=True``.
@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fp8export.checkpoint.guarded import CONFIG, TOKENIZER, copy_input, parse_json, read_input
 from fp8export.checkpoint.model_config import read_model_config, remote_code_entries
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import CONFIG, TOKENIZER, copy_input, parse_json, read_input
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # The files transformers' tokenizers read (besides tokenizer_config.json); nothing else is copied.

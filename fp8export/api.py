@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 def convert(config: ConvertConfig) -> Any:
-    """Checkpoint → FP8 folder. See :func:`fp8export.checkpoint.convert.convert`."""
-    from fp8export.checkpoint.convert import convert as _convert
+    """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
+    from fp8export.convert.pipeline import convert as _convert
 
     return _convert(config)
 

@@ -221,7 +221,7 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
 
 def _refuse_quantized(ckpt, path: Path) -> None:
     """A quantized folder loaded as a plain model would run its FP8 codes without their scales."""
-    from fp8export.checkpoint.formats import dialect_of
+    from fp8export.fp8dir.formats import dialect_of
 
     dialect = dialect_of(ckpt.config.get("quantization_config"))
     fp8 = [t.name for t in ckpt.tensors() if t.dtype.startswith("F8")]

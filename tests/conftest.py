@@ -21,6 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="fp8export-test-hf-modules-"))
 SAMPLES = REPO / "samples"
 
+# open_checkpoint loads the built-in readers only while its registry is empty; a reader
+# registered earlier by another module (e.g. Transformer Engine's) would hide them. Loading
+# them here keeps the tests independent of collection order.
+from fp8export.checkpoint import source as _source  # noqa: E402
+
+_source._load_builtin_readers()
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")
@@ -90,3 +97,39 @@ def keras_float8_folder(tmp_path_factory) -> Path:
     convert(ConvertConfig(checkpoint=SAMPLES / "keras-float8" / "model" / "float8_model.keras",
                           output=out, scales="history"))
     return out
+
+
+@pytest.fixture()
+def dict_ckpt():
+    """The DictCheckpoint class (a fixture, so tests need no import of a helper module)."""
+    from tiny_checkpoints import DictCheckpoint
+
+    return DictCheckpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    import tiny_checkpoints
+
+    return tiny_checkpoints.tiny_llama(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded(tmp_path_factory) -> Path:
+    import tiny_checkpoints
+
+    return tiny_checkpoints.tiny_llama_sharded(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    import tiny_checkpoints
+
+    return tiny_checkpoints.tiny_gpt2(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    import tiny_checkpoints
+
+    return tiny_checkpoints.tiny_bert(tmp_path_factory)

@@ -1,1 +1,2 @@
-"""Checkpoint readers, tensor selection, FP8 writers and the convert pipeline."""
+"""Checkpoint readers: the source registry and the safetensors, torch, Keras and training-state
+readers, and the model config."""

@@ -13,14 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fp8export.checkpoint._paths import check_symlink, contained
-from fp8export.checkpoint.guarded import INDEX, read_json
 from fp8export.checkpoint.loader_files import loader_files as _aux_files
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.torch_reader import TorchFile
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import INDEX, read_json
+from fp8export.io.paths import check_symlink, contained
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 
 Keras is never imported and ``keras.models.load_model`` never runs (a config can name code,
 e.g. Lambda layers): ``config.json`` is parsed as JSON, the archive through
-:mod:`fp8export.checkpoint._zip`, the weights with h5py (hard links only; external storage,
+:mod:`fp8export.io.safezip`, the weights with h5py (hard links only; external storage,
 virtual datasets and soft/external links are refused, since they point outside the file).
 
 Weights layout (``keras/src/saving/saving_lib.py``, ``H5IOStore``): each layer's variables are
@@ -34,12 +34,12 @@ from typing import Any
 import h5py
 import numpy as np
 
-from fp8export.checkpoint._zip import SafeZip, copy_member
-from fp8export.checkpoint.guarded import CONFIG, parse_json, read_input
 from fp8export.checkpoint.keras_files import keras_file
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.training.keras import FLOAT8_VARIABLES, Float8Layer, keras_training_state
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import CONFIG, parse_json, read_input
+from fp8export.io.safezip import SafeZip, copy_member
 
 IN_MEMORY_H5_BYTES = 512 * 2**20  # larger weights files go to a bounded temporary copy
 MAX_JSON_BYTES = 64 * 2**20

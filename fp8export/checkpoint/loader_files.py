@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8export.checkpoint._paths import check_symlink, contained
-from fp8export.checkpoint.guarded import CONFIG, read_json
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import CONFIG, read_json
+from fp8export.io.paths import check_symlink, contained
 
 # Top-level files, as glob patterns.
 PATTERNS = (

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8export.checkpoint.guarded import CONFIG, read_json_object
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import CONFIG, read_json_object
 
 # Upper bounds far above every released model (Llama 4: 10M positions, 202k vocab; DeepSeek-V3:
 # 256 experts, 61 layers; Gemma 3: 262k vocab) and far below what would exhaust a machine.

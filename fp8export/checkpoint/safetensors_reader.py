@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.guarded import WEIGHTS, open_input, parse_json
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import WEIGHTS, open_input, parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -229,7 +229,7 @@ class SafetensorsFile:
         """Tensor ``name`` as stored. With ``scratch`` (a flat uint8 tensor at least as large
         as its bytes) it is read into that buffer instead of a new one: reusing one buffer
         saves faulting fresh pages in for every tensor."""
-        from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH
+        from fp8export.io.safetensors_dtypes import ST_TO_TORCH
 
         info = self._dtypes.get(name)
         if info is None:

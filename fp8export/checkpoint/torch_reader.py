@@ -14,9 +14,9 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.guarded import WEIGHTS, open_input
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import WEIGHTS, open_input
 
 if TYPE_CHECKING:
     import torch

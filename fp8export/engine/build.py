@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from fp8export._progress import stage
-from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input, write_file_atomic
-from fp8export.checkpoint.guarded import TIMING_CACHE, read_input
 from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
 from fp8export.errors import Fp8ExportError, UsageError
+from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
+from fp8export.io.guarded import TIMING_CACHE, read_input
 
 MIN_FP8_CC = (8, 9)  # Ada 8.9, Hopper 9.0, Blackwell 10.x/12.x
 

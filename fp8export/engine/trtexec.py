@@ -230,10 +230,10 @@ def build_with_trtexec(argv: Callable[[Path, Path, Path | None], list[str]], eng
     engine, and ran on a GPU of compute capability >= ``min_cc``; otherwise the previous files
     stay as they were and the temporaries are removed. The log stays beside the engine.
     """
-    from fp8export.checkpoint.atomic import fsync_dir
+    from fp8export.io.atomic import fsync_dir
 
     info_path, log = layer_info_path(engine), log_path(engine)
-    from fp8export.checkpoint.guarded import TIMING_CACHE, copy_input
+    from fp8export.io.guarded import TIMING_CACHE, copy_input
 
     # Random names: trtexec opens what it is given, so a name planted beside the output (a
     # symlink elsewhere) must not be guessable.

@@ -10,11 +10,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.manifest import read_manifest
 from fp8export.checkpoint.safetensors_reader import DTYPE_BYTES as BYTES
 from fp8export.checkpoint.safetensors_reader import FLOAT_DTYPES as FLOAT
 from fp8export.checkpoint.safetensors_reader import FP8_DTYPES as FP8
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.manifest import read_manifest
 from fp8export.inspect.result import InspectResult, TensorRow
 
 if TYPE_CHECKING:
@@ -75,11 +75,11 @@ def _targets(ck: Checkpoint, infos: list[TensorInfo],
              notes: list[str]) -> tuple[dict[str, str | None], dict[str, str]]:
     """Weights convert would quantize (→ their fused group, or None), and reasons for the rest.
 
-    Uses convert's own selection (:func:`fp8export.checkpoint.select.select_targets`) so the
+    Uses convert's own selection (:func:`fp8export.scales.select.select_targets`) so the
     table shows what convert will do; falls back to a plain shape rule if selection refuses.
     """
     try:
-        from fp8export.checkpoint.select import select_targets
+        from fp8export.scales.select import select_targets
     except ImportError:
         select_targets = None
     if select_targets is not None:
@@ -156,7 +156,7 @@ def _history_input_scales(ck: Checkpoint, result: InspectResult,
     result.notes.extend(state.warnings)
     rows = {r.name.removesuffix(".weight"): r for r in result.tensors if r.role == "candidate"}
     try:
-        from fp8export.checkpoint.training.policy import ranges_from_history
+        from fp8export.scales.history import ranges_from_history
 
         ranges, notes = ranges_from_history(state, list(rows))
     except ImportError:
@@ -269,8 +269,8 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
 
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     """The folder's quantization_config dialect (config.json decides what a loader will do)."""
-    from fp8export.checkpoint.formats import LOADED_BY, VLLM_ONLY, dialect_of
     from fp8export.config import OutputFormat
+    from fp8export.fp8dir.formats import LOADED_BY, VLLM_ONLY, dialect_of
 
     dialect = dialect_of((config or {}).get("quantization_config"))
     s = result.summary

@@ -176,7 +176,7 @@ def write_plot(result: InspectResult, path: Path, force: bool = False) -> None:
         Fp8ExportError: another extension, nothing to plot, ``path`` exists without ``force``,
             or it cannot be written.
     """
-    from fp8export.checkpoint.atomic import write_file_atomic
+    from fp8export.io.atomic import write_file_atomic
 
     path = Path(path)
     check_plot_target(path, force)

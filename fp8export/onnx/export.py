@@ -341,7 +341,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
-    from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input
+    from fp8export.io.atomic import probe_writable, refuse_inside_input
     from fp8export.keras_model.config import is_keras_config
     from fp8export.onnx.check import check_model
     from fp8export.onnx.fp8dir import read_fp8_folder

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from fp8export.checkpoint.manifest import read_manifest
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.manifest import read_manifest
 
 MANIFEST = "fp8export.json"
 

@@ -3,7 +3,7 @@
 ``onnx.load`` on a user's file follows whatever it is (a FIFO blocks, a device reads forever),
 raises protobuf's own errors on bytes that are not ONNX, and resolves external-data locations
 itself (``../../etc/passwd`` is refused by onnx, as an uncaught ``ValidationError``). Here the
-file is read through :func:`fp8export.checkpoint.guarded.read_input` (a regular file, at most
+file is read through :func:`fp8export.io.guarded.read_input` (a regular file, at most
 protobuf's 2 GiB), parsed, and every external-data reference is checked before anyone reads
 it: a plain name inside the model's folder (no absolute path, no ``..``, no symlink leading
 out), a regular file, with ``offset + length`` inside it.
@@ -15,9 +15,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fp8export.checkpoint._paths import contained
-from fp8export.checkpoint.guarded import ONNX, WEIGHTS, open_input, read_input
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import ONNX, WEIGHTS, open_input, read_input
+from fp8export.io.paths import contained
 
 HINT = "Export one with `fp8export export-onnx FP8DIR -o model.onnx`."
 

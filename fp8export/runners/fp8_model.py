@@ -28,7 +28,7 @@ def is_fp8_folder(path: str | Path) -> bool:
 
 
 def read_manifest(fp8_dir: str | Path) -> dict[str, Any]:
-    from fp8export.checkpoint.manifest import read_manifest as read
+    from fp8export.fp8dir.manifest import read_manifest as read
 
     p = Path(fp8_dir) / MANIFEST
     if not p.is_file():
@@ -178,7 +178,7 @@ def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
                  ) -> dict[str, list[str]]:
     """Fused group → its quantized members, from the manifest's ``fused_group`` fields; members
     in the family's order (q, k, v) where the family is known."""
-    from fp8export.checkpoint.families import family_of, fused_group_of
+    from fp8export.scales.families import family_of, fused_group_of
 
     family = family_of(config)
     groups: dict[str, list[str]] = {}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8export.checkpoint._paths import contained
-from fp8export.checkpoint.guarded import CONFIG, read_json
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import CONFIG, read_json
+from fp8export.io.paths import contained
 
 MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 _LEGACY = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",

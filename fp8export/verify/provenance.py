@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8export import __version__
-from fp8export.checkpoint.manifest import MANIFEST_NAME, file_sha256
+from fp8export.fp8dir.manifest import MANIFEST_NAME
+from fp8export.io.hashing import file_sha256
 
 HASH_NOTICE_BYTES = 2 * 10**9
 
@@ -64,8 +65,8 @@ def converted_from(candidate: Path, reference_files: list[dict[str, Any]]
     same sha256, ``(False, [differing names])`` when not, ``(None, [])`` when the candidate
     records no source (not an FP8 folder, or an unreadable manifest).
     """
-    from fp8export.checkpoint.manifest import read_manifest
     from fp8export.errors import Fp8ExportError
+    from fp8export.fp8dir.manifest import read_manifest
 
     manifest = Path(candidate) / MANIFEST_NAME
     if not manifest.is_file() or manifest.is_symlink():

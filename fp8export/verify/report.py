@@ -298,7 +298,7 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     All four are rendered first, then each is written atomically; if writing fails (read-only
     or full location) the ones already written are removed and Fp8ExportError says why.
     """
-    from fp8export.checkpoint.atomic import write_file_atomic
+    from fp8export.io.atomic import write_file_atomic
     from fp8export.verify.junit import junit_xml
     from fp8export.verify.report_html import html_report
 

@@ -91,9 +91,9 @@ def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
     """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
     from pathlib import Path
 
-    from fp8export.checkpoint.formats import VLLM_ONLY, dialect_of
     from fp8export.checkpoint.model_config import read_model_config
     from fp8export.config import OutputFormat
+    from fp8export.fp8dir.formats import VLLM_ONLY, dialect_of
 
     config = read_model_config(Path(folder))
     dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
@@ -120,7 +120,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.write_reports:
-        from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input
+        from fp8export.io.atomic import probe_writable, refuse_inside_input
 
         for source in (cfg.reference, cfg.candidate):
             refuse_inside_input(cfg.report_dir, source, "--report-dir")

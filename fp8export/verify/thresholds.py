@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fp8export.checkpoint.guarded import THRESHOLDS, parse_json, read_input
 from fp8export.errors import Fp8ExportError, UsageError
+from fp8export.io.guarded import THRESHOLDS, parse_json, read_input
 
 #: metric -> "min" (higher is better: bound is a minimum) or "max" (bound is a maximum)
 DIRECTIONS = {

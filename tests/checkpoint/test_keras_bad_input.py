@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_keras_fixtures import copy_pair, edit_config, layer_entry, saved_tiny
 
-from fp8export.checkpoint._zip import SafeZip
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.errors import Fp8ExportError
+from fp8export.io.safezip import SafeZip
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

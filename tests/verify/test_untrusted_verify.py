@@ -29,7 +29,7 @@ def test_report_dir_inside_an_input_is_refused(tiny_llama, tiny_fp8):
 
 def test_failed_report_write_leaves_no_partial_report(tiny_llama, tiny_fp8, tmp_path,
                                                       monkeypatch):
-    import fp8export.checkpoint.atomic as atomic
+    import fp8export.io.atomic as atomic
 
     real, calls = atomic.write_file_atomic, []
 

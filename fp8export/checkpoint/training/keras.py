@@ -62,7 +62,7 @@ def _check(layer: Float8Layer, prefix: str) -> tuple[np.ndarray, float]:
             "file is corrupt or not a Keras float8 checkpoint.")
     # NaN/Inf entries are steps whose inputs overflowed; Keras keeps the old scale on them
     # (compute_float8_scale). They stay in the history: the shared policy skips them and
-    # refuses a history with nothing else (fp8export.checkpoint.training.policy).
+    # refuses a history with nothing else (fp8export.scales.history).
     if (hist[np.isfinite(hist)] < 0).any():
         raise Fp8ExportError(
             f"{layer.where}: {prefix}_amax_history holds negative values; an amax is max|x| "

@@ -94,7 +94,7 @@ def test_lag_mismatch_is_noted():
 
 def test_non_finite_entries_are_kept_for_the_policy():
     """Overflowed steps stay in the history; the shared policy skips them or refuses."""
-    from fp8export.checkpoint.training.policy import ranges_from_history
+    from fp8export.scales.history import ranges_from_history
 
     state = keras_training_state([_layer([1.0, np.nan, 0.5])], None)
     assert any("NaN/Inf" in n for n in state.for_role("input")["blk.fc"].notes)

@@ -9,16 +9,16 @@ from hypothesis import strategies as st
 from te_helpers import fixtures_module
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
-from fp8export.checkpoint.training.policy import (
+from fp8export.checkpoint.training.te import te_training_state
+from fp8export.config import AmaxAlgo, ScaleSource
+from fp8export.errors import Fp8ExportError
+from fp8export.scales.history import (
     amax_from_history,
     history_vs_calibration,
     ranges_from_history,
     weight_scales_from_history,
 )
-from fp8export.checkpoint.training.te import te_training_state
-from fp8export.config import AmaxAlgo, ScaleSource
-from fp8export.errors import Fp8ExportError
-from fp8export.scales import ActivationRange
+from fp8export.scales.ranges import ActivationRange
 
 mf = fixtures_module()
 

@@ -8,13 +8,13 @@ import torch
 from te_helpers import REPO, open_ckpt
 
 from fp8export.checkpoint.training import te_reader
-from fp8export.checkpoint.training.policy import ranges_from_history
 from fp8export.checkpoint.training.torchao import (
     DYNAMIC_NOTE,
     is_torchao_buffer,
     torchao_training_state,
 )
 from fp8export.errors import Fp8ExportError
+from fp8export.scales.history import ranges_from_history
 
 REAL = REPO / "samples" / "te-fixtures" / "torchao09_delayed.pt"
 

@@ -17,15 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fp8export.checkpoint.safetensors_writer import (
-    TORCH_TO_ST,
-    PlannedTensor,
-    write_safetensors,
-)
-from fp8export.checkpoint.select import Target
 from fp8export.checkpoint.source import Checkpoint
-from fp8export.checkpoint.weights import quantize_weight_sqnr
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
+from fp8export.io.safetensors_dtypes import TORCH_TO_ST
+from fp8export.scales.select import Target
+from fp8export.scales.weights import quantize_weight_sqnr
 
 INDEX_NAME = "model.safetensors.index.json"
 

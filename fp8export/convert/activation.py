@@ -1,16 +1,15 @@
 """Static activation ranges for ``convert --scales auto|history|calibrate|weights``.
 
 - ``history``: the checkpoint's FP8 training state through the history policy
-  (``fp8export.checkpoint.training.policy.ranges_from_history``; ``--amax-algo``, ``--margin``).
+  (``fp8export.scales.history.ranges_from_history``; ``--amax-algo``, ``--margin``).
 - ``calibrate``: ``fp8export.calibration.api.calibrate_ranges``, which reads a saved
   ``amax.json`` (``--calib-amax``, from ``fp8export calibrate``) or calibrates on ``--calib-data``.
 - ``weights``: no activation ranges; activations are quantized dynamically at run time.
 - ``auto``: history when the checkpoint has training state, else calibration when data (or an
   amax file) is given, else weights only.
 
-The providers live in other packages and are imported only when their mode runs; a missing
-provider is an error that says so (never a silent fallback). Fused siblings (q/k/v, gate/up)
-read the same input, so with ``fuse_scales`` they share one range: the max of the group.
+Calibration (torch, transformers) is imported only when its mode runs. Fused siblings (q/k/v,
+gate/up) read the same input, so with ``fuse_scales`` they share one range: the max of the group.
 Layers left without a usable range are reported by the caller (they run with dynamic
 activations in a second compressed-tensors group; see docs/fp8-folder.md).
 """
@@ -21,18 +20,13 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.providers import provider
 from fp8export.config import ConvertConfig, ScalesMode
 from fp8export.errors import Fp8ExportError
-from fp8export.scales import ActivationRange
+from fp8export.scales.history import ranges_from_history
+from fp8export.scales.ranges import ActivationRange
 
 if TYPE_CHECKING:
     from fp8export.checkpoint.source import Checkpoint
-
-
-def _provider(module: str, attr: str, mode: str) -> Any:
-    return provider(module, attr, f"--scales {mode}",
-                    "Use --scales weights (dynamic activations) for now.")
 
 
 def _has_history(state: Any) -> bool:
@@ -46,9 +40,9 @@ def _from_history(cfg: ConvertConfig, ckpt: Checkpoint, state: Any, modules: lis
             f"{ckpt.path}: --scales history, but the checkpoint holds no FP8 training state "
             "(Transformer Engine extra_state, Keras float8 variables or torchao buffers). Use "
             "--scales calibrate --calib-data PATH, or --scales weights.")
-    policy = _provider("fp8export.checkpoint.training.policy", "ranges_from_history", "history")
     try:
-        ranges, notes = policy(state, modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+        ranges, notes = ranges_from_history(state, modules, amax_algo=cfg.amax_algo,
+                                            margin=cfg.margin)
     except Fp8ExportError as exc:  # policy errors name the layer; add the checkpoint
         if ckpt.path.name in str(exc):
             raise
@@ -60,8 +54,9 @@ def _from_calibration(cfg: ConvertConfig, modules: list[str],
                       groups: dict[str, list[str]] | None
                       ) -> tuple[dict[str, ActivationRange], list[str]]:
     # calibrate_ranges reads --calib-amax itself when given, else runs the calibrators.
-    run = _provider("fp8export.calibration.api", "calibrate_ranges", "calibrate")
-    ranges, info = run(cfg, modules, groups=groups or None)
+    from fp8export.calibration.api import calibrate_ranges
+
+    ranges, info = calibrate_ranges(cfg, modules, groups=groups or None)
     info = info if isinstance(info, dict) else {}
     what = (f"activation ranges from {cfg.calib_amax.name}" if cfg.calib_amax is not None
             else "calibrated activation ranges")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8export.checkpoint.select import select_targets
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.errors import Fp8ExportError
+from fp8export.scales.select import select_targets
 
 
 def _select(path, **kw):

@@ -1,19 +1,15 @@
-"""Tiny real checkpoints (saved by transformers' save_pretrained) and a dict-backed reader."""
+"""Tiny real checkpoints (saved by transformers' save_pretrained) and a dict-backed reader.
+
+The fixtures in ``tests/conftest.py`` build them; the reader, selection, FP8-folder and convert
+tests all use them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
-from fp8export.checkpoint import source as _source
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
-
-# open_checkpoint loads the built-in readers only while its registry is empty; a reader
-# registered earlier by another module (e.g. Transformer Engine's) would hide them. Loading
-# them here keeps these tests independent of collection order (stopgap, see the report).
-_source._load_builtin_readers()
 
 _DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
           torch.int64: "I64", torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}
@@ -40,19 +36,11 @@ class DictCheckpoint(Checkpoint):
         return self._t[name].clone()
 
 
-@pytest.fixture()
-def dict_ckpt():
-    """The DictCheckpoint class (a fixture, not an import: several test folders have a
-    ``conftest`` module, so ``from conftest import`` is ambiguous in a full run)."""
-    return DictCheckpoint
-
-
-def _save(model, path: Path, **kwargs) -> Path:
+def save(model, path: Path, **kwargs) -> Path:
     model.to(torch.bfloat16).save_pretrained(path, **kwargs)
     return path
 
 
-@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,12 +48,11 @@ def tiny_llama(tmp_path_factory) -> Path:
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    _save(LlamaForCausalLM(cfg), path)
+    save(LlamaForCausalLM(cfg), path)
     (path / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
     return path
 
 
-@pytest.fixture(scope="session")
 def tiny_llama_sharded(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,23 +60,21 @@ def tiny_llama_sharded(tmp_path_factory) -> Path:
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama-sharded"
-    return _save(LlamaForCausalLM(cfg), path, max_shard_size="60KB")
+    return save(LlamaForCausalLM(cfg), path, max_shard_size="60KB")
 
 
-@pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(2)
     cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
-    return _save(GPT2LMHeadModel(cfg), tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
+    return save(GPT2LMHeadModel(cfg), tmp_path_factory.mktemp("ckpt") / "tiny-gpt2")
 
 
-@pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory) -> Path:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(3)
     cfg = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, vocab_size=256, max_position_embeddings=64)
-    return _save(BertForMaskedLM(cfg), tmp_path_factory.mktemp("ckpt") / "tiny-bert")
+    return save(BertForMaskedLM(cfg), tmp_path_factory.mktemp("ckpt") / "tiny-bert")

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from fp8export.checkpoint.readback import verify_output
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile
-from fp8export.checkpoint.select import select_targets
-from fp8export.checkpoint.weights import (
+from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.readback import verify_output
+from fp8export.fp8dir.write import plan_shards, write_shards
+from fp8export.scales.select import select_targets
+from fp8export.scales.weights import (
     CHUNK,
     _round_to_e4m3_grid_,
     quantize_weight,
@@ -27,8 +29,6 @@ from fp8export.checkpoint.weights import (
     roundtrip_sqnr,
     scan_weights,
 )
-from fp8export.checkpoint.write import plan_shards, write_shards
-from fp8export.errors import Fp8ExportError
 
 
 def test_round_to_grid_equals_the_fp8_cast_on_every_bf16_value_and_random_floats():
@@ -170,11 +170,8 @@ def test_readback_with_record_fails_a_low_sqnr(tmp_path, dict_ckpt):
 def _roundtrip_file(path: Path, tensors: dict) -> None:
     from safetensors import safe_open
 
-    from fp8export.checkpoint.safetensors_writer import (
-        TORCH_TO_ST,
-        PlannedTensor,
-        write_safetensors,
-    )
+    from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
+    from fp8export.io.safetensors_dtypes import TORCH_TO_ST
 
     plan = [PlannedTensor(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     size = write_safetensors(path, plan, lambda p: tensors[p.name])
@@ -213,7 +210,7 @@ def test_block_writer_falls_back_when_direct_writes_are_refused(tmp_path, monkey
 
 
 def test_disk_reader_reads_unaligned_ranges_and_reports_a_short_file(tmp_path):
-    from fp8export.checkpoint.readback import _DiskReader
+    from fp8export.fp8dir.readback import _DiskReader
 
     data = bytes(range(256)) * 40 + np.float32(0.125).tobytes() + b"xyz"
     path = tmp_path / "d.bin"

@@ -21,7 +21,8 @@ class ActivationRange:
     module: str
     amax: float
     source: ScaleSource
-    details: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable facts for the manifest
+    # JSON-serialisable facts for the manifest
+    details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "amax": self.amax, "source": str(self.source),

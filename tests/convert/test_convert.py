@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fp8export.checkpoint.convert import convert
 from fp8export.checkpoint.source import open_checkpoint
 from fp8export.config import ConvertConfig
+from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.metrics import cosine, rel_l2
 
@@ -101,7 +101,7 @@ def test_existing_output_needs_force_and_force_swaps(tiny_llama, tmp_path):
 
 def test_failure_mid_way_leaves_nothing_and_keeps_the_old_output(tiny_llama, tmp_path,
                                                                 monkeypatch):
-    import fp8export.checkpoint.convert as conv
+    import fp8export.convert.pipeline as conv
 
     def boom(*a, **k):
         raise Fp8ExportError("simulated read-back failure")
@@ -227,7 +227,7 @@ def test_transformers_loads_the_output_with_compressed_tensors(tiny_llama, tmp_p
 def test_disk_full_is_one_clear_error_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     import errno
 
-    import fp8export.checkpoint.convert as conv
+    import fp8export.convert.pipeline as conv
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")

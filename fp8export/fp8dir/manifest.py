@@ -7,11 +7,9 @@ manifest holds no timestamps and no absolute paths, so two runs give byte-identi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +50,6 @@ def finite_or_none(x: float | None) -> float | None:
     return float(x)
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24, stop: threading.Event | None = None) -> str:
-    """Hex sha256 of a file; returns "" early when ``stop`` is set (the caller gave up)."""
-    h = hashlib.sha256()
-    buf = bytearray(chunk)  # one buffer, refilled: a fresh 16 MiB object per read costs page faults
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            if stop is not None and stop.is_set():
-                return ""
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -> list[dict]:
     """``[{name, sha256, bytes}]`` with names relative to the checkpoint (never absolute)."""
     base = root if root.is_dir() else root.parent
@@ -99,7 +84,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     ``quantized`` map (module → entry with a string ``weight``, a known ``layout``, numeric or
     null scales), ``excluded``, ``notes`` and ``source`` have the types every reader relies on.
     """
-    from fp8export.checkpoint.guarded import MANIFEST, read_json_object
+    from fp8export.io.guarded import MANIFEST, read_json_object
 
     path = Path(folder) / MANIFEST_NAME
     doc = read_json_object(path, MANIFEST, root=folder, what="fp8export manifest")

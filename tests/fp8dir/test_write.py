@@ -13,16 +13,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp8export.checkpoint.formats import quantization_config, scale_shape
-from fp8export.checkpoint.readback import verify_output
-from fp8export.checkpoint.safetensors_writer import PlannedTensor, header_bytes, write_safetensors
-from fp8export.checkpoint.select import select_targets
-from fp8export.checkpoint.weights import CHUNK, quantize_weight, roundtrip_sqnr, scan_weights
-from fp8export.checkpoint.write import plan_shards, write_shards
 from fp8export.config import ConvertConfig, OutputFormat
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.formats import quantization_config, scale_shape
+from fp8export.fp8dir.readback import verify_output
+from fp8export.fp8dir.safetensors_writer import PlannedTensor, header_bytes, write_safetensors
+from fp8export.fp8dir.write import plan_shards, write_shards
 from fp8export.numerics.fp8 import quantize_e4m3
 from fp8export.numerics.metrics import sqnr_db
+from fp8export.scales.select import select_targets
+from fp8export.scales.weights import CHUNK, quantize_weight, roundtrip_sqnr, scan_weights
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
@@ -80,7 +80,7 @@ def _golden_checkpoint(folder: Path) -> Path:
 
 
 def test_golden_header_bytes(tmp_path):
-    from fp8export.checkpoint.convert import convert
+    from fp8export.convert.pipeline import convert
 
     src = _golden_checkpoint(tmp_path / "golden-src")
     out = tmp_path / "golden-fp8"
@@ -231,7 +231,7 @@ def test_header_bytes_are_deterministic_and_padded():
 
 
 def test_dump_json_is_deterministic_plain_and_refuses_nan():
-    from fp8export.checkpoint.manifest import dump_json
+    from fp8export.fp8dir.manifest import dump_json
 
     a = dump_json({"b": np.float32(0.5), "a": [np.int64(2)], "p": Path("/abs/dir/amax.json")})
     assert a == b'{\n  "a": [\n    2\n  ],\n  "b": 0.5,\n  "p": "amax.json"\n}\n'

@@ -10,7 +10,7 @@ computed, and every quantized weight's SQNR is at least :data:`MIN_WEIGHT_SQNR_D
 How the SQNR is known to be that of the bytes on disk (content identity): while writing,
 ``write_shards`` quantizes each weight chunk by chunk, computes its SQNR against the source from
 the very FP8 values it produced, and records a sha256 digest of every tensor's bytes as handed
-to the file (:class:`~fp8export.checkpoint.write.WriteRecord`). Read-back reads every tensor's
+to the file (:class:`~fp8export.fp8dir.write.WriteRecord`). Read-back reads every tensor's
 bytes from the file (positional reads at the offsets of the re-validated header) and compares
 their digest with the recorded one, so a weight that matches carries exactly the FP8 values its
 SQNR was computed from, and a scale that matches is the scale we computed; any flipped byte,
@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from fp8export.checkpoint.safetensors_reader import pread_exact, read_header_spans
-from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH, digest
 from fp8export.checkpoint.source import Checkpoint
-from fp8export.checkpoint.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
-from fp8export.checkpoint.write import INDEX_NAME, ShardPlan, WriteRecord
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, WriteRecord
+from fp8export.io.hashing import digest
+from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
 
 _MAX_LISTED = 10
 
@@ -49,7 +50,7 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   early: dict[str, Future] | None = None) -> dict[str, float]:
     """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
-    With ``record`` (what :func:`~fp8export.checkpoint.write.write_shards` returned), every
+    With ``record`` (what :func:`~fp8export.fp8dir.write.write_shards` returned), every
     tensor's bytes on disk must have the digest recorded when they were written, and the SQNRs
     are the recorded ones; without it, SQNRs are recomputed from ``ckpt``. ``early`` maps shard
     names to the result of :func:`verify_shard` already started on them (e.g. in a thread as

@@ -4,7 +4,7 @@ Every input file (weights, configs, tokenizer files, data, amax files, manifests
 comes from someone else, so every read goes through :func:`open_input`:
 
 * inside ``root`` (the folder the user named) after resolving symlinks — or inside the hub
-  cache's ``blobs`` folder for a snapshot (:func:`~fp8export.checkpoint._paths.allowed_roots`);
+  cache's ``blobs`` folder for a snapshot (:func:`~fp8export.io.paths.allowed_roots`);
   the descriptor actually opened is checked again, so a link swapped in between is caught;
 * a regular file: a FIFO would block forever, ``/dev/zero`` would read until memory runs out.
   Opening uses ``O_NONBLOCK`` so not even the ``open`` of a FIFO waits;
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from fp8export.checkpoint._paths import allowed_roots, check_symlink
 from fp8export.errors import Fp8ExportError
+from fp8export.io.paths import allowed_roots, check_symlink
 
 MiB = 1 << 20
 GiB = 1 << 30

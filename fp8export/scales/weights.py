@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fp8export.checkpoint.select import Target
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
+from fp8export.scales.select import Target
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of float32
 SUBCHUNK = 1 << 18  # elementwise pieces of a chunk that stay in cache (1 MiB of float32)

@@ -4,13 +4,13 @@ Rules, in order of precedence (also in ``fp8export convert --help``):
 1. ``--exclude GLOB`` wins over everything: a module it matches stays in high precision.
 2. ``--include GLOB`` wins over the default exclusions: a module it matches is quantized when
    its ``.weight`` is a 2-D floating tensor (even ``lm_head``).
-3. Otherwise the model family's table decides (:mod:`fp8export.checkpoint.families`), or, for
+3. Otherwise the model family's table decides (:mod:`fp8export.scales.families`), or, for
    unknown families, the fallback rule: 2-D floating ``*.weight`` tensors of modules that are
    not embeddings, norms, output heads or MoE routers.
 Globs are ``fnmatch`` patterns on module names (``model.layers.*.mlp.down_proj``).
 
 Selection works on metadata only (names, dtypes, shapes). Value checks (NaN/Inf, all-zero)
-need the data and happen in :mod:`fp8export.checkpoint.weights`.
+need the data and happen in :mod:`fp8export.scales.weights`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
-from fp8export.checkpoint.families import Family, family_of, fused_group_of, role_of
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
+from fp8export.scales.families import Family, family_of, fused_group_of, role_of
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})

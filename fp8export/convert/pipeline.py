@@ -35,14 +35,12 @@ if "torch" not in sys.modules:
 
 from fp8export import __version__
 from fp8export._progress import progress
-from fp8export.checkpoint.activation import resolve_activation_ranges
-from fp8export.checkpoint.atomic import (
-    AtomicDir,
-    check_output_target,
-    fsync_dir,
-    refuse_inside_input,
-)
-from fp8export.checkpoint.formats import (
+from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
+from fp8export.checkpoint.source import Checkpoint, open_checkpoint
+from fp8export.config import ConvertConfig
+from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.formats import (
     LOADED_BY,
     activation_scheme,
     extra_files,
@@ -50,26 +48,28 @@ from fp8export.checkpoint.formats import (
     quantization_config,
     scale_shape,
 )
-from fp8export.checkpoint.guarded import TOKENIZER, copy_input
-from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
-from fp8export.checkpoint.manifest import (
+from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    file_sha256,
     finite_or_none,
     options_entry,
     source_files_entry,
     write_json,
 )
-from fp8export.checkpoint.providers import provider
-from fp8export.checkpoint.readback import verify_output, verify_shard
-from fp8export.checkpoint.select import Selection, select_targets
-from fp8export.checkpoint.source import Checkpoint, open_checkpoint
-from fp8export.checkpoint.weights import scan_weights
-from fp8export.checkpoint.write import INDEX_NAME, index_json, plan_shards, write_shards
-from fp8export.config import ConvertConfig
-from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.readback import verify_output, verify_shard
+from fp8export.fp8dir.write import INDEX_NAME, index_json, plan_shards, write_shards
+from fp8export.io.atomic import (
+    AtomicDir,
+    check_output_target,
+    fsync_dir,
+    refuse_inside_input,
+)
+from fp8export.io.guarded import TOKENIZER, copy_input
+from fp8export.io.hashing import file_sha256
 from fp8export.numerics.fp8 import amax_to_scale
+from fp8export.scales.history import weight_scales_from_history
+from fp8export.scales.select import Selection, select_targets
+from fp8export.scales.weights import scan_weights
 
 _MAX_LISTED = 12
 
@@ -107,9 +107,10 @@ def _listed(items: list[str]) -> str:
 
 def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[str]]:
     """Keep in high precision the layers the sensitivity analysis picks for the KL budget."""
-    fn = provider("fp8export.verify.sensitivity", "exclusions_for_budget", "--accuracy-budget",
-                  "Leave it out, or exclude sensitive layers by hand with --exclude.")
-    keep, notes = fn(cfg, sel.modules)
+    # The sensitivity analysis runs the model (torch, transformers): imported only when asked.
+    from fp8export.verify.sensitivity import exclusions_for_budget
+
+    keep, notes = exclusions_for_budget(cfg, sel.modules)
     keep = set(keep)
     # vLLM refuses a partly quantized fused layer: a sensitive member takes its siblings along.
     for members in sel.groups.values():
@@ -136,9 +137,8 @@ def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
     if state is None or not getattr(state, "histories", None):
         raise Fp8ExportError(f"{cfg.checkpoint}: weight scales from history were requested, but "
                              "the checkpoint holds no FP8 training state.")
-    policy = provider("fp8export.checkpoint.training.policy", "weight_scales_from_history",
-                      "weight scales from history", "Leave weight_scales_from_history off.")
-    scales = policy(state, sel.modules, amax_algo=cfg.amax_algo, margin=cfg.margin)
+    scales = weight_scales_from_history(state, sel.modules, amax_algo=cfg.amax_algo,
+                                        margin=cfg.margin)
     for m, value in scales.items():
         if m in weight_scales:
             weight_scales[m] = np.float32(value)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8export.checkpoint.activation import resolve_activation_ranges
-from fp8export.checkpoint.convert import convert
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.config import ConvertConfig, ScaleSource
+from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 
 QKV = [f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
@@ -52,22 +52,6 @@ def test_history_through_the_real_policy_with_fused_sharing(dict_ckpt):
 def test_history_mode_without_state_is_an_error(dict_ckpt):
     with pytest.raises(Fp8ExportError, match="holds no FP8 training state"):
         resolve_activation_ranges(_cfg(scales="history"), dict_ckpt({}), QKV)
-
-
-def test_missing_provider_says_unavailable(monkeypatch, tmp_path, dict_ckpt):
-    monkeypatch.setitem(sys.modules, "fp8export.calibration.api", None)
-    cfg = _cfg(scales="calibrate", calib_data=tmp_path / "x.txt")
-    with pytest.raises(Fp8ExportError, match="--scales calibrate is unavailable"):
-        resolve_activation_ranges(cfg, dict_ckpt({}), QKV)
-
-
-def test_accuracy_budget_without_sensitivity_module_says_unavailable(tiny_llama, tmp_path,
-                                                                     monkeypatch):
-    monkeypatch.setitem(sys.modules, "fp8export.verify.sensitivity", None)
-    with pytest.raises(Fp8ExportError, match="--accuracy-budget is unavailable"):
-        convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
-                              accuracy_budget=0.01))
-    assert list(tmp_path.iterdir()) == []
 
 
 def _amax_file(path: Path, amax: dict[str, float]) -> Path:
@@ -175,7 +159,7 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
 
 
 def test_weight_scales_from_history_on_request(tmp_path, monkeypatch, dict_ckpt):
-    import fp8export.checkpoint.convert as conv
+    import fp8export.convert.pipeline as conv
 
     torch.manual_seed(0)
     tensors = {f"{m}.weight": (torch.randn(8, 8) * 0.1).to(torch.bfloat16) for m in QKV}

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from fp8export.checkpoint.guarded import (
+from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import (
     CONFIG,
     FileKind,
     copy_input,
@@ -17,7 +18,6 @@ from fp8export.checkpoint.guarded import (
     read_input,
     read_json,
 )
-from fp8export.errors import Fp8ExportError
 
 
 def test_regular_file_inside_the_folder_is_read(tmp_path):

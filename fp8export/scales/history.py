@@ -35,7 +35,7 @@ from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.config import AmaxAlgo, ScaleSource
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import E4M3_MAX, amax_to_scale, check_amax
-from fp8export.scales import ActivationRange
+from fp8export.scales.ranges import ActivationRange
 
 _SHOWN = 8  # module names listed in one note before "and N more"
 

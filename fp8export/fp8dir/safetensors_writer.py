@@ -13,7 +13,6 @@ the real ``safetensors.safe_open`` before the output is published (``readback.py
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import struct
@@ -28,16 +27,9 @@ import numpy as np
 import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.io.hashing import digest
+from fp8export.io.safetensors_dtypes import ST_BYTES, TORCH_TO_ST
 
-TORCH_TO_ST = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
-ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
-            "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 WRITE_QUEUE = 2  # produced tensors that may wait for the writer thread
 METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
 
@@ -67,14 +59,6 @@ def header_bytes(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None 
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def digest(data) -> str:
-    """Content digest of one tensor's bytes (what read-back compares): sha256, hex.
-
-    hashlib releases the GIL on large buffers, so hashing overlaps other threads' work.
-    """
-    return hashlib.sha256(data).hexdigest()
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from fp8export.checkpoint.atomic import probe_writable, refuse_inside_input, write_file_atomic
 from fp8export.errors import Fp8ExportError
+from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
 
 
 def test_temporary_name_is_random_and_a_planted_link_is_not_followed(tmp_path, monkeypatch):

@@ -1,0 +1,2 @@
+"""The FP8 folder: output formats (dialects), manifest, safetensors writer, shard layout,
+read-back."""
