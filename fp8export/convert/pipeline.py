@@ -1,11 +1,14 @@
 """``convert``: checkpoint → FP8 folder (DESIGN.md "Output formats", docs/fp8-folder.md).
 
-Steps: open the checkpoint; select the linear weights (``select.py``); optionally drop the
-layers an accuracy budget says to keep (``--accuracy-budget``); read every selected weight once
-for its amax (NaN/Inf offenders collected, all-zero weights kept in high precision, fused
-groups share the max); resolve activation ranges (``activation.py``); plan the shards; write
-them one tensor at a time into a hidden temporary sibling with config, tokenizer files and
-the manifest; read everything back (``readback.py``); and only then rename it into place.
+Steps, each a function below: :func:`select_step` picks the linear weights
+(``scales/select.py``) and drops the layers an accuracy budget says to keep
+(``--accuracy-budget``); :func:`scan_step` reads every selected weight once for its amax (NaN/Inf
+offenders collected, all-zero weights kept in high precision, fused groups share the max);
+:func:`weight_scale_step` and :func:`activation_step` decide the scales (``scales/``,
+``activation.py``); :func:`config_step` builds the dialect's config (``fp8dir/formats.py``);
+the shards are planned; :func:`write_step` writes them one tensor at a time into a hidden
+temporary sibling with config, tokenizer files and the manifest, reads everything back
+(``fp8dir/readback.py``) and only then renames it into place.
 
 Where the work runs (bench/convert.py measures it): the main thread reads each source tensor
 (positional reads, no mmap) and quantizes it, computing its SQNR from the FP8 values it
@@ -57,7 +60,7 @@ from fp8export.fp8dir.manifest import (
     write_json,
 )
 from fp8export.fp8dir.readback import verify_output, verify_shard
-from fp8export.fp8dir.write import INDEX_NAME, index_json, plan_shards, write_shards
+from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
     AtomicDir,
     check_output_target,
@@ -68,8 +71,9 @@ from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.numerics.fp8 import amax_to_scale
 from fp8export.scales.history import weight_scales_from_history
+from fp8export.scales.ranges import ActivationRange
 from fp8export.scales.select import Selection, select_targets
-from fp8export.scales.weights import scan_weights
+from fp8export.scales.weights import WeightScan, scan_weights
 
 _MAX_LISTED = 12
 
@@ -219,8 +223,35 @@ def convert(cfg: ConvertConfig) -> ConvertResult:
             stop.set()
 
 
+@dataclass
+class _Scales:
+    """What the scale steps decide for the selected layers, before anything is written."""
+
+    sel: Selection
+    scan: WeightScan
+    weight: dict[str, Any]  # module -> np.float32 weight scale
+    weight_source: dict[str, str]  # module -> "weights" | "history"
+    ranges: dict[str, ActivationRange]
+    input: dict[str, Any]  # module -> np.float32 input scale (static layers only)
+    dynamic: list[str]  # quantized layers without a static input scale
+
+
 def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> ConvertResult:
     notes: list[str] = list(getattr(ckpt, "notes", []))
+    sel = select_step(cfg, ckpt, notes)
+    sel, scan = scan_step(cfg, ckpt, sel, notes)
+    weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
+    ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    dynamic = sorted(set(sel.modules) - set(input_scales))
+    scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic)
+    qconfig = config_step(cfg, ckpt, scales, notes)
+    plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
+                        scale_shape(cfg.format))
+    return write_step(cfg, ckpt, out, hashes, scales, qconfig, plans, notes)
+
+
+def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:
+    """The linear weights that become FP8, less those an accuracy budget keeps."""
     sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
                          fuse_scales=cfg.fuse_scales)
     notes.extend(sel.notes)
@@ -232,7 +263,12 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             f"{cfg.checkpoint}: no linear weights to quantize (family "
             f"{sel.family or 'unknown'}; {len(sel.excluded)} tensors all excluded). Check "
             "--exclude, or name the layers with --include GLOB.")
+    return sel
 
+
+def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str]
+              ) -> tuple[Selection, WeightScan]:
+    """Every selected weight read once for its amax; NaN/Inf refused, all-zero ones kept."""
     ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
                           desc="scanning weights", unit="tensor"))
     # scan_weights drops each weight before loading the next: a reused read buffer is safe.
@@ -248,102 +284,67 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         sel = sel.without(scan.all_zero, "all-zero weight (amax 0)")
         notes.append(f"{len(scan.all_zero)} all-zero weight(s) kept in high precision: "
                      f"{_listed(sorted(scan.all_zero))}")
-    modules = sel.modules
-    weight_scales = {m: scan.scale[m] for m in modules}
-    weight_source = dict.fromkeys(modules, "weights")
+    return sel, scan
+
+
+def weight_scale_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, scan: WeightScan,
+                      notes: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Weight scales from the scan, or from the training history on request."""
+    weight_scales = {m: scan.scale[m] for m in sel.modules}
+    weight_source = dict.fromkeys(sel.modules, "weights")
     if cfg.weight_scales_from_history:
         notes.extend(_history_weight_scales(cfg, ckpt, sel, weight_scales, weight_source))
+    return weight_scales, weight_source
 
-    ranges, more = resolve_activation_ranges(cfg, ckpt, modules,
+
+def activation_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str]
+                    ) -> tuple[dict[str, ActivationRange], dict[str, Any]]:
+    """Static input ranges (history, calibration or none) and the input scales they give."""
+    ranges, more = resolve_activation_ranges(cfg, ckpt, sel.modules,
                                              groups=sel.groups if cfg.fuse_scales else None)
     notes.extend(more)
-    input_scales = {m: amax_to_scale(r.amax, f"{m} (input)") for m, r in ranges.items()}
-    static = sorted(input_scales)
-    dynamic = sorted(set(modules) - set(static))
-    scheme = activation_scheme(static, dynamic)
-    if scheme == "mixed":
+    return ranges, {m: amax_to_scale(r.amax, f"{m} (input)") for m, r in ranges.items()}
+
+
+def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: list[str]
+                ) -> dict[str, Any]:
+    """The output dialect's ``quantization_config`` and the notes on who can load the folder."""
+    static, dynamic = sorted(scales.input), scales.dynamic
+    if activation_scheme(static, dynamic) == "mixed":
         notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
                      f"activations (second config group): {_listed(dynamic)}")
-    qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
-                                  tool_version=__version__)
+    qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
+                                  ignore=scales.sel.ignore, tool_version=__version__)
     notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
-    plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format))
     if ckpt.config and "quantization_config" in ckpt.config:
         notes.append("the source config.json had a quantization_config; it was replaced")
+    return qconfig
 
+
+def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
+               qconfig: dict[str, Any], plans: list[ShardPlan], notes: list[str]
+               ) -> ConvertResult:
+    """Shards, configs, loader files and manifest into a temporary sibling, read back, then
+    renamed into place; an OSError leaves nothing behind."""
     n_out = sum(len(p.entries) for p in plans)
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
     atomic = AtomicDir(out, cfg.force)
     try:
         with atomic as tmp:
-            # Each shard is read back in a thread as soon as it is fsynced, while the next one
-            # is written; verify_output collects the results below.
-            early: dict[str, Any] = {}
-            with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
-                record = write_shards(
-                    tmp, plans, ckpt, weight_scales, input_scales,
-                    on_tensor=lambda: next(ticks, None),
-                    on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
-                        verify_shard, tmp, plan, ckpt, weight_scales, input_scales,
-                        record=rec)))
-                for fut in early.values():
-                    fut.exception()  # wait, inside the pool's lifetime
+            record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)
-            index = index_json(plans)
-            if index is not None:
-                write_json(tmp / INDEX_NAME, index)
-            written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
-            ours = set(written)
-            if ckpt.config is not None:
-                write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
-            else:
-                notes.append("the source has no config.json; the quantization config is recorded "
-                             "in fp8export.json only")
-            for name, content in extra_files(cfg.format, ignore=sel.ignore,
-                                             tool_version=__version__).items():
-                write_json(tmp / name, content)
-                written.add(name)
-                ours.add(name)
-            root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-            for aux in sorted(ckpt.aux_files):
-                rel = aux.relative_to(root).as_posix()
-                if rel in written:
-                    continue
-                if aux.is_dir():  # an empty module folder, e.g. sentence-transformers' Normalize
-                    (tmp / rel).mkdir(parents=True, exist_ok=True)
-                else:
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    _copy_file(aux, tmp / rel, root)
-                written.add(rel)
-            for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
-                fsync_dir(sub)  # publish() syncs the top folder only
+            written, ours = _write_configs(tmp, cfg, ckpt, scales.sel, qconfig, plans, notes)
+            _copy_loader_files(tmp, ckpt, written)
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
-            sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record,
+            sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input, record=record,
                                  early=early)
-            layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
-                             plans)
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "tool": {"name": "fp8export", "version": __version__},
-                "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
-                           "files": source_files_entry(ckpt.path, ckpt.source_files,
-                                                       hashes.result())},
-                "options": options_entry(cfg.to_dict()),
-                "output_format": str(cfg.format),
-                "loaded_by": list(LOADED_BY[cfg.format]),
-                "activation_scheme": scheme,
-                "dynamic_activation_layers": dynamic,
-                "quantization_config": qconfig,
-                "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
-                              for row in layers},
-                "excluded": dict(sorted(sel.excluded.items())),
-                "notes": _portable(notes, cfg, out),
-            }
-            write_json(tmp / MANIFEST_NAME, manifest)
+            layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
+                             scales.ranges, scales.input, sqnr, plans)
+            write_json(tmp / MANIFEST_NAME,
+                       _manifest(cfg, ckpt, out, hashes, scales, qconfig, layers, notes))
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
@@ -354,11 +355,90 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             f"{out}: writing the output failed: {exc.strerror or exc}{where}. Nothing was "
             "written and the previous state is unchanged; free disk space or choose another "
             "-o/--output.") from exc
+    sel = scales.sel
     return ConvertResult(
-        output=str(out), format=str(cfg.format), activation_scheme=scheme,
+        output=str(out), format=str(cfg.format),
+        activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
-        dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out,
-        loaded_by=list(LOADED_BY[cfg.format]))
+        dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
+        bytes_out=bytes_out, loaded_by=list(LOADED_BY[cfg.format]))
+
+
+def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
+                  ) -> tuple[Any, dict[str, Any]]:
+    # Each shard is read back in a thread as soon as it is fsynced, while the next one is
+    # written; verify_output collects the results.
+    early: dict[str, Any] = {}
+    with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
+        record = write_shards(
+            tmp, plans, ckpt, scales.weight, scales.input,
+            on_tensor=lambda: next(ticks, None),
+            on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
+                verify_shard, tmp, plan, ckpt, scales.weight, scales.input, record=rec)))
+        for fut in early.values():
+            fut.exception()  # wait, inside the pool's lifetime
+    return record, early
+
+
+def _write_configs(tmp: Path, cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
+                   qconfig: dict[str, Any], plans: list[ShardPlan], notes: list[str]
+                   ) -> tuple[set[str], set[str]]:
+    """Index, config.json and the dialect's extra files; returns (every name written, ours)."""
+    index = index_json(plans)
+    if index is not None:
+        write_json(tmp / INDEX_NAME, index)
+    written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
+    ours = set(written)
+    if ckpt.config is not None:
+        write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
+    else:
+        notes.append("the source has no config.json; the quantization config is recorded "
+                     "in fp8export.json only")
+    for name, content in extra_files(cfg.format, ignore=sel.ignore,
+                                     tool_version=__version__).items():
+        write_json(tmp / name, content)
+        written.add(name)
+        ours.add(name)
+    return written, ours
+
+
+def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
+    """The tokenizer and other loader files, byte for byte, at their relative paths."""
+    root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    for aux in sorted(ckpt.aux_files):
+        rel = aux.relative_to(root).as_posix()
+        if rel in written:
+            continue
+        if aux.is_dir():  # an empty module folder, e.g. sentence-transformers' Normalize
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+        else:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(aux, tmp / rel, root)
+        written.add(rel)
+    for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
+        fsync_dir(sub)  # publish() syncs the top folder only
+
+
+def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
+              qconfig: dict[str, Any], layers: list[dict[str, Any]], notes: list[str]
+              ) -> dict[str, Any]:
+    sel = scales.sel
+    return {
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": "fp8export", "version": __version__},
+        "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
+                   "files": source_files_entry(ckpt.path, ckpt.source_files, hashes.result())},
+        "options": options_entry(cfg.to_dict()),
+        "output_format": str(cfg.format),
+        "loaded_by": list(LOADED_BY[cfg.format]),
+        "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
+        "dynamic_activation_layers": scales.dynamic,
+        "quantization_config": qconfig,
+        "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
+                      for row in layers},
+        "excluded": dict(sorted(sel.excluded.items())),
+        "notes": _portable(notes, cfg, out),
+    }
 
 
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
