@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.numerics.metrics import cosine, rel_l2
     from fp8export.onnx.export import (
         ExportOnnxConfig,
@@ -97,7 +98,6 @@ def main(argv=None) -> int:
         torch_export,
         write_model,
     )
-    from fp8export.onnx.fp8dir import read_fp8_folder
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)

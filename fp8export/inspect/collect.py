@@ -14,7 +14,8 @@ from fp8export.checkpoint.safetensors_reader import DTYPE_BYTES as BYTES
 from fp8export.checkpoint.safetensors_reader import FLOAT_DTYPES as FLOAT
 from fp8export.checkpoint.safetensors_reader import FP8_DTYPES as FP8
 from fp8export.errors import Fp8ExportError
-from fp8export.fp8dir.manifest import read_manifest
+from fp8export.fp8dir.manifest import MANIFEST_NAME as MANIFEST
+from fp8export.fp8dir.reader import manifest_if_any
 from fp8export.inspect.result import InspectResult, TensorRow
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
     from fp8export.checkpoint.source import Checkpoint, TensorInfo
 
-MANIFEST = "fp8export.json"
 
 
 def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = False,
@@ -53,7 +53,7 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
         check_plot_target(Path(plot), force)
     from fp8export.checkpoint.source import open_checkpoint
 
-    manifest = _manifest(p)
+    manifest = manifest_if_any(p)
     with open_checkpoint(p) as ck:
         infos = ck.tensors()
         if manifest is not None or any(i.dtype in FP8 for i in infos):
@@ -179,13 +179,6 @@ def _history_input_scales(ck: Checkpoint, result: InspectResult,
 
 
 # ------------------------------------------------------------------------------ FP8 folder
-
-def _manifest(p: Path) -> dict[str, Any] | None:
-    path = p / MANIFEST if p.is_dir() else None
-    if path is None or not path.is_file():
-        return None
-    return read_manifest(p)
-
 
 def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                 manifest: dict[str, Any] | None) -> InspectResult:

@@ -8,7 +8,7 @@ tensor is used, and anything left unread at the end is an error: the weights wer
 from this architecture.
 
 This module is the rebuild's only contact with the FP8 folder format (through
-:func:`fp8export.onnx.fp8dir.read_fp8_folder`).
+:func:`fp8export.fp8dir.reader.read_fp8_folder`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def keras_checkpoint_weights(path: Path):
 
 def read_folder(fp8_dir: str | Path):
     """The FP8 folder, through the project's one folder reader."""
-    from fp8export.onnx.fp8dir import read_fp8_folder
+    from fp8export.fp8dir.reader import read_fp8_folder
 
     return read_fp8_folder(fp8_dir)
 
@@ -133,9 +133,10 @@ def folder_weights(folder) -> tuple[dict, Weights]:
     fp8 = {f"{name}.weight": layer for name, layer in layers.items()}
     bf16_bias = {f"{name}.bias" for name in keras_float8_layers(folder.manifest)}
     shapes = {}
-    for name, t in folder.tensors.items():
+    for name, shape in folder.tensors.shapes().items():
         layer = fp8.get(name)
-        shapes[name] = tuple(layer.weight_out_in.t().shape if layer is not None else t.shape)
+        # Keras kernels are [in, out]: an out_in FP8 weight is read transposed
+        shapes[name] = shape[::-1] if layer is not None and layer.layout == "out_in" else shape
 
     def load(name: str) -> torch.Tensor:
         layer = fp8.get(name)

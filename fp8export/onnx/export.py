@@ -1,6 +1,6 @@
 """``export-onnx``: FP8 folder → standard ONNX Q/DQ graph (issue 5, DESIGN.md "ONNX profile").
 
-Steps: read and validate the FP8 folder (:mod:`fp8export.onnx.fp8dir`); build the transformers
+Steps: read and validate the FP8 folder (:mod:`fp8export.fp8dir.reader`); build the transformers
 model from its config.json with the dequantized weights (a Keras config: the model rebuilt by
 :mod:`fp8export.keras_model`, no Keras); trace it with torch's ONNX exporter
 (dynamic batch and sequence, no KV cache); rewrite every quantized linear into the FP8 Q/DQ
@@ -141,7 +141,7 @@ def build_torch_model(folder, dtype):
     from fp8export.models import empty_model, missing_tensors
 
     model = empty_model(folder.config, folder.path, dtype=dtype,
-                        shapes={k: tuple(t.shape) for k, t in folder.tensors.items()})
+                        shapes=folder.tensors.shapes())
     state = folder.model_state(dtype)
     expected = model.state_dict()
     loadable = {}
@@ -341,10 +341,10 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.io.atomic import probe_writable, refuse_inside_input
     from fp8export.keras_model.config import is_keras_config
     from fp8export.onnx.check import check_model
-    from fp8export.onnx.fp8dir import read_fp8_folder
     from fp8export.onnx.qdq import rewrite_qdq
 
     start = time.perf_counter()
@@ -357,15 +357,16 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     probe_writable(output)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
-    keras = is_keras_config(folder.config)
-    dtype = cfg.resolved_dtype(keras)
-    opset = cfg.resolved_opset(dtype)
-    arch = (folder.config.get("architectures")
-            or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
-    with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
-        proto, output_name = torch_export(folder, dtype, opset)
-    with stage("rewriting quantized linears into FP8 Q/DQ"):
-        rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
+    with folder:  # its tensors are read while tracing and rewriting
+        keras = is_keras_config(folder.config)
+        dtype = cfg.resolved_dtype(keras)
+        opset = cfg.resolved_opset(dtype)
+        arch = (folder.config.get("architectures")
+                or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
+        with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
+            proto, output_name = torch_export(folder, dtype, opset)
+        with stage("rewriting quantized linears into FP8 Q/DQ"):
+            rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11

@@ -17,7 +17,7 @@ import numpy as np
 def single_linear_model(layer, *, dtype: str = "fp32", opset: int = 21):
     """One quantized linear as an ONNX model: input ``x`` [batch, seq, in], output ``y``.
 
-    ``layer`` is a :class:`~fp8export.onnx.fp8dir.QuantLayer`. Returns the ModelProto.
+    ``layer`` is a :class:`~fp8export.fp8dir.reader.QuantLayer`. Returns the ModelProto.
     """
     import onnx
     import torch

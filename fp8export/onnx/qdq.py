@@ -210,7 +210,7 @@ def _scale_tensor(name: str, value: float, sdtype: str, layer: str, result: Rewr
 def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteResult:
     """Rewrite ``model`` (in place) so every layer in ``layers`` uses the FP8 Q/DQ pattern.
 
-    ``layers`` maps module names to :class:`~fp8export.onnx.fp8dir.QuantLayer`. ``dtype`` is
+    ``layers`` maps module names to :class:`~fp8export.fp8dir.reader.QuantLayer`. ``dtype`` is
     the activation dtype ("fp32"|"fp16"|"bf16"), ``opset`` the graph's opset.
     """
     import ml_dtypes

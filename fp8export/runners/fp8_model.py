@@ -16,42 +16,9 @@ from typing import Any
 import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.reader import open_folder_tensors, read_folder_config, read_folder_manifest
 from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
 from fp8export.runners.fp8_linear import MODES, Fp8Linear, scaled_mm_available
-
-MANIFEST = "fp8export.json"
-
-
-def is_fp8_folder(path: str | Path) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / MANIFEST).is_file()
-
-
-def read_manifest(fp8_dir: str | Path) -> dict[str, Any]:
-    from fp8export.fp8dir.manifest import read_manifest as read
-
-    p = Path(fp8_dir) / MANIFEST
-    if not p.is_file():
-        raise Fp8ExportError(f"{fp8_dir}: no {MANIFEST}; this is not an FP8 folder written by "
-                             "`fp8export convert`. Convert the checkpoint first.")
-    return read(Path(fp8_dir))
-
-
-def read_config(folder: str | Path) -> dict[str, Any]:
-    from fp8export.checkpoint.model_config import read_model_config
-
-    config = read_model_config(Path(folder))
-    if config is None:
-        raise Fp8ExportError(f"{folder}: no config.json, so the architecture is unknown. Put the "
-                             "model's config.json in the folder.")
-    return config
-
-
-def load_fp8_tensors(fp8_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's ``*.safetensors`` files, as stored (E4M3 stays E4M3)."""
-    from fp8export.onnx.fp8dir import read_folder_tensors
-
-    return read_folder_tensors(Path(fp8_dir))
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -113,8 +80,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     where = Path(fp8_dir)
     dev = torch.device(device)
     resolved = resolve_mode(mode, dev)
-    manifest = read_manifest(where)
-    config = read_config(where)
+    manifest = read_folder_manifest(where)
+    config = read_folder_config(where)
     if is_keras_config(config):
         return _load_keras_fp8(where, dev, dtype, resolved)
     from fp8export.models import empty_model
@@ -123,24 +90,23 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         from fp8export.placement import need_accelerate
 
         need_accelerate(str(where))
-    tensors = load_fp8_tensors(where)
-    model = empty_model(config, where, dtype=dtype,
-                        shapes={k: tuple(t.shape) for k, t in tensors.items()},
-                        empty=budgets is not None)
     quantized = manifest.get("quantized") or {}
-    fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
-                                 where=where)
-    state = model.state_dict()
-    loadable = {}
-    for key, t in tensors.items():
-        module = key.rpartition(".")[0]
-        if module in quantized:
-            continue  # weight, scales and bias already inside the Fp8Linear
-        if key in state:
-            if tuple(state[key].shape) != tuple(t.shape):
-                raise Fp8ExportError(f"{where}: tensor {key} has shape {tuple(t.shape)} but the "
-                                     f"architecture expects {tuple(state[key].shape)}.")
-            loadable[key] = t.to(dtype) if t.is_floating_point() else t
+    with open_folder_tensors(where) as tensors:
+        model = empty_model(config, where, dtype=dtype, shapes=tensors.shapes(),
+                            empty=budgets is not None)
+        fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
+                                     where=where)
+        state = model.state_dict()
+        loadable = {}
+        for key, shape in tensors.shapes().items():
+            if key.rpartition(".")[0] in quantized:
+                continue  # weight, scales and bias already inside the Fp8Linear
+            if key in state:
+                if tuple(state[key].shape) != shape:
+                    raise Fp8ExportError(f"{where}: tensor {key} has shape {shape} but the "
+                                         f"architecture expects {tuple(state[key].shape)}.")
+                t = tensors[key]
+                loadable[key] = t.to(dtype) if t.is_floating_point() else t
     missing = [k for k in state if k not in loadable and k.rpartition(".")[0] not in quantized]
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -227,12 +193,12 @@ def _load_keras_fp8(where: Path, device: torch.device, dtype: torch.dtype, mode:
     from fp8export.keras_model.build import keras_model_from_folder
     from fp8export.keras_model.weights import read_folder
 
-    folder = read_folder(where)
-    model = keras_model_from_folder(folder, dtype)
-    quantized = folder.manifest.get("quantized") or {}
-    # the rebuilt layers hold the biases as the Keras layers compute with them
-    fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
-                                 where=where, keep_bias=True)
+    with read_folder(where) as folder:
+        model = keras_model_from_folder(folder, dtype)
+        quantized = folder.manifest.get("quantized") or {}
+        # the rebuilt layers hold the biases as the Keras layers compute with them
+        fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
+                                     where=where, keep_bias=True)
     info = {"mode": mode, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": folder.manifest.get("activation_scheme"),
             "fused_groups": 0, "unfused_groups": {}}  # Keras runs q, k, v as separate GEMMs

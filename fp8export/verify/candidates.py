@@ -6,6 +6,7 @@ from pathlib import Path
 
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.reader import is_fp8_folder
 from fp8export.runners.base import Runner
 
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
@@ -21,7 +22,7 @@ def candidate_kind(path: Path) -> str:
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such candidate file or folder. {KINDS_HINT}")
     if p.is_dir():
-        if (p / "fp8export.json").is_file():
+        if is_fp8_folder(p):
             return "fp8-folder"
         config = read_model_config(p)
         if config is not None:
@@ -103,7 +104,7 @@ def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto",
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such reference checkpoint. Give the bf16/fp32 model the "
                              "candidate was converted from (a Hugging Face folder).")
-    if p.is_dir() and (p / "fp8export.json").is_file():
+    if is_fp8_folder(p):
         raise Fp8ExportError(f"{p}: the reference is an FP8 folder; the reference must be the "
                              "original high-precision checkpoint (swap the two arguments?).")
     if p.suffix.lower() in (".onnx",) + ENGINE_SUFFIXES:

@@ -95,8 +95,8 @@ def test_bad_options(run_cli, fp8_static, tmp_path):
 def test_failed_check_leaves_nothing(tmp_path):
     import torch
 
+    from fp8export.fp8dir.reader import QuantLayer
     from fp8export.numerics.fp8 import quantize_e4m3
-    from fp8export.onnx.fp8dir import QuantLayer
     from fp8export.onnx.graph import single_linear_model
 
     w = torch.ones(4, 4)
@@ -121,9 +121,9 @@ def test_external_data_above_threshold(tmp_path, monkeypatch):
     import torch
 
     import fp8export.onnx.export as export
+    from fp8export.fp8dir.reader import QuantLayer
     from fp8export.numerics.fp8 import quantize_e4m3
     from fp8export.onnx.check import check_model
-    from fp8export.onnx.fp8dir import QuantLayer
     from fp8export.onnx.graph import single_linear_model
 
     w = torch.randn(256, 128)

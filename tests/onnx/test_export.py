@@ -23,8 +23,8 @@ def _t(a) -> torch.Tensor:
 
 def _hooked_emulation(fp8_dir, *, quantize_inputs: bool = True):
     """Independent emulation: dequantized weights + fake-quantized inputs via pre-hooks, fp32."""
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.onnx.export import build_torch_model
-    from fp8export.onnx.fp8dir import read_fp8_folder
 
     folder = read_fp8_folder(fp8_dir)
     model = build_torch_model(folder, torch.float32)

@@ -69,8 +69,8 @@ def _modelopt():
 
 def _plain(folder_path: Path, out: Path, opset: int = 21) -> Path:
     """The plain graph (dequantized weights, no Q/DQ) from the exporter's own trace."""
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.onnx.export import OnnxDtype, strip_metadata, torch_export
-    from fp8export.onnx.fp8dir import read_fp8_folder
 
     proto, _ = torch_export(read_fp8_folder(folder_path), OnnxDtype.FP32, opset)
     strip_metadata(proto)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.reader import QuantLayer
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
-from fp8export.onnx.fp8dir import QuantLayer
 from fp8export.onnx.graph import single_linear_model
 from fp8export.runners.ort_runner import OnnxReferenceRunner, OrtRunner, graph_uses_bf16
 
