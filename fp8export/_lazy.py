@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
 from fp8export.errors import Fp8ExportError
 
 _HINTS = {
@@ -16,17 +13,18 @@ _HINTS = {
 }
 
 
-def lazy_import(name: str, purpose: str | None = None) -> ModuleType:
-    """Import ``name`` or raise Fp8ExportError saying how to install it.
+def missing(name: str, purpose: str | None, exc: ImportError) -> Fp8ExportError:
+    """The error for an optional package that failed to import: what needs it, how to install it.
+
+    Callers import the package with an ordinary ``import`` inside the function that needs it
+    and raise this from the ImportError.
 
     Args:
-        name: module to import, e.g. ``"tensorrt"``.
+        name: the package, e.g. ``"tensorrt"``.
         purpose: what needs it, for the message, e.g. ``"build-engine"``.
+        exc: the ImportError.
     """
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        top = name.split(".")[0]
-        hint = _HINTS.get(top, f"pip install {top}")
-        what = f" (needed for {purpose})" if purpose else ""
-        raise Fp8ExportError(f"Python package '{top}' is not installed{what}: {hint}. ({exc})") from exc
+    top = name.split(".")[0]
+    hint = _HINTS.get(top, f"pip install {top}")
+    what = f" (needed for {purpose})" if purpose else ""
+    return Fp8ExportError(f"Python package '{top}' is not installed{what}: {hint}. ({exc})")

@@ -12,7 +12,6 @@ Ctrl-C → 130. Any other exception is a bug: its traceback is printed, then ``F
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 import traceback
@@ -31,14 +30,52 @@ from fp8export.errors import (
     VerificationFailed,
 )
 
-# name -> module holding a click command called `command`, in the order of the data flow.
+
+# Each command's module is imported only when that command is listed or run.
+def _convert() -> click.Command:
+    from fp8export.commands.convert import command
+
+    return command
+
+
+def _calibrate() -> click.Command:
+    from fp8export.commands.calibrate import command
+
+    return command
+
+
+def _export_onnx() -> click.Command:
+    from fp8export.commands.export_onnx import command
+
+    return command
+
+
+def _build_engine() -> click.Command:
+    from fp8export.commands.build_engine import command
+
+    return command
+
+
+def _verify() -> click.Command:
+    from fp8export.commands.verify import command
+
+    return command
+
+
+def _inspect() -> click.Command:
+    from fp8export.commands.inspect import command
+
+    return command
+
+
+# name -> loader of its click command, in the order of the data flow.
 COMMANDS = {
-    "convert": "fp8export.commands.convert",
-    "calibrate": "fp8export.commands.calibrate",
-    "export-onnx": "fp8export.commands.export_onnx",
-    "build-engine": "fp8export.commands.build_engine",
-    "verify": "fp8export.commands.verify",
-    "inspect": "fp8export.commands.inspect",
+    "convert": _convert,
+    "calibrate": _calibrate,
+    "export-onnx": _export_onnx,
+    "build-engine": _build_engine,
+    "verify": _verify,
+    "inspect": _inspect,
 }
 
 
@@ -61,15 +98,8 @@ class LazyGroup(click.Group):
 
     @staticmethod
     def _load(name):
-        module = COMMANDS.get(name)
-        if module is None:
-            return None
-        try:
-            return importlib.import_module(module).command
-        except ModuleNotFoundError as exc:
-            if exc.name == module:  # command not built in this version
-                return None
-            raise
+        load = COMMANDS.get(name)
+        return None if load is None else load()
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         """Run one command line; return (or, standalone, exit with) the contract's exit code."""

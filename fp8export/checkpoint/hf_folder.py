@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fp8export.checkpoint.loader_files import loader_files as _aux_files
+from fp8export.checkpoint.loader_files import loader_files
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
@@ -137,7 +137,7 @@ class WeightFilesCheckpoint(Checkpoint):
 
 # ---------------------------------------------------------------------------------- discovery
 
-def _config(folder: Path) -> dict[str, Any] | None:
+def folder_config(folder: Path) -> dict[str, Any] | None:
     return read_model_config(folder)
 
 
@@ -195,18 +195,19 @@ def open_hf_folder(folder: Path) -> WeightFilesCheckpoint:
     fmt, files, index, weight_map = weight_files(folder)
     notes = [] if index or len(files) == 1 else [
         f"{folder.name}: {len(files)} shards and no index file; reading all of them"]
-    return WeightFilesCheckpoint(folder, "hf-folder", files, config=_config(folder), index=index,
-                                 index_map=weight_map, aux_files=_aux_files(folder), notes=notes)
+    return WeightFilesCheckpoint(folder, "hf-folder", files, config=folder_config(folder),
+                                 index=index, index_map=weight_map,
+                                 aux_files=loader_files(folder), notes=notes)
 
 
 def open_safetensors_file(path: Path) -> WeightFilesCheckpoint:
     """Open one ``.safetensors`` file; a ``config.json`` beside it is used when present."""
-    return WeightFilesCheckpoint(path, "safetensors", [path], config=_config(path.parent))
+    return WeightFilesCheckpoint(path, "safetensors", [path], config=folder_config(path.parent))
 
 
 def open_torch_file(path: Path) -> WeightFilesCheckpoint:
     """Open one torch state dict (``.pt``/``.pth``/``.bin``); ``config.json`` beside it is used."""
-    return WeightFilesCheckpoint(path, "torch", [path], config=_config(path.parent))
+    return WeightFilesCheckpoint(path, "torch", [path], config=folder_config(path.parent))
 
 
 def open_index_file(path: Path) -> WeightFilesCheckpoint:

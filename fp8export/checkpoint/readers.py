@@ -42,9 +42,12 @@ def _is_torch(p: Path) -> bool:
 
 
 def _open_keras(p: Path) -> Checkpoint:
-    from fp8export._lazy import lazy_import
+    from fp8export._lazy import missing
 
-    lazy_import("h5py", f"reading the Keras checkpoint {p}")
+    try:
+        import h5py  # noqa: F401
+    except ImportError as exc:
+        raise missing("h5py", f"reading the Keras checkpoint {p}", exc) from exc
     from fp8export.checkpoint.keras_reader import open_keras
 
     return open_keras(p)

@@ -209,9 +209,12 @@ def _result(plan: _Plan, info, **fields) -> BuildEngineResult:
 
 
 def _build_python(cfg: BuildEngineConfig, plan: _Plan) -> BuildEngineResult:
-    from fp8export._lazy import lazy_import
+    from fp8export._lazy import missing
 
-    trt = lazy_import("tensorrt", "build-engine")
+    try:
+        import tensorrt as trt
+    except ImportError as exc:
+        raise missing("tensorrt", "build-engine", exc) from exc
     gpu, cc = check_gpu()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

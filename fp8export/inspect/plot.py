@@ -158,9 +158,13 @@ def check_plot_target(path: Path, force: bool = False) -> None:
         raise Fp8ExportError(f"{path}: --plot writes .svg (built in) or .png (needs matplotlib), "
                              f"not {what}. Name the file e.g. scales.svg or scales.png.")
     if path.suffix.lower() == ".png":
-        from fp8export._lazy import lazy_import
+        from fp8export._lazy import missing
 
-        lazy_import("matplotlib", "--plot to a .png file; a .svg file needs nothing")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise missing("matplotlib", "--plot to a .png file; a .svg file needs nothing",
+                          exc) from exc
     if path.is_dir():
         raise Fp8ExportError(f"{path}: is a folder. Give a file name for --plot, e.g. "
                              f"{path / 'scales.svg'}.")

@@ -23,12 +23,12 @@ def single_linear_model(layer, *, dtype: str = "fp32", opset: int = 21):
     import torch
     from onnx import helper, numpy_helper
 
-    from fp8export.onnx.qdq import _np_dtype, _onnx_dtype, rewrite_qdq
+    from fp8export.onnx.qdq import np_dtype, onnx_dtype, rewrite_qdq
 
     w = layer.weight_out_in.to(torch.float32) * layer.weight_scale  # [out, in]
     out_f, in_f = w.shape
-    wt = np.ascontiguousarray(w.numpy().T).astype(_np_dtype(dtype))  # [in, out], as exported
-    et = _onnx_dtype(dtype)
+    wt = np.ascontiguousarray(w.numpy().T).astype(np_dtype(dtype))  # [in, out], as exported
+    et = onnx_dtype(dtype)
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name=f"{layer.name}/MatMul")],
         "single_linear",

@@ -80,13 +80,13 @@ def module_of(node, prefix: str = _WRAPPER_PREFIX) -> str | None:
     return None
 
 
-def _np_dtype(name: str):
+def np_dtype(name: str):
     import ml_dtypes
 
     return {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[name]
 
 
-def _onnx_dtype(name: str) -> int:
+def onnx_dtype(name: str) -> int:
     from onnx import TensorProto
 
     return {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16,
@@ -123,7 +123,7 @@ def _expected(layer, orientation: str, dtype: str) -> np.ndarray:
     import torch
 
     w = layer.weight_out_in.to(torch.float32) * layer.weight_scale  # [out, in]
-    arr = w.numpy().astype(_np_dtype(dtype)).astype(np.float32)
+    arr = w.numpy().astype(np_dtype(dtype)).astype(np.float32)
     return arr.T if orientation == "in_out" else arr
 
 
@@ -196,7 +196,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
 def _scale_tensor(name: str, value: float, sdtype: str, layer: str, result: RewriteResult):
     from onnx import numpy_helper
 
-    cast = np.asarray(value, dtype=np.float32).astype(_np_dtype(sdtype))
+    cast = np.asarray(value, dtype=np.float32).astype(np_dtype(sdtype))
     back = float(cast.astype(np.float32))
     if not np.isfinite(back) or back <= 0.0:
         raise Fp8ExportError(
@@ -231,7 +231,7 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
     new_inits = [zp]
     out_dtype_attr = {}
     if sdtype != dtype:  # opset 23: DQ emits the activation dtype from an fp32 scale
-        out_dtype_attr = {"output_dtype": _onnx_dtype(dtype)}
+        out_dtype_attr = {"output_dtype": onnx_dtype(dtype)}
     remove_inits: set[str] = set()
     remove_nodes: set[int] = set()
     insert_before: dict[int, list] = {}

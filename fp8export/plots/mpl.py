@@ -18,9 +18,12 @@ _MARKERS = {"circle": "o", "square": "s", "diamond": "D", "triangle": "^",
 
 def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
     """``fig`` drawn as PNG. Needs matplotlib (``pip install 'fp8export[plot]'``)."""
-    from fp8export._lazy import lazy_import
+    from fp8export._lazy import missing
 
-    matplotlib = lazy_import("matplotlib", "PNG plots; write .svg to need nothing")
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise missing("matplotlib", "PNG plots; write .svg to need nothing", exc) from exc
     matplotlib.use("Agg", force=True)  # no display, ever (CI, servers)
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm

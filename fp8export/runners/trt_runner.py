@@ -42,10 +42,13 @@ class TrtRunner(Runner):
         self._engine = self._context = self._stream = None
 
     def _activate(self) -> None:
-        from fp8export._lazy import lazy_import
+        from fp8export._lazy import missing
         from fp8export.engine.build import check_gpu
 
-        trt = lazy_import("tensorrt", "running a TensorRT engine")
+        try:
+            import tensorrt as trt
+        except ImportError as exc:
+            raise missing("tensorrt", "running a TensorRT engine", exc) from exc
         check_gpu()
         import torch
 

@@ -56,7 +56,7 @@ def report_dict(result: dict[str, Any]) -> dict[str, Any]:
     return json_safe(out)
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     if v is None:
         return "–"
     if isinstance(v, float):
@@ -68,9 +68,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _db(v: Any) -> str:
+def format_db(v: Any) -> str:
     """A level in dB: one decimal is what the measurement supports."""
-    return f"{v:.1f}" if isinstance(v, float) and math.isfinite(v) else _fmt(v)
+    return f"{v:.1f}" if isinstance(v, float) and math.isfinite(v) else format_value(v)
 
 
 def _size(n: int | None) -> str:
@@ -179,7 +179,8 @@ def threshold_text(check: dict[str, Any]) -> str:
 def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
     floor = result.get("noise_floor") or {}
-    return [(r["metric"], _fmt(r["candidate"]), _fmt(r["floor"]), _fmt(r["candidate_vs_fp32"]),
+    return [(r["metric"], format_value(r["candidate"]), format_value(r["floor"]),
+             format_value(r["candidate_vs_fp32"]),
              "–" if r["ratio"] is None else f"{r['ratio']:.1f}x")
             for r in floor.get("rows") or []]
 
@@ -249,7 +250,7 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     lines += ["| check | value | threshold | result |", "|---|---|---|---|"]
     icon = {"passed": "✅ pass", "failed": "❌ FAIL", "skipped": "➖ n/a"}
     for c in result["checks"]:
-        lines.append(f"| `{c['metric']}` | {_fmt(c['value'])} | {threshold_text(c)} | "
+        lines.append(f"| `{c['metric']}` | {format_value(c['value'])} | {threshold_text(c)} | "
                      f"{icon[c['status']]} |")
     floor_rows = noise_floor_rows(result)
     if floor_rows:
@@ -261,7 +262,7 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     lines += ["", "<details><summary>All metrics</summary>", "",
               "| family | metric | value |", "|---|---|---|"]
     for group, k, v in metric_rows(result["metrics"]):
-        lines.append(f"| {group} | {md_code(k)} | {_fmt(v)} |")
+        lines.append(f"| {group} | {md_code(k)} | {format_value(v)} |")
     lines += ["", "</details>", ""]
     layers = result.get("per_layer")
     if layers:
@@ -270,8 +271,8 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
                   "| rank | module | SQNR dB | end-to-end SQNR dB | saturated |",
                   "|---|---|---|---|---|"]
         for r in layers[:max_layers]:
-            lines.append(f"| {r['rank']} | {md_code(r['module'])} | {_db(r['sqnr_db'])} | "
-                         f"{_db(r['sqnr_e2e_db'])} | {r['saturated']:.2%} |")
+            lines.append(f"| {r['rank']} | {md_code(r['module'])} | {format_db(r['sqnr_db'])} | "
+                         f"{format_db(r['sqnr_e2e_db'])} | {r['saturated']:.2%} |")
         lines.append("")
     worst = (result.get("worst_samples") or [])[:max_samples]
     if worst:
@@ -282,9 +283,9 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
             context, token, pred = worst_sample_text(s)
             # <b>, not **: emphasis markers do not work around a token's leading space
             shown = md_escape(context) + (f" → <b>{md_escape(token)}</b>" if token else "")
-            at = f"{_fmt(s.get('kl_max'))} at {s['position']}" if s.get("position") is not None \
-                else _fmt(s.get("kl_max"))
-            lines.append(f"| {s['index']} | {_fmt(s.get('kl_mean'))} | {at} | {shown} | "
+            kl = format_value(s.get("kl_max"))
+            at = f"{kl} at {s['position']}" if s.get("position") is not None else kl
+            lines.append(f"| {s['index']} | {format_value(s.get('kl_mean'))} | {at} | {shown} | "
                          f"{md_escape(pred)} |")
         lines.append("")
     for note in result.get("notes", []):

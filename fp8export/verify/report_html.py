@@ -11,8 +11,8 @@ from fp8export.verify.report import (
     NOISE_FLOOR_HEAD,
     NOISE_FLOOR_TEXT,
     NOISE_FLOOR_TITLE,
-    _db,
-    _fmt,
+    format_db,
+    format_value,
     header_rows,
     metric_rows,
     noise_floor_rows,
@@ -67,7 +67,7 @@ def _checks(result: dict[str, Any]) -> list[str]:
     cls = {"passed": "pass", "failed": "fail", "skipped": "na"}
     for c in result["checks"]:
         parts.append(f"<tr><td><code>{_e(c['metric'])}</code></td>"
-                     f"<td class='num'>{_e(_fmt(c['value']))}</td>"
+                     f"<td class='num'>{_e(format_value(c['value']))}</td>"
                      f"<td class='num'>{_e(threshold_text(c))}</td>"
                      f"<td class='{cls[c['status']]}'>{_e(c['status'])}</td></tr>")
     parts.append("</table>")
@@ -110,10 +110,10 @@ def _layers(result: dict[str, Any], max_layers: int) -> list[str]:
              "<th>saturated</th><th>weight SQNR dB</th></tr>"]
     for r in layers[:max_layers]:
         parts.append(f"<tr><td class='num'>{r['rank']}</td><td><code>{_e(r['module'])}</code>"
-                     f"</td><td class='num'>{_db(r['sqnr_db'])}</td>"
-                     f"<td class='num'>{_db(r['sqnr_e2e_db'])}</td>"
+                     f"</td><td class='num'>{format_db(r['sqnr_db'])}</td>"
+                     f"<td class='num'>{format_db(r['sqnr_e2e_db'])}</td>"
                      f"<td class='num'>{r['saturated']:.2%}</td>"
-                     f"<td class='num'>{_db(r.get('weight_sqnr_db'))}</td></tr>")
+                     f"<td class='num'>{format_db(r.get('weight_sqnr_db'))}</td></tr>")
     parts.append("</table>")
     return parts
 
@@ -138,8 +138,8 @@ def _worst_samples(result: dict[str, Any]) -> list[str]:
         at = f" (at {s['position']})" if s.get("position") is not None else ""
         parts.append(f"<tr><td class='num'>{_e(s['index'])}</td>"
                      f"<td class='num'>{_e(s.get('tokens'))}</td>"
-                     f"<td class='num'>{_fmt(s.get('kl_mean'))}</td>"
-                     f"<td class='num'>{_fmt(s.get('kl_max'))}{at}</td>"
+                     f"<td class='num'>{format_value(s.get('kl_mean'))}</td>"
+                     f"<td class='num'>{format_value(s.get('kl_max'))}{at}</td>"
                      f"<td class='text'>{text}</td><td>{_e(pred)}</td></tr>")
     parts.append("</table>")
     return parts
@@ -150,7 +150,7 @@ def _metrics(result: dict[str, Any]) -> list[str]:
              "<table><tr><th>family</th><th>metric</th><th>value</th></tr>"]
     for group, k, v in metric_rows(result["metrics"]):
         parts.append(f"<tr><td>{_e(group)}</td><td><code>{_e(k)}</code></td>"
-                     f"<td class='num'>{_e(_fmt(v))}</td></tr>")
+                     f"<td class='num'>{_e(format_value(v))}</td></tr>")
     parts.append("</table>")
     return parts
 

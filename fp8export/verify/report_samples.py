@@ -42,14 +42,14 @@ def display_text(text: str, limit: int, keep: str = "start") -> str:
 
 
 def _tokenizer(folder: Path):
-    from fp8export.calibration.data import _load_tokenizer
+    from fp8export.calibration.data import load_sample_tokenizer
     from fp8export.calibration.tokenizer import has_tokenizer
     from fp8export.errors import Fp8ExportError
 
     if not has_tokenizer(folder):
         return None
     try:
-        return _load_tokenizer(folder, folder)
+        return load_sample_tokenizer(folder, folder)
     except Fp8ExportError:
         return None
 

@@ -35,7 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, _aux_files, _config, weight_files
+from fp8export.checkpoint.hf_folder import PT_INDEX, ST_INDEX, folder_config, weight_files
+from fp8export.checkpoint.loader_files import loader_files
 from fp8export.checkpoint.safetensors_reader import SafetensorsFile, read_header
 from fp8export.checkpoint.source import Checkpoint, TensorInfo, register_reader
 from fp8export.checkpoint.torch_reader import WRAPPER_KEYS, check_tensor, is_zip
@@ -318,9 +319,9 @@ def open_fp8_state_checkpoint(path: Path) -> Fp8StateCheckpoint:
         path = path.parent
     if path.is_dir():
         _fmt, files, index, _weight_map = weight_files(path)
-        return Fp8StateCheckpoint(path, files, config=_config(path), index=index,
-                                  aux_files=_aux_files(path))
-    return Fp8StateCheckpoint(path, [path], config=_config(path.parent))
+        return Fp8StateCheckpoint(path, files, config=folder_config(path), index=index,
+                                  aux_files=loader_files(path))
+    return Fp8StateCheckpoint(path, [path], config=folder_config(path.parent))
 
 
 register_reader(READER_NAME, can_open, open_fp8_state_checkpoint, first=True)
