@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8export.config import ConvertConfig, ScalesMode
 from fp8export.errors import Fp8ExportError
+from fp8export.scales.groups import group_max
 from fp8export.scales.history import ranges_from_history
 from fp8export.scales.ranges import ActivationRange
 
@@ -119,10 +120,11 @@ def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: lis
         notes.append(f"{len(unusable)} activation range(s) are zero or not finite and were not "
                      f"used: {', '.join(sorted(unusable)[:5])}")
     for group, members in (groups or {}).items():
-        have = [usable[m] for m in members if m in usable]
-        if not have:
+        top_amax = group_max({m: r.amax for m, r in usable.items()}, members)
+        if top_amax is None:
             continue
-        top = max(have, key=lambda r: r.amax)
+        top = next(usable[m] for m in members if m in usable and usable[m].amax == top_amax)
+        # a member without a range of its own reads the same input: it takes the group's
         for m in members:
             r = usable.get(m)
             if r is None or r.amax != top.amax:

@@ -70,6 +70,7 @@ from fp8export.io.atomic import (
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.numerics.fp8 import amax_to_scale
+from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
 from fp8export.scales.ranges import ActivationRange
 from fp8export.scales.select import Selection, select_targets
@@ -114,7 +115,8 @@ def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[s
     # The sensitivity analysis runs the model (torch, transformers): imported only when asked.
     from fp8export.verify.sensitivity import exclusions_for_budget
 
-    keep, notes = exclusions_for_budget(cfg, sel.modules)
+    keep, notes = exclusions_for_budget(cfg, sel.modules,
+                                        groups=sel.groups if cfg.fuse_scales else None)
     keep = set(keep)
     # vLLM refuses a partly quantized fused layer: a sensitive member takes its siblings along.
     for members in sel.groups.values():
@@ -147,10 +149,7 @@ def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
         if m in weight_scales:
             weight_scales[m] = np.float32(value)
             weight_source[m] = "history"
-    for members in sel.groups.values():
-        top = max(weight_scales[m] for m in members)
-        for m in members:
-            weight_scales[m] = top
+    weight_scales.update(share_max(weight_scales, sel.groups))
     missing = sorted(set(sel.modules) - set(scales))
     notes = [f"weight scales from FP8 training history for {len(scales)} layer(s)"]
     if missing:

@@ -16,7 +16,12 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     ref = reference.detach().to(torch.float64).flatten()
     err = ref - test.detach().to(torch.float64).flatten()
     noise = float(torch.dot(err, err))
-    signal = float(torch.dot(ref, ref))
+    return sqnr_from_sums(float(torch.dot(ref, ref)), noise)
+
+
+def sqnr_from_sums(signal: float, noise: float) -> float:
+    """SQNR in dB from ``Σref²`` and ``Σ(ref−test)²`` (accumulated by the caller, e.g. in chunks):
+    ``inf`` for no noise, ``-inf`` for noise on an all-zero signal."""
     if noise == 0.0:
         return math.inf
     if signal == 0.0:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
+from fp8export.numerics.metrics import sqnr_from_sums
+from fp8export.scales.groups import share_max
 from fp8export.scales.select import Target
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of float32
@@ -42,14 +44,6 @@ def chunked_amax(x: torch.Tensor) -> float:
     finally:
         torch.set_num_threads(threads)
     return amax
-
-
-def sqnr_from_sums(signal: float, noise: float) -> float:
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
 
 
 def quantize_weight(w: torch.Tensor, scale: np.float32) -> torch.Tensor:
@@ -196,13 +190,7 @@ def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
         amax[t.module] = a
         if on_step is not None:
             on_step()
-    scale_amax = dict(amax)
-    for members in groups.values():
-        vals = [amax[m] for m in members if m in amax]
-        if vals and all(math.isfinite(v) for v in vals):
-            gmax = max(vals)
-            for m in members:
-                scale_amax[m] = gmax
+    scale_amax = share_max(amax, groups)
     all_zero = [m for m, a in scale_amax.items() if a == 0.0]
     scale = {m: amax_to_scale(a, f"{m}.weight") for m, a in scale_amax.items()
              if math.isfinite(a) and a > 0.0}

@@ -17,21 +17,13 @@ by a static input scale). Lower SQNR is worse; the ranking is worst-first.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
 
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import E4M3_MAX
-
-
-def _sqnr(signal: float, noise: float) -> float:
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
+from fp8export.numerics.metrics import sqnr_from_sums
 
 
 class _Acc:
@@ -125,8 +117,8 @@ class PerLayerProbe:
             entry = quantized.get(name, {})
             rows.append({
                 "module": name, "order": order,
-                "sqnr_db": _sqnr(a.signal, a.noise),
-                "sqnr_e2e_db": _sqnr(a.signal, a.noise_e2e),
+                "sqnr_db": sqnr_from_sums(a.signal, a.noise),
+                "sqnr_e2e_db": sqnr_from_sums(a.signal, a.noise_e2e),
                 "saturated": (a.saturated / a.elements) if a.elements else 0.0,
                 "weight_sqnr_db": entry.get("weight_sqnr_db"),
                 "weight_scale": entry.get("weight_scale"),

@@ -2,7 +2,8 @@
 
 Each candidate layer is quantized *alone* (emulated E4M3: per-tensor weight scale
 ``amax/448``; activations with a static per-tensor scale from the max over the same data, or
-dynamic per-tensor when convert runs with ``--scales weights``) and the KL(reference‖that
+dynamic per-tensor when convert runs with ``--scales weights``; members of a fused group share
+the group's max for both, as convert writes them) and the KL(reference‖that
 model) of the next-token distributions is measured against the fp32 reference on the data.
 Layers are ranked by that KL; the whole set is quantized and, while the KL exceeds the budget,
 the most sensitive remaining layer is kept in high precision (greedy, re-measured each step).
@@ -15,7 +16,7 @@ Entry points:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from fp8export._progress import info, progress
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.runners.fp8_linear import Fp8Linear
+from fp8export.scales.groups import share_max
 
 DEFAULT_SAMPLES = 16
 DEFAULT_SEQ_LEN = 128
@@ -35,9 +37,10 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
     return w.t() if type(module).__name__ == "Conv1D" else w  # GPT-2 Conv1D stores [in, out]
 
 
-def _fp8_twin(name: str, module: torch.nn.Module, input_amax: float | None) -> Fp8Linear:
+def _fp8_twin(name: str, module: torch.nn.Module, weight_amax: float,
+              input_amax: float | None) -> Fp8Linear:
     w = _linear_weight(module).float()
-    ws = amax_to_scale(float(w.abs().max()), f"{name}.weight")
+    ws = amax_to_scale(weight_amax, f"{name}.weight")
     s_in = None if input_amax is None else amax_to_scale(input_amax, f"{name} input")
     bias = getattr(module, "bias", None)
     return Fp8Linear(quantize_e4m3(w, ws).contiguous(), ws, s_in, bias, mode="emulate",
@@ -67,8 +70,12 @@ def _kl(ref_logp: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
 def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: float | None = None,
                 data: str | Path | None = None, static_inputs: bool = True,
                 samples: int | None = None, seq_len: int | None = None, batch_size: int = 8,
-                device: str = "cpu") -> dict[str, Any]:
+                device: str = "cpu", groups: Mapping[str, Sequence[str]] | None = None
+                ) -> dict[str, Any]:
     """Rank ``modules`` by the KL each adds quantized alone; pick exclusions for ``budget_kl``.
+
+    ``groups``: fused groups (name -> member modules) whose members share their weight and
+    input scales, as in convert's selection; None or ``{}`` for per-layer scales.
 
     Returns ``{"ranking": [{"module", "kl"}...] (most sensitive first), "kl_all": float,
     "keep": [module...], "kl_after": float, "budget_kl": float|None, "data": str,
@@ -113,8 +120,12 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
         ref = [torch.log_softmax(logits_of(i, m).to(torch.float64), -1) for i, m in batches]
     for h in hooks:
         h.remove()
-    twins = {n: _fp8_twin(n, model.get_submodule(n), amax[n] if static_inputs else None)
-             .to(dev) for n in names}
+    groups = groups or {}
+    weight_amax = share_max({n: float(_linear_weight(model.get_submodule(n)).float().abs().max())
+                             for n in names}, groups)
+    input_amax = share_max(amax, groups)
+    twins = {n: _fp8_twin(n, model.get_submodule(n), weight_amax[n],
+                          input_amax[n] if static_inputs else None).to(dev) for n in names}
     swap = _Swapper(model, twins)
 
     def kl_with(quantized) -> float:
@@ -148,18 +159,21 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
             "static_inputs": static_inputs}
 
 
-def exclusions_for_budget(cfg, modules: Sequence[str]) -> tuple[list[str], list[str]]:
+def exclusions_for_budget(cfg, modules: Sequence[str],
+                          groups: Mapping[str, Sequence[str]] | None = None
+                          ) -> tuple[list[str], list[str]]:
     """The ``convert --accuracy-budget KL`` hook: ``(modules to keep in high precision, notes)``.
 
     ``cfg`` is the ConvertConfig: ``checkpoint``, ``accuracy_budget`` (KL, nats/token),
     ``calib_data`` (the data measured on; the built-in set when None), ``calib_samples``,
     ``seq_len``, ``batch_size``, ``device``, ``scales`` ("weights" → dynamic activations).
+    ``groups``: the selection's fused groups (shared scales), when ``cfg.fuse_scales``.
     """
     static = str(getattr(cfg, "scales", "auto")) != "weights"
     res = sensitivity(cfg.checkpoint, modules, budget_kl=float(cfg.accuracy_budget),
                       data=cfg.calib_data, static_inputs=static, samples=cfg.calib_samples,
                       seq_len=cfg.seq_len, batch_size=cfg.batch_size or 8,
-                      device=str(cfg.device))
+                      device=str(cfg.device), groups=groups)
     top = ", ".join(f"{r['module']} ({r['kl']:.2e})" for r in res["ranking"][:5])
     notes = [f"sensitivity on {res['data']}: KL of each layer quantized alone, worst first: "
              f"{top}; all {len(res['ranking'])} quantized: KL {res['kl_all']:.3e}."]

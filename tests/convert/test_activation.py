@@ -140,8 +140,8 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
 
     seen = {}
 
-    def exclusions_for_budget(cfg, modules):  # the sensitivity hook's interface
-        seen["budget"], seen["modules"] = cfg.accuracy_budget, list(modules)
+    def exclusions_for_budget(cfg, modules, groups=None):  # the sensitivity hook's interface
+        seen["budget"], seen["modules"], seen["groups"] = cfg.accuracy_budget, list(modules), groups
         return ["model.layers.0.self_attn.v_proj"], ["sensitivity ran"]
 
     fake = types.ModuleType("fp8export.verify.sensitivity")
@@ -150,6 +150,7 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
                                 accuracy_budget=0.01))
     assert seen["budget"] == 0.01 and len(seen["modules"]) == 14
+    assert sorted(QKV) in [sorted(ms) for ms in seen["groups"].values()]  # scales shared as here
     assert res.quantized == 11  # v_proj took q_proj and k_proj along (vLLM fuses them)
     for m in QKV:
         assert res.excluded[f"{m}.weight"] == "kept in high precision for --accuracy-budget 0.01"
