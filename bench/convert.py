@@ -1,29 +1,37 @@
-"""Benchmark `fp8export convert` against `cp -r` of the same checkpoint (issue 2, item 10).
+"""Benchmark ``fp8export convert`` against ``cp -r`` + fsync and llm-compressor ``model_free_ptq``.
 
-    .venv/bin/python bench/convert.py                 # 4.5 GiB checkpoint, full run
-    .venv/bin/python bench/convert.py --size-gib 0.2 --results bench/_work/results   # smoke
+    .venv/bin/python bench/convert.py                       # 2.1 GB checkpoint, 2 rounds
+    .venv/bin/python bench/convert.py --sizes 2.1 --large   # plus the largest the disk holds
+    .venv/bin/python bench/convert.py --sizes 0.3 --rounds 1 --results /tmp/r   # quick check
 
-1. Writes a Llama-shaped bf16 checkpoint of about ``--size-gib`` under ``bench/_work/convert/``:
-   several safetensors shards + index + config.json, random weights (seeded), written tensor by
-   tensor and chunk by chunk so the generator itself stays small.
-2. fsyncs it and reads every byte once (warm-up), so the page cache holds the source for both
-   contenders: the container cannot drop caches, so both run warm, in a fixed order: cp first,
-   then convert.
-3. Times ``cp -r SRC COPY`` and ``fp8export convert SRC -o OUT --force``; each time is reported
-   alone and "+ fsync" (the command, then an fsync of every file it wrote), so both are compared
-   at the point where their output is on disk, whatever either does about flushing.
-4. Peak RSS of convert is the kernel's high-water mark for that process (``wait4`` ru_maxrss).
-5. Targets (issue 2): convert time <= 1.5 x copy time (on the "+ fsync" times; the raw ratio is
-   shown too); peak RSS <= 1.5 GiB + 2 x the largest tensor.
+1. Generates a Llama-shaped bf16 checkpoint per size (``--sizes``, GB = 10^9 bytes; default
+   2.1, five safetensors shards, index, config.json; N(0, 0.02) weights, windows of a seeded
+   64 MiB pool of random numbers) under
+   ``--work`` (default ``/tmp/fp8export-bench``) and keeps it there for the next run.
+   ``--large`` adds the largest size that leaves 5 GB free on that disk with a copy and the
+   FP8 output beside it.
+2. fsyncs the checkpoint and reads it once: every contender starts with the source in the
+   page cache (a container cannot drop caches), as far as RAM holds it.
+3. Per round (``--rounds``, default 2), in this order: ``cp -r`` then an fsync of every
+   copied file; convert with each ``--workers`` value (default 1 and 2); llm-compressor
+   ``model_free_ptq(scheme="FP8_DYNAMIC", max_workers=2)`` (when importable, with
+   ``--llmc-pythonpath`` added to its PYTHONPATH; only at the first size unless
+   ``--llmc-all-sizes``). Every output is fsynced and the fsync counted; outputs are deleted
+   after each run.
+4. Convert runs as a child process that imports fp8export and calls ``api.convert`` with the
+   config the CLI builds (``--workers N --force``), so the same run also gives the time per
+   step (``ConvertResult.timings``); start-up is the child's wall time outside ``convert``.
+   Peak RSS of every contender: the kernel's high-water mark (``wait4`` ``ru_maxrss``).
+5. Targets (2 cores): convert <= 2.0x ``cp -r`` + fsync (aim 1.5x); llm-compressor / convert
+   >= 5; peak RSS <= 0.75 GiB + 2x the largest tensor per worker; 2 workers >= 1.6x the
+   throughput of 1. The best round of each contender is compared; peak RSS is the worst.
 
-Results: ``bench/results/convert.json`` and ``convert.md`` (``--results DIR`` to put them
-elsewhere). The checkpoint, copy and output are deleted at the end unless ``--keep``.
+Results: ``bench/results/convert.json`` and ``convert.md`` (``--results DIR`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -40,13 +48,13 @@ from _common import (  # noqa: E402
     GiB,
     MiB,
     fmt_bytes,
-    fp8export_argv,
     machine_info,
     md_table,
     run_measured,
     write_json,
 )
 
+GB = 10**9
 VOCAB = 32000
 # (hidden, intermediate, heads, kv_heads): Llama-family widths; the generator takes the widest
 # whose embedding + lm_head stay under 15 % of the target, then adds layers to reach the size.
@@ -102,21 +110,32 @@ def nbytes(shape) -> int:
     return math.prod(shape) * BF16
 
 
-def write_tensor_data(f, shape, seed: int, is_norm: bool, chunk_elems: int = 8 * 2**20) -> None:
-    """Seeded N(0, 0.02) bf16 data (ones for norms), written in chunks of 8 M elements."""
+POOL_ELEMS = 1 << 25  # 64 MiB of bf16 random numbers, drawn once per seed
+_pool: dict[int, bytes] = {}
+
+
+def write_tensor_data(f, shape, seed: int, is_norm: bool, base_seed: int = 0) -> None:
+    """N(0, 0.02) bf16 data (ones for norms): a window of a seeded 64 MiB pool of random
+    numbers at a seeded offset, so generating tens of GB costs little more than writing them
+    (a convert's cost does not depend on which random numbers it reads)."""
     import torch
 
     n = math.prod(shape)
     if is_norm:
         f.write(torch.ones(n, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
         return
-    gen = torch.Generator().manual_seed(seed)
-    done = 0
-    while done < n:
-        k = min(chunk_elems, n - done)
-        x = torch.randn(k, generator=gen, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
-        f.write(x.view(torch.uint8).numpy().data)
-        done += k
+    if base_seed not in _pool:
+        gen = torch.Generator().manual_seed(base_seed)
+        x = torch.randn(POOL_ELEMS, generator=gen).mul_(0.02).to(torch.bfloat16)
+        _pool[base_seed] = x.view(torch.uint8).numpy().tobytes()
+    pool = memoryview(_pool[base_seed])
+    pos = (seed * 2654435761) % POOL_ELEMS * BF16  # a different window for every tensor
+    left = n * BF16
+    while left:
+        k = min(left, len(pool) - pos)
+        f.write(pool[pos:pos + k])
+        left -= k
+        pos = 0
 
 
 def generate(ckpt: Path, size_bytes: int, shard_bytes: int, seed: int) -> dict:
@@ -150,7 +169,7 @@ def generate(ckpt: Path, size_bytes: int, shard_bytes: int, seed: int) -> dict:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for name, shape in group:
-                write_tensor_data(f, shape, seed + index, name.endswith("norm.weight"))
+                write_tensor_data(f, shape, seed + index, name.endswith("norm.weight"), seed)
                 weight_map[name] = fname
                 index += 1
         total += off
@@ -164,7 +183,7 @@ def generate(ckpt: Path, size_bytes: int, shard_bytes: int, seed: int) -> dict:
             "largest_tensor": max(tensors, key=lambda t: nbytes(t[1]))[0],
             "largest_tensor_bytes": max(nbytes(t[1]) for t in tensors),
             "config": plan["config"], "seed": seed, "requested_bytes": size_bytes,
-            "shard_bytes": shard_bytes}
+            "shard_bytes": shard_bytes, "generator": "pool-v1"}
     (ckpt / "bench_plan.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -219,191 +238,305 @@ def safetensors_dtypes(path: Path) -> dict[str, int]:
     return counts
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-gib", type=float, default=4.5, help="checkpoint size (default 4.5)")
-    ap.add_argument("--shard-gib", type=float, default=None,
-                    help="shard size (default: size/5, at least 4 shards for >= 1 GiB)")
-    ap.add_argument("--work", type=Path, default=REPO / "bench" / "_work" / "convert")
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep", action="store_true", help="keep checkpoint, copy and output")
-    ap.add_argument("--convert-arg", action="append", default=[],
-                    help="extra argument passed to fp8export convert (repeatable)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="runs of cp -r and of convert, alternating; the best of each is compared")
-    args = ap.parse_args(argv)
+def child_convert(src: str, out: str, workers: str, result: str) -> int:
+    """One convert in this process (the CLI's config), its timings written to ``result``."""
+    t0 = time.perf_counter()
+    import safetensors  # noqa: F401  (what convert imports first: start-up, not convert)
+    import torch  # noqa: F401
 
-    size = int(args.size_gib * GiB)
-    shard = int((args.shard_gib or max(args.size_gib / 5, 0.02)) * GiB)
-    ckpt, copy, out = args.work / "ckpt", args.work / "ckpt-copy", args.work / "ckpt-fp8"
-    args.work.mkdir(parents=True, exist_ok=True)
-    need = 3 * size  # source + copy + FP8 output (about half) + slack
-    free = shutil.disk_usage(args.work).free
-    if free < need:
-        sys.exit(f"need about {fmt_bytes(need)} free under {args.work}, have {fmt_bytes(free)}")
-    machine = machine_info(args.work)
+    from fp8export import api
+    from fp8export.config import ConvertConfig
 
-    # 1. the checkpoint (re-used when --keep left one of the same plan behind)
+    t1 = time.perf_counter()
+    r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,
+                                  workers=int(workers)))
+    t2 = time.perf_counter()
+    Path(result).write_text(json.dumps({"import_seconds": t1 - t0, "convert_seconds": t2 - t1,
+                                        "timings": r.timings, "quantized": r.quantized}))
+    return 0
+
+
+LLMC_SCRIPT = """
+import sys
+from llmcompressor import model_free_ptq
+model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme="FP8_DYNAMIC",
+               ignore=["lm_head"], max_workers=2, device="cpu")
+"""
+
+
+def llmc_env(pythonpath: str | None) -> dict | None:
+    """Environment in which llm-compressor imports, or None."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    ok = subprocess.run([sys.executable, "-c", "import llmcompressor"], env=env,
+                        capture_output=True).returncode == 0
+    return env if ok else None
+
+
+def llmc_version(env: dict) -> str:
+    return subprocess.run([sys.executable, "-c", "import llmcompressor as m; print(m.__version__)"],
+                          env=env, capture_output=True, text=True).stdout.strip()
+
+
+def timed_run(argv: list[str], out: Path, log: Path, env: dict | None = None) -> dict:
+    """Run ``argv``; then fsync everything under ``out``. Seconds, fsync, peak RSS."""
+    r = run_measured(argv, log, env=env)
+    ok = r.returncode == 0 and out.exists()
+    sync = fsync_tree(out) if ok else 0.0
+    if not ok:
+        print(log.read_text()[-3000:], file=sys.stderr)
+    return {"exit": r.returncode, "seconds": r.seconds, "fsync_seconds": sync,
+            "total_seconds": r.seconds + sync, "peak_rss_bytes": r.peak_rss_bytes,
+            "output_bytes": tree_bytes(out) if ok else 0}
+
+
+def best(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["exit"] == 0] or runs
+    b = dict(min(ok, key=lambda r: r["total_seconds"]))
+    b["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)  # the worst counts
+    b["rounds_total_seconds"] = [round(r["total_seconds"], 2) for r in runs]
+    return b
+
+
+BREAKDOWN = [  # (row, keys summed) -- worker-seconds except the "wall:" keys
+    ("start-up (interpreter, imports)", ["startup"]),
+    ("open + select", ["wall: open checkpoint", "wall: select"]),
+    ("read source (scan)", ["scan: read source"]),
+    ("sha256 of source (manifest)", ["scan: sha256 of source"]),
+    ("amax", ["scan: amax"]),
+    ("read source (write pass)", ["write: read source"]),
+    ("quantize + SQNR", ["write: quantize + SQNR"]),
+    ("write FP8 (pwrite)", ["write: pwrite output"]),
+    ("copy unchanged tensors", ["write: copy unchanged tensors"]),
+    ("fsync shards", ["write: fsync"]),
+    ("read-back", ["wall: read-back"]),
+    ("config, index, manifest, publish", ["wall: config, index, loader files",
+                                          "wall: manifest + publish", "wall: scales + plan"]),
+    ("convert() total (wall)", ["wall: total"]),
+]
+
+
+def breakdown_rows(runs: dict[int, dict]) -> list[tuple]:
+    rows = []
+    for label, keys in BREAKDOWN:
+        cells = [label]
+        for n in sorted(runs):
+            t = runs[n]["timings"]
+            cells.append(f"{sum(t.get(k, 0.0) for k in keys):.2f}")
+        rows.append(tuple(cells))
+    for stage in ("scan (hash + amax)", "write shards", "read-back"):
+        rows.append((f"stage wall: {stage}", *[
+            f"{runs[n]['timings'].get('wall: ' + stage, 0.0):.2f}" for n in sorted(runs)]))
+    rows.append(("total wall (process)", *[f"{runs[n]['seconds']:.2f}" for n in sorted(runs)]))
+    return rows
+
+
+def bench_size(args, size_gb: float, llmc: dict | None) -> dict:
+    size = int(size_gb * GB)
+    ckpt = args.work / f"ckpt-{size_gb:g}gb"
     plan_file = ckpt / "bench_plan.json"
     plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
-    same = plan and (plan["requested_bytes"], plan["shard_bytes"], plan["seed"]) == (
-        size, shard, args.seed)
-    if same:
-        print(f"re-using {ckpt}", flush=True)
-        gen_seconds = None
-    else:
+    shard = int(size / 5 * 1.08)  # greedy filling then gives five shards
+    if not (plan and (plan["requested_bytes"], plan["shard_bytes"], plan["seed"],
+                      plan.get("generator")) == (size, shard, args.seed, "pool-v1")):
         shutil.rmtree(ckpt, ignore_errors=True)
-        print(f"generating {fmt_bytes(size)} Llama-shaped bf16 checkpoint in {ckpt}", flush=True)
-        t0 = time.perf_counter()
+        print(f"generating a {size_gb:g} GB Llama-shaped bf16 checkpoint in {ckpt}", flush=True)
         plan = generate(ckpt, size, shard, args.seed)
-        gen_seconds = round(time.perf_counter() - t0, 1)
+    else:
+        print(f"re-using {ckpt}", flush=True)
+    copy, out = args.work / "copy", args.work / "out"
     for p in (copy, out):
         shutil.rmtree(p, ignore_errors=True)
-
-    # 2. flush the generator's dirty pages so they are not written back during the timings,
-    #    then read everything once so both contenders start from a warm page cache.
     fsync_tree(ckpt)
     warm = read_all(ckpt)
-    print(f"warm-up read {fmt_bytes(plan['size_bytes'])} in {warm:.1f}s", flush=True)
+    print(f"warm-up read of {fmt_bytes(plan['size_bytes'])}: {warm:.1f} s", flush=True)
 
-    # 3. Alternate cp -r and convert, --repeats times each, and keep the best of each. On this
-    #    kind of VM one cold run is not a measurement: memory the guest freed goes back to the
-    #    host, and cp (which needs fresh page cache for its copy) paid 2.2-13.4 s for the same
-    #    copy within one hour. Best-of-N compares both contenders in their warmest state.
-    argv_conv = fp8export_argv() + ["convert", str(ckpt), "-o", str(out), "--force",
-                                    *args.convert_arg]
-    log = args.work / "convert.log"
-    env = dict(os.environ, CI="1")  # no progress bar redraws in the log
-    cp_runs, conv_runs, run = [], [], None
-    for i in range(args.repeats):
-        shutil.rmtree(copy, ignore_errors=True)
+    runs: dict[str, list[dict]] = {"cp": []}
+    details: dict[int, list[dict]] = {n: [] for n in args.workers}
+    for rnd in range(1, args.rounds + 1):
         t0 = time.perf_counter()
         subprocess.run(["cp", "-r", str(ckpt), str(copy)], check=True)
         cp_s = time.perf_counter() - t0
-        cp_runs.append((cp_s, fsync_tree(copy)))
-        print(f"[{i + 1}/{args.repeats}] cp -r: {cp_s:.2f}s (+ fsync {cp_runs[-1][1]:.2f}s)",
-              flush=True)
-        print("running: " + " ".join(argv_conv), flush=True)
-        r = run_measured(argv_conv, log, env=env)
-        ok = r.returncode == 0 and out.is_dir()
-        conv_runs.append((r.seconds, fsync_tree(out) if ok else 0.0))
-        print(f"[{i + 1}/{args.repeats}] convert: exit {r.returncode}, {r.seconds:.2f}s "
-              f"(+ fsync {conv_runs[-1][1]:.2f}s), peak RSS {fmt_bytes(r.peak_rss_bytes)}",
-              flush=True)
-        if run is None or not ok or r.peak_rss_bytes > run.peak_rss_bytes:
-            run_peak = r  # the worst peak RSS counts against the memory target
-        if run is None or (ok and r.seconds < run.seconds):
-            run = r
-        if not ok:
-            print(log.read_text()[-4000:], file=sys.stderr)
-            break
-    cp_s, cp_sync = min(cp_runs, key=sum)
-    conv_best = min(conv_runs, key=sum)
-    conv_sync = conv_best[1]
-    run = dataclasses.replace(run, seconds=conv_best[0], peak_rss_bytes=run_peak.peak_rss_bytes)
-    ok = run.returncode == 0 and out.is_dir()
+        sync = fsync_tree(copy)
+        runs["cp"].append({"exit": 0, "seconds": cp_s, "fsync_seconds": sync,
+                           "total_seconds": cp_s + sync, "peak_rss_bytes": 0,
+                           "output_bytes": tree_bytes(copy)})
+        shutil.rmtree(copy)
+        print(f"[{size_gb:g} GB, round {rnd}] cp -r + fsync: {cp_s + sync:.2f} s", flush=True)
+        for n in args.workers:
+            res = args.work / f"timings-{n}.json"
+            argv = [sys.executable, str(Path(__file__).resolve()), "--child-convert", str(ckpt),
+                    str(out), str(n), str(res)]
+            env = dict(os.environ, CI="1", PYTHONPATH=str(REPO))
+            r = timed_run(argv, out, args.work / f"convert-{n}.log", env=env)
+            if r["exit"] == 0:
+                child = json.loads(res.read_text())
+                r["timings"] = dict(child["timings"])
+                r["timings"]["startup"] = r["seconds"] - child["convert_seconds"]
+            runs.setdefault(f"convert_w{n}", []).append(r)
+            details[n].append(r)
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"[{size_gb:g} GB, round {rnd}] convert --workers {n}: exit {r['exit']}, "
+                  f"{r['total_seconds']:.2f} s, peak RSS {fmt_bytes(r['peak_rss_bytes'])}",
+                  flush=True)
+        if llmc is not None:
+            argv = [sys.executable, "-c", LLMC_SCRIPT, str(ckpt), str(out)]
+            r = timed_run(argv, out, args.work / "llmc.log", env=llmc)
+            runs.setdefault("llmcompressor", []).append(r)
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"[{size_gb:g} GB, round {rnd}] llm-compressor model_free_ptq: exit "
+                  f"{r['exit']}, {r['total_seconds']:.2f} s, peak RSS "
+                  f"{fmt_bytes(r['peak_rss_bytes'])}", flush=True)
 
-    # 4. targets
+    summary = {name: best(rs) for name, rs in runs.items()}
     largest = plan["largest_tensor_bytes"]
-    rss_limit = int(1.5 * GiB + 2 * largest)
-    ratio = (run.seconds + conv_sync) / (cp_s + cp_sync)
-    ratio_raw = run.seconds / cp_s
-    out_bytes = tree_bytes(out) if ok else 0
-    dtypes = safetensors_dtypes(out) if ok else {}
-    targets = {
-        "time": {"rule": "convert time <= 1.5 x cp -r time (both + fsync)",
-                 "ratio": round(ratio, 3),
-                 "ratio_without_fsync": round(ratio_raw, 3), "limit": 1.5,
-                 "pass": ok and ratio <= 1.5},
-        "rss": {"rule": "peak RSS <= 1.5 GiB + 2 x largest tensor",
-                "peak_rss_bytes": run.peak_rss_bytes,
-                "limit_bytes": rss_limit, "pass": ok and run.peak_rss_bytes <= rss_limit},
-    }
-    # RSS timeline, thinned to <= 40 points, to show where memory goes
-    step = max(1, len(run.rss_samples) // 40)
-    timeline = [[t, round(r / MiB, 1), round(a / MiB, 1), round(f / MiB, 1)]
-                for t, r, a, f in run.rss_samples[::step]]
-    result = {
-        "benchmark": "convert", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine,
-        "method": ("page cache warm for both (container cannot drop caches): source fsynced and "
-                   "read once; then cp -r and convert alternate, --repeats times each, and the "
-                   "best (time + fsync of everything written) of each is compared; peak RSS is "
-                   "the worst of the convert runs"),
-        "runs": {"cp_seconds_plus_fsync": [round(a + b, 2) for a, b in cp_runs],
-                 "convert_seconds_plus_fsync": [round(a + b, 2) for a, b in conv_runs]},
-        "checkpoint": {"bytes": plan["size_bytes"], "gib": round(plan["size_bytes"] / GiB, 3),
-                       "shards": plan["shards"], "tensors": plan["tensors"],
-                       "largest_tensor": plan["largest_tensor"], "largest_tensor_bytes": largest,
-                       "config": {k: plan["config"][k] for k in (
-                           "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "vocab_size")},
-                       "generate_seconds": gen_seconds},
-        "warmup_read_seconds": round(warm, 2),
-        "copy": {"argv": ["cp", "-r", "SRC", "COPY"], "seconds": round(cp_s, 2),
-                 "fsync_seconds": round(cp_sync, 2), "total_seconds": round(cp_s + cp_sync, 2)},
-        "convert": {"argv": ["fp8export", "convert", "SRC", "-o", "OUT", "--force",
-                             *args.convert_arg],
-                    "exit_code": run.returncode, "seconds": round(run.seconds, 2),
-                    "fsync_seconds": round(conv_sync, 2),
-                    "total_seconds": round(run.seconds + conv_sync, 2),
-                    "peak_rss_bytes": run.peak_rss_bytes,
-                    "peak_rss_anon_sampled_bytes": run.peak_sampled(2),
-                    "peak_rss_file_sampled_bytes": run.peak_sampled(3),
-                    "output_bytes": out_bytes, "output_dtypes": dtypes,
-                    "rss_timeline": {"columns": ["seconds", "rss_mib", "anon_mib", "file_mib"],
-                                     "rows": timeline}},
-        "targets": targets,
-        "passed": targets["time"]["pass"] and targets["rss"]["pass"],
-        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-    }
+    cp_t = summary["cp"]["total_seconds"]
+    targets = {}
+    w1 = summary.get(f"convert_w{min(args.workers)}")
+    for n in args.workers:
+        s = summary[f"convert_w{n}"]
+        ok = s["exit"] == 0
+        limit = int(0.75 * GiB + 2 * largest * n)
+        t = {"convert_over_cp": round(s["total_seconds"] / cp_t, 3),
+             "convert_over_cp_pass": ok and s["total_seconds"] / cp_t <= 2.0,
+             "peak_rss_bytes": s["peak_rss_bytes"], "rss_limit_bytes": limit,
+             "rss_pass": ok and s["peak_rss_bytes"] <= limit}
+        if "llmcompressor" in summary and summary["llmcompressor"]["exit"] == 0:
+            ratio = summary["llmcompressor"]["total_seconds"] / s["total_seconds"]
+            t["llmc_over_convert"] = round(ratio, 2)
+            t["llmc_over_convert_pass"] = ok and ratio >= 5.0
+        if n != min(args.workers) and w1 is not None:
+            speed = w1["total_seconds"] / s["total_seconds"]
+            t[f"speedup_over_{min(args.workers)}_worker"] = round(speed, 2)
+            t["speedup_pass"] = ok and speed >= 1.6 * (n / 2 if n > 2 else 1)
+        targets[f"workers_{n}"] = t
+    best_runs = {n: min((r for r in details[n] if r["exit"] == 0),
+                        key=lambda r: r["total_seconds"]) for n in args.workers
+                 if any(r["exit"] == 0 for r in details[n])}
+    return {"size_gb": size_gb,
+            "checkpoint": {"bytes": plan["size_bytes"], "shards": plan["shards"],
+                           "tensors": plan["tensors"], "largest_tensor": plan["largest_tensor"],
+                           "largest_tensor_bytes": largest,
+                           "config": {k: plan["config"][k] for k in (
+                               "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "vocab_size")}},
+            "warmup_read_seconds": round(warm, 2), "rounds": runs, "best": summary,
+            "targets": targets,
+            "breakdown_seconds": {n: r["timings"] for n, r in best_runs.items()},
+            "_breakdown_rows": breakdown_rows(best_runs) if best_runs else []}
 
-    rows = [
-        ("checkpoint", f"{fmt_bytes(plan['size_bytes'])}, {plan['shards']} shards, "
-                       f"{plan['tensors']} tensors", ""),
-        ("largest tensor", f"{plan['largest_tensor']} ({fmt_bytes(largest)})", ""),
-        ("cp -r", f"{cp_s:.2f} s + fsync {cp_sync:.2f} s = {cp_s + cp_sync:.2f} s", ""),
-        ("fp8export convert", f"{run.seconds:.2f} s + fsync {conv_sync:.2f} s = "
-                              f"{run.seconds + conv_sync:.2f} s (exit {run.returncode})", ""),
-        ("time ratio", f"{ratio:.2f}x (without fsync {ratio_raw:.2f}x), target <= 1.5x",
-         "PASS" if targets["time"]["pass"] else "FAIL"),
-        ("peak RSS", f"{fmt_bytes(run.peak_rss_bytes)}, target <= {fmt_bytes(rss_limit)}",
-         "PASS" if targets["rss"]["pass"] else "FAIL"),
-        ("  of which (sampled peaks)", f"anonymous {fmt_bytes(run.peak_sampled(2))}, "
-                                       f"mmap-ed files {fmt_bytes(run.peak_sampled(3))}", ""),
-        ("output", f"{fmt_bytes(out_bytes)}, dtypes {dtypes}", ""),
-    ]
-    table = md_table(rows, ("what", "measured", "target"))
-    print("\n" + table + "\n", flush=True)
 
+def render(result: dict) -> str:
+    lines = []
+    for s in result["sizes"]:
+        ck = s["checkpoint"]
+        lines += [f"## {ck['bytes'] / GB:.2f} GB ({fmt_bytes(ck['bytes'])}), {ck['shards']} "
+                  f"shards, {ck['tensors']} tensors, largest {ck['largest_tensor']} "
+                  f"({fmt_bytes(ck['largest_tensor_bytes'])})", ""]
+        rows = []
+        cp_t = s["best"]["cp"]["total_seconds"]
+        for name, b in s["best"].items():
+            rss = fmt_bytes(b["peak_rss_bytes"]) if b["peak_rss_bytes"] else "-"
+            rows.append((name, f"{b['seconds']:.2f} + {b['fsync_seconds']:.2f} = "
+                               f"{b['total_seconds']:.2f}",
+                         f"{b['total_seconds'] / cp_t:.2f}x", rss,
+                         ", ".join(f"{x:.2f}" for x in b["rounds_total_seconds"]),
+                         b["exit"]))
+        lines += [md_table(rows, ("contender", "seconds + fsync = total (best round)",
+                                  "/ cp", "peak RSS (worst)", "each round", "exit")), ""]
+        trows = []
+        for key, t in s["targets"].items():
+            n = key.split("_")[1]
+            trows.append((f"--workers {n}: convert / (cp -r + fsync) <= 2.0 (aim 1.5)",
+                          f"{t['convert_over_cp']:.2f}", _pf(t["convert_over_cp_pass"])))
+            if "llmc_over_convert" in t:
+                trows.append((f"--workers {n}: llm-compressor / convert >= 5",
+                              f"{t['llmc_over_convert']:.2f}", _pf(t["llmc_over_convert_pass"])))
+            trows.append((f"--workers {n}: peak RSS <= 0.75 GiB + 2 x largest x {n}",
+                          f"{fmt_bytes(t['peak_rss_bytes'])} (limit "
+                          f"{fmt_bytes(t['rss_limit_bytes'])})", _pf(t["rss_pass"])))
+            for k, v in t.items():
+                if k.startswith("speedup_over"):
+                    trows.append((f"--workers {n}: throughput / 1 worker >= 1.6", f"{v:.2f}",
+                                  _pf(t["speedup_pass"])))
+        lines += [md_table(trows, ("target", "measured", "")), ""]
+        if s["_breakdown_rows"]:
+            heads = ("step (seconds; worker-seconds summed over threads)",
+                     *[f"--workers {n}" for n in sorted(s["breakdown_seconds"])])
+            lines += ["Where convert's time goes (best round):", "",
+                      md_table(s["_breakdown_rows"], heads), ""]
+    return "\n".join(lines)
+
+
+def _pf(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child-convert":
+        return child_convert(*sys.argv[2:6])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2.1", help="checkpoint sizes in GB, comma-separated")
+    ap.add_argument("--large", action="store_true",
+                    help="also the largest size that leaves 5 GB free beside a copy and output")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", default="1,2", help="convert --workers values, comma-separated")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp8export-bench"))
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llmc-pythonpath", default=None,
+                    help="extra PYTHONPATH under which llmcompressor imports")
+    ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
+    ap.add_argument("--llmc-all-sizes", action="store_true",
+                    help="run llm-compressor at every size (default: the first only)")
+    args = ap.parse_args(argv)
+    args.workers = sorted({int(w) for w in args.workers.split(",")})
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.large:
+        # source + copy + FP8 output (about half) side by side, 5 GB left over
+        generated = sum(p.stat().st_size for p in args.work.rglob("*") if p.is_file())
+        free = shutil.disk_usage(args.work).free + generated
+        sizes.append(math.floor((free - 5 * GB) / 2.6 / GB))
+    machine = machine_info(args.work)
+    llmc = None if args.no_llmc else llmc_env(args.llmc_pythonpath)
+    if llmc is None and not args.no_llmc:
+        print("llm-compressor is not importable: skipped (see --llmc-pythonpath)", flush=True)
+    results = []
+    for i, size_gb in enumerate(sizes):
+        need = 2.6 * size_gb * GB
+        free = shutil.disk_usage(args.work).free
+        if free < need:
+            sys.exit(f"need about {need / GB:.1f} GB free under {args.work}, have {free / GB:.1f}")
+        results.append(bench_size(args, size_gb,
+                                  llmc if (i == 0 or args.llmc_all_sizes) else None))
+    result = {"benchmark": "convert",
+              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine, "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+              "llmcompressor": llmc_version(llmc) if llmc else None,
+              "method": ("page cache warm (source fsynced, then read once); per round cp -r + "
+                         "fsync, convert per --workers, llm-compressor; best round compared, "
+                         "worst peak RSS (wait4 ru_maxrss)"),
+              "sizes": results}
+    table = render(result)
+    print("\n" + table, flush=True)
+    for s in result["sizes"]:
+        s.pop("_breakdown_rows")
     write_json(args.results / "convert.json", result)
-    md = [
-        "# convert benchmark",
-        "",
-        f"Generated by `bench/convert.py --size-gib {args.size_gib:g}` on {result['date_utc']} "
-        f"(commit {machine['git_commit']}"
-        + (f", with uncommitted changes in {', '.join(machine['git_uncommitted_code'])}"
-           if machine["git_uncommitted_code"] else "") + ").",
-        "",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, "
-        f"disk {machine['disk']['filesystem']} ({machine['disk']['free_gib']} GiB free); "
-        f"load average (1 min) at start {machine['load_avg_1m_at_start']}, at end "
-        f"{result['load_avg_1m_at_end']}.",
-        "",
-        f"Method: {result['method']}.",
-        "",
-        table,
-        "",
-        f"Overall: {'PASS' if result['passed'] else 'FAIL'}.",
-        "",
-    ]
-    (args.results / "convert.md").write_text("\n".join(md))
+    md = ["# convert benchmark", "",
+          f"`bench/convert.py --sizes {args.sizes}{' --large' if args.large else ''} --rounds "
+          f"{args.rounds}` on {result['date_utc']}, commit {machine['git_commit']}"
+          + (f" + uncommitted {', '.join(machine['git_uncommitted_code'])}"
+             if machine["git_uncommitted_code"] else "") + ".", "",
+          f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, "
+          f"{machine['disk']['filesystem']}; load average (1 min) {machine['load_avg_1m_at_start']}"
+          f" at start, {result['load_avg_1m_at_end']} at end. llm-compressor "
+          f"{result['llmcompressor'] or 'not run'}.", "",
+          f"Method: {result['method']}.", "", table]
+    (args.results / "convert.md").write_text("\n".join(md) + "\n")
     print(f"wrote {args.results / 'convert.json'} and convert.md", flush=True)
-
-    if not args.keep:
-        shutil.rmtree(args.work, ignore_errors=True)
-    return 0 if result["passed"] else 1
+    return 0
 
 
 if __name__ == "__main__":

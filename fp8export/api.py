@@ -14,9 +14,17 @@ if TYPE_CHECKING:
 
 def convert(config: ConvertConfig) -> Any:
     """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
-    from fp8export.convert.pipeline import convert as _convert
+    from fp8export.convert.source_scan import start_early_scan
 
-    return _convert(config)
+    # Reading the source needs no torch: it starts now and overlaps torch's import.
+    early = start_early_scan(config.checkpoint, config.workers)
+    try:
+        from fp8export.convert.pipeline import convert as _convert
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    return _convert(config, early=early)
 
 
 def calibrate(config: Any) -> Any:

@@ -112,6 +112,7 @@ class ConvertConfig:
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
+    workers: int | None = None  # threads converting at once; None: every core
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -135,6 +136,8 @@ class ConvertConfig:
         if self.accuracy_budget is not None and not self.accuracy_budget > 0:
             raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
                              f"{self.accuracy_budget}.")
+        if self.workers is not None and self.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {self.workers}.")
 
     @property
     def resolved_output(self) -> Path:

@@ -115,6 +115,12 @@ class WeightFilesCheckpoint(Checkpoint):
             raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
         return wf.load(name)
 
+    def safetensors_files(self) -> list[SafetensorsFile] | None:
+        """The weight files, when every one is safetensors (else None: a pickle is among them)."""
+        if self._files and all(isinstance(wf, SafetensorsFile) for wf in self._files):
+            return list(self._files)
+        return None
+
     def load_scratch(self, name: str) -> torch.Tensor:
         """Like :meth:`load`, but safetensors data lands in one buffer reused by the next
         ``load_scratch`` call: use the tensor (not a view of it) before loading another."""

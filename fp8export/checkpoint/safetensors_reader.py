@@ -208,6 +208,10 @@ class SafetensorsFile:
                                      "The file is corrupt: re-download it.") from exc
         return self._fd
 
+    def fileno(self) -> int:
+        """The file's descriptor, for positional reads (opened once, after the structural check)."""
+        return self._open()
+
     def read_raw(self, name: str, out=None) -> torch.Tensor:
         """The stored bytes of tensor ``name`` as a flat uint8 tensor (into ``out`` if given)."""
         import torch

@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,17 @@ if "torch" not in sys.modules:
 
 from fp8export import __version__
 from fp8export._progress import progress
+from fp8export._timings import Timings
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
 from fp8export.config import ConvertConfig
 from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.source_scan import (
+    EarlyScan,
+    default_workers,
+    fast_path_files,
+    scan_sources,
+)
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
     LOADED_BY,
@@ -59,6 +67,7 @@ from fp8export.fp8dir.manifest import (
     source_files_entry,
     write_json,
 )
+from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
 from fp8export.fp8dir.readback import verify_output, verify_shard
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
@@ -74,7 +83,7 @@ from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
 from fp8export.scales.ranges import ActivationRange
 from fp8export.scales.select import Selection, select_targets
-from fp8export.scales.weights import WeightScan, scan_weights
+from fp8export.scales.weights import WeightScan, scan_weights, weight_scan
 
 _MAX_LISTED = 12
 
@@ -94,6 +103,8 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)  # output file names
     bytes_out: int = 0
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
+    # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,22 +215,65 @@ def _copy_file(src: Path, dst: Path, root: Path) -> None:
         os.fsync(f.fileno())
 
 
-def convert(cfg: ConvertConfig) -> ConvertResult:
+def convert(cfg: ConvertConfig, *, early: EarlyScan | None = None) -> ConvertResult:
     """Convert ``cfg.checkpoint`` to an FP8 folder at ``cfg.resolved_output``.
 
+    ``early``: the source reading :func:`~fp8export.convert.source_scan.start_early_scan`
+    started before this module (and torch) was imported; used where it read the very files
+    opened here, closed in any case.
     Raises Fp8ExportError (nothing written, an existing output untouched) on bad input.
     """
+    try:
+        return _convert(cfg, early)
+    finally:
+        if early is not None:
+            early.close()
+
+
+@dataclass
+class _Run:
+    """How this conversion reads and writes. ``files``: the safetensors files behind the
+    checkpoint (the parallel path: one read for sha256 + amax, ``workers`` writer threads) or
+    None (the general reader path, one tensor at a time, sha256 in a background thread)."""
+
+    files: dict | None
+    early: EarlyScan | None
+    workers: int
+    timings: Timings
+    hashes: Any = None  # source file -> sha256: a dict, or a Future on the general path
+    stage: float = field(default_factory=time.perf_counter)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings.add(f"wall: {name}", now - self.stage)
+        self.stage = now
+
+    def source_hashes(self) -> dict:
+        return self.hashes.result() if hasattr(self.hashes, "result") else self.hashes
+
+
+def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
     refuse_inside_input(out, cfg.checkpoint)
-    stop = threading.Event()  # ends the background hashing early when convert fails
-    with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
-        # sha256 runs in C without the GIL: it overlaps with the weight scan.
-        hashes = pool.submit(_hash_sources, ckpt, stop)
-        try:
-            return _convert_open(cfg, ckpt, out, hashes)
-        finally:
-            stop.set()
+    timings = Timings()
+    t0 = time.perf_counter()
+    with open_checkpoint(cfg.checkpoint) as ckpt:
+        run = _Run(fast_path_files(ckpt), early, cfg.workers or default_workers(), timings)
+        run.lap("open checkpoint")
+        if run.files is not None:
+            result = _convert_open(cfg, ckpt, out, run)
+        else:
+            stop = threading.Event()  # ends the background hashing early when convert fails
+            with ThreadPoolExecutor(1) as pool:
+                # sha256 runs in C without the GIL: it overlaps with the weight scan.
+                run.hashes = pool.submit(_hash_sources, ckpt, stop)
+                try:
+                    result = _convert_open(cfg, ckpt, out, run)
+                finally:
+                    stop.set()
+    timings.add("wall: total", time.perf_counter() - t0)
+    return replace(result, timings=timings.as_dict())
 
 
 @dataclass
@@ -235,10 +289,12 @@ class _Scales:
     dynamic: list[str]  # quantized layers without a static input scale
 
 
-def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> ConvertResult:
+def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) -> ConvertResult:
     notes: list[str] = list(getattr(ckpt, "notes", []))
     sel = select_step(cfg, ckpt, notes)
-    sel, scan = scan_step(cfg, ckpt, sel, notes)
+    run.lap("select")
+    sel, scan = scan_step(cfg, ckpt, sel, notes, run)
+    run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
     dynamic = sorted(set(sel.modules) - set(input_scales))
@@ -246,7 +302,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format))
-    return write_step(cfg, ckpt, out, hashes, scales, qconfig, plans, notes)
+    run.lap("scales + plan")
+    return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
 
 def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:
@@ -265,14 +322,24 @@ def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selec
     return sel
 
 
-def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str]
-              ) -> tuple[Selection, WeightScan]:
-    """Every selected weight read once for its amax; NaN/Inf refused, all-zero ones kept."""
-    ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
-                          desc="scanning weights", unit="tensor"))
-    # scan_weights drops each weight before loading the next: a reused read buffer is safe.
-    scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
-                        on_step=lambda: next(ticks, None))
+def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str],
+              run: _Run) -> tuple[Selection, WeightScan]:
+    """Every selected weight read once for its amax (from safetensors, in the same read as the
+    file's sha256); NaN/Inf refused, all-zero ones kept."""
+    if run.files is not None:
+        ticks = iter(progress(range(len(run.files)), total=len(run.files),
+                              desc="hashing + scanning", unit="file"))
+        source = scan_sources(ckpt, run.files, [t.weight for t in sel.targets],
+                              workers=run.workers, timings=run.timings, early=run.early,
+                              on_file=lambda: next(ticks, None))
+        run.hashes = source.sha256
+        scan = weight_scan(sel.targets, source.amax, sel.groups)
+    else:
+        ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
+                              desc="scanning weights", unit="tensor"))
+        # scan_weights drops each weight before loading the next: a reused buffer is safe.
+        scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
+                            on_step=lambda: next(ticks, None))
     _finish(ticks)
     if scan.nonfinite:
         raise Fp8ExportError(
@@ -322,7 +389,7 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     return qconfig
 
 
-def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
+def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scales: _Scales,
                qconfig: dict[str, Any], plans: list[ShardPlan], notes: list[str]
                ) -> ConvertResult:
     """Shards, configs, loader files and manifest into a temporary sibling, read back, then
@@ -332,22 +399,36 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: 
     atomic = AtomicDir(out, cfg.force)
     try:
         with atomic as tmp:
-            record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
+            if run.files is not None:
+                where = {i.name: st for st in run.files.values() for i in st.tensors}
+                record = write_shards_parallel(tmp, plans, where, scales.weight, scales.input,
+                                               workers=run.workers, timings=run.timings,
+                                               on_tensor=lambda: next(ticks, None))
+            else:
+                record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)
+            run.lap("write shards")
             written, ours = _write_configs(tmp, cfg, ckpt, scales.sel, qconfig, plans, notes)
             _copy_loader_files(tmp, ckpt, written)
+            run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
-            sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input, record=record,
-                                 early=early)
+            if run.files is not None:
+                sqnr = spot_verify(tmp, plans, where, scales.weight, scales.input, record,
+                                   workers=run.workers)
+            else:
+                sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
+                                     record=record, early=early)
+            run.lap("read-back")
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans)
-            write_json(tmp / MANIFEST_NAME,
-                       _manifest(cfg, ckpt, out, hashes, scales, qconfig, layers, notes))
+            write_json(tmp / MANIFEST_NAME, _manifest(cfg, ckpt, out, run.source_hashes(),
+                                                      scales, qconfig, layers, notes))
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
             atomic.publish()  # nothing above touched `out`; this is the only step that does
+            run.lap("manifest + publish")
     except OSError as exc:  # ENOSPC, EDQUOT, EIO...: the temporary folder is already gone
         where = f" ({Path(exc.filename).name})" if exc.filename else ""
         raise Fp8ExportError(
@@ -426,7 +507,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
         "format_version": FORMAT_VERSION,
         "tool": {"name": "fp8export", "version": __version__},
         "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
-                   "files": source_files_entry(ckpt.path, ckpt.source_files, hashes.result())},
+                   "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
         "loaded_by": list(LOADED_BY[cfg.format]),

@@ -65,7 +65,9 @@ def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -
 
 def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     """ConvertConfig.to_dict() without paths that vary between machines (basenames kept)."""
-    out = {k: v for k, v in options.items() if k not in ("checkpoint", "output", "force")}
+    # workers changes how fast, never what is written: left out so output is identical.
+    out = {k: v for k, v in options.items()
+           if k not in ("checkpoint", "output", "force", "workers")}
     for key in ("calib_data", "calib_amax"):
         if out.get(key):
             out[key] = Path(out[key]).name

@@ -86,13 +86,12 @@ _workspace = threading.local()
 
 
 def _chunk_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This thread's float32 chunk buffers, allocated once: fresh large allocations are fresh
-    mappings, and faulting their pages in cost more than the arithmetic done in them."""
+    """This thread's three float32 piece buffers (1 MiB each), allocated once and small
+    enough to stay in cache through all the operations on a piece."""
     bufs = getattr(_workspace, "bufs", None)
     if bufs is None:
-        bufs = _workspace.bufs = (torch.empty(CHUNK, dtype=torch.float32),
-                                  torch.empty(CHUNK, dtype=torch.float32),
-                                  torch.empty(SUBCHUNK, dtype=torch.float32))
+        bufs = _workspace.bufs = tuple(torch.empty(SUBCHUNK, dtype=torch.float32)
+                                       for _ in range(3))
     return bufs
 
 
@@ -101,8 +100,8 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
     """:func:`quantize_weight` and :func:`roundtrip_sqnr` of its result, in one pass.
 
     Same bytes as ``quantize_weight(w, scale)`` and the same float as
-    ``roundtrip_sqnr(w, q, scale)`` (same chunks, same float32 operations, same dot products),
-    computed while each chunk is in cache instead of reading the source twice. ``out``: a
+    ``roundtrip_sqnr(w, q, scale)`` (same pieces, same float32 operations, same dot products),
+    computed while each piece is in cache instead of reading the source twice. ``out``: a
     uint8 buffer of at least ``w.numel()`` bytes to hold the result (else one is allocated).
     """
     flat = w.reshape(-1)
@@ -112,25 +111,23 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
     x, y, tmp = _chunk_buffers()
     signal = noise = 0.0
     threads = torch.get_num_threads()
+    # Everything on one thread, in cache-sized pieces: the elementwise work is memory-bound,
+    # and a team of OpenMP threads waits at every op for its slowest member (badly so on a
+    # busy machine); parallelism comes from converting several tensors at once. The dot
+    # products stay single-threaded too: a float32 dot's blocking follows the thread count,
+    # and the SQNR lands in the manifest, which must be byte-identical on any machine.
+    torch.set_num_threads(1)
     try:
-        for start in range(0, n, CHUNK):
-            k = min(CHUNK, n - start)
-            # Everything on one thread, in cache-sized pieces: the elementwise work is
-            # memory-bound, and a team of OpenMP threads waits at every op for its slowest
-            # member (badly so on a busy machine). The dot products stay single-threaded too:
-            # a float32 dot's blocking follows the thread count, and the SQNR lands in the
-            # manifest, which must be byte-identical on machines with other core counts.
-            torch.set_num_threads(1)
-            for a in range(0, k, SUBCHUNK):
-                b = min(a + SUBCHUNK, k)
-                xs, ys = x[a:b], y[a:b]
-                xs.copy_(flat[start + a:start + b])  # the source in float32
-                torch.div(xs, s, out=ys).clamp_(-E4M3_MAX, E4M3_MAX)
-                q[start + a:start + b].copy_(ys)  # RNE cast: the written bytes
-                _round_to_e4m3_grid_(ys, tmp[:b - a])  # == q[...].to(float32), exactly
-                ys.mul_(s).sub_(xs)
-            noise += float(torch.dot(y[:k], y[:k]))
-            signal += float(torch.dot(x[:k], x[:k]))
+        for a in range(0, n, SUBCHUNK):
+            b = min(a + SUBCHUNK, n)
+            xs, ys = x[:b - a], y[:b - a]
+            xs.copy_(flat[a:b])  # the source in float32
+            torch.div(xs, s, out=ys).clamp_(-E4M3_MAX, E4M3_MAX)
+            q[a:b].copy_(ys)  # RNE cast: the written bytes
+            _round_to_e4m3_grid_(ys, tmp[:b - a])  # == q[a:b].to(float32), exactly
+            ys.mul_(s).sub_(xs)
+            noise += float(torch.dot(ys, ys))
+            signal += float(torch.dot(xs, xs))
     finally:
         torch.set_num_threads(threads)
     return q.reshape(w.shape), sqnr_from_sums(signal, noise)
@@ -139,8 +136,9 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
 def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float:
     """SQNR (dB) of ``q * scale`` (an FP8 weight as written) against its source, chunked.
 
-    Chunk sums are single-threaded float32 dot products (blocked accumulation, ample for 4M
-    elements; one thread so the float does not depend on the core count) added up in float64.
+    Sums per :data:`SUBCHUNK` are single-threaded float32 dot products (blocked accumulation,
+    ample for 256K elements; one thread so the float does not depend on the core count) added
+    up in float64, the pieces :func:`quantize_weight_sqnr` sums.
     """
     ref = source.reshape(-1)
     got = q.reshape(-1)
@@ -149,9 +147,9 @@ def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # same single-threaded dots as quantize_weight_sqnr: same float
     try:
-        for start in range(0, ref.numel(), CHUNK):
-            x = ref[start:start + CHUNK].to(torch.float32)
-            d = got[start:start + CHUNK].to(torch.float32)
+        for start in range(0, ref.numel(), SUBCHUNK):
+            x = ref[start:start + SUBCHUNK].to(torch.float32)
+            d = got[start:start + SUBCHUNK].to(torch.float32)
             d.mul_(s).sub_(x)
             noise += float(torch.dot(d, d))
             signal += float(torch.dot(x, x))
@@ -180,16 +178,20 @@ def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
     A module whose (group) amax is 0 has no scale: it is reported in ``all_zero``.
     """
     amax: dict[str, float] = {}
-    nonfinite: list[str] = []
     for t in targets:
         w = load(t.weight)
-        a = chunked_amax(w)
+        amax[t.weight] = chunked_amax(w)
         del w
-        if not math.isfinite(a):
-            nonfinite.append(t.weight)
-        amax[t.module] = a
         if on_step is not None:
             on_step()
+    return weight_scan(targets, amax, groups)
+
+
+def weight_scan(targets: Sequence[Target], amax_by_weight: dict[str, float],
+                groups: dict[str, list[str]]) -> WeightScan:
+    """:class:`WeightScan` from each target weight's max|x| (however it was read)."""
+    amax = {t.module: amax_by_weight[t.weight] for t in targets}
+    nonfinite = [t.weight for t in targets if not math.isfinite(amax[t.module])]
     scale_amax = share_max(amax, groups)
     all_zero = [m for m, a in scale_amax.items() if a == 0.0]
     scale = {m: amax_to_scale(a, f"{m}.weight") for m, a in scale_amax.items()

@@ -107,6 +107,7 @@ def test_failure_mid_way_leaves_nothing_and_keeps_the_old_output(tiny_llama, tmp
         raise Fp8ExportError("simulated read-back failure")
 
     monkeypatch.setattr(conv, "verify_output", boom)
+    monkeypatch.setattr(conv, "spot_verify", boom)
     with pytest.raises(Fp8ExportError, match="simulated"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "new"))
     assert list(tmp_path.iterdir()) == []
@@ -233,6 +234,7 @@ def test_disk_full_is_one_clear_error_and_leaves_nothing(tiny_llama, tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(conv, "write_shards", full)
+    monkeypatch.setattr(conv, "write_shards_parallel", full)
     with pytest.raises(Fp8ExportError) as err:
         convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "model-fp8"))
     assert "model-fp8: writing the output failed: No space left on device" in str(err.value)

@@ -1,0 +1,449 @@
+"""Write the FP8 shards with ``workers`` threads, tensor by tensor, into preallocated files.
+
+Every output tensor's place is known before any data is produced: the plan fixes each shard's
+header and so every tensor's byte range. So each shard is created at its final size with its
+header in place, and the tensors become independent jobs that any worker may run in any
+order: read the source tensor (positional reads), quantize it and compute its SQNR
+(``quantize_weight_sqnr``, single-threaded per tensor, so the values do not depend on the
+number of workers), and ``pwrite`` the bytes at their offset. Copied tensors go from file to
+file inside the kernel (``copy_file_range``). The output is byte-identical whatever
+``workers`` is. Jobs run largest first, so the last ones to finish are small.
+
+Memory: each worker holds one source tensor and its FP8 result (1.5x the largest quantized
+weight in bf16/fp16, 1.25x in fp32) plus 3 MiB of float32 pieces; nothing else grows with
+the model.
+
+Read-back (:func:`spot_verify`), after every shard is fsynced: each shard's header is
+re-validated and reopened with the real ``safetensors.safe_open`` (names, dtypes, shapes);
+every scale is read from disk and must equal the one computed; from every other tensor,
+three 4 KiB samples (start, middle, end) are read from disk (``O_DIRECT`` where allowed: from
+the device, not the page cache) and compared with the source: copied bytes must be equal,
+FP8 bytes must equal an independent quantization of the same source elements
+(``numerics.fp8.quantize_e4m3``); every weight's SQNR, computed from all of its FP8 values
+while quantizing, must reach the minimum. The index must map every tensor to its shard.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp8export._timings import Timings
+from fp8export.checkpoint.safetensors_reader import (
+    SafetensorsFile,
+    pread_exact,
+    read_header_spans,
+)
+from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.safetensors_writer import header_bytes
+from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json, scale_tensor
+from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, quantize_weight_sqnr
+
+SAMPLE = 4096  # bytes per read-back sample
+_ALIGN = 4096
+
+
+@dataclass
+class ParallelRecord:
+    sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB, from all FP8 values
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def set_sqnr(self, module: str, value: float) -> None:
+        with self._lock:
+            self.sqnr[module] = value
+
+
+@dataclass(frozen=True)
+class _Job:
+    shard: int
+    entry: Planned
+    offset: int  # absolute offset of the tensor's bytes in the output file
+
+
+class _Workspace(threading.local):
+    src: torch.Tensor | None = None
+    fp8: torch.Tensor | None = None
+    fp8_map = None
+
+    def source_buffer(self, n: int) -> torch.Tensor:
+        if self.src is None or self.src.numel() < n:
+            self.src = None  # free the old one first
+            self.src = torch.empty(n, dtype=torch.uint8)
+        return self.src[:n]
+
+    def fp8_buffer(self, n: int, phase: int) -> torch.Tensor:
+        """n bytes starting ``phase`` bytes into a page: byte i then sits at a page boundary
+        exactly where output byte i does (O_DIRECT needs page-aligned memory)."""
+        import mmap
+
+        if self.fp8 is None or self.fp8.numel() < n + _ALIGN:
+            self.fp8 = self.fp8_map = None
+            self.fp8_map = mmap.mmap(-1, n + _ALIGN)
+            self.fp8 = torch.frombuffer(self.fp8_map, dtype=torch.uint8)
+        return self.fp8[phase:phase + n]
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _copy_range(src_fd: int, begin: int, n: int, dst_fd: int, offset: int,
+                ws: _Workspace) -> None:
+    done = 0
+    try:
+        while done < n:
+            got = os.copy_file_range(src_fd, dst_fd, n - done, begin + done, offset + done)
+            if got == 0:
+                raise EOFError
+            done += got
+        return
+    except EOFError:
+        raise
+    except OSError as exc:  # not supported here (another file system, an old kernel)
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    except AttributeError:  # no os.copy_file_range on this platform
+        pass
+    buf = ws.source_buffer(min(n - done, 16 << 20)).numpy()
+    while done < n:
+        k = min(len(buf), n - done)
+        if pread_exact(src_fd, buf[:k], begin + done) != k:
+            raise EOFError
+        _pwrite_all(dst_fd, buf[:k], offset + done)
+        done += k
+
+
+class _Writer:
+    def __init__(self, out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
+                 weight_scales: dict, input_scales: dict, timings: Timings):
+        self.out_dir, self.plans, self.where = out_dir, plans, where
+        self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
+        self.record = ParallelRecord()
+        self.ws = _Workspace()
+        self.stop = threading.Event()
+        self.fds: list[int] = []
+        self.direct: list[int | None] = []  # O_DIRECT descriptors, where allowed
+
+    def open_shards(self) -> list[_Job]:
+        jobs: list[_Job] = []
+        for i, plan in enumerate(self.plans):
+            head = header_bytes([e.tensor for e in plan.entries])
+            size = len(head) + sum(e.tensor.nbytes for e in plan.entries)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(self.out_dir / plan.file_name, flags, 0o644)
+            self.fds.append(fd)
+            if hasattr(os, "posix_fallocate") and size:
+                try:  # allocated extents: cheaper writes, and a full disk fails here, early
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+            os.ftruncate(fd, size)
+            _pwrite_all(fd, head, 0)
+            try:
+                self.direct.append(os.open(self.out_dir / plan.file_name,
+                                           os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC))
+            except (OSError, AttributeError):  # tmpfs and some network file systems
+                self.direct.append(None)
+            offset = len(head)
+            for entry in plan.entries:
+                jobs.append(_Job(i, entry, offset))
+                offset += entry.tensor.nbytes
+        # Largest first; ties in plan order: the order changes timing only, never bytes.
+        return sorted(jobs, key=lambda j: -j.entry.tensor.nbytes)
+
+    def run(self, job: _Job) -> None:
+        if self.stop.is_set():
+            return
+        entry, fd = job.entry, self.fds[job.shard]
+        name = entry.tensor.name
+        try:
+            if entry.kind == "copy":
+                st = self.where[entry.source]
+                begin, end = st.spans[entry.source]
+                with self.timings.clock("write: copy unchanged tensors"):
+                    _copy_range(st.fileno(), begin, end - begin, fd, job.offset, self.ws)
+            elif entry.kind == "weight":
+                self._weight(job, fd)
+            else:
+                scales = self.weight_scales if entry.kind == "weight_scale" else self.input_scales
+                t = scale_tensor(scales[entry.source], entry.tensor.shape)
+                _pwrite_all(fd, t.view(torch.uint8).reshape(-1).numpy(), job.offset)
+        except Fp8ExportError:
+            raise
+        except EOFError as exc:
+            st = self.where[entry.source]
+            raise Fp8ExportError(f"{st.path}: tensor {entry.source!r} is cut short; the file "
+                                 "changed while converting or is truncated: re-download it."
+                                 ) from exc
+        except OSError as exc:
+            raise Fp8ExportError(
+                f"{self.out_dir.name}/{self.plans[job.shard].file_name}: writing tensor {name!r} "
+                f"failed: {exc.strerror or exc}. Nothing was written and the previous state is "
+                "unchanged; free disk space or choose another -o/--output.") from exc
+        except Exception as exc:  # a bug: still one clear error that names the tensor
+            raise Fp8ExportError(f"converting tensor {name!r} failed ({type(exc).__name__}: "
+                                 f"{exc}); nothing was written. This is a bug: please report it."
+                                 ) from exc
+
+    def _weight(self, job: _Job, fd: int) -> None:
+        entry = job.entry
+        st = self.where[entry.source]
+        info = st.info(entry.source)
+        begin, end = st.spans[entry.source]
+        module = entry.source[: -len(".weight")]
+        raw = self.ws.source_buffer(end - begin)
+        with self.timings.clock("write: read source"):
+            got = pread_exact(st.fileno(), raw.numpy(), begin) if end > begin else 0
+        if got != end - begin:
+            raise EOFError
+        w = raw.view(ST_TO_TORCH[info.dtype])
+        buf = self.ws.fp8_buffer(w.numel(), job.offset % _ALIGN)
+        with self.timings.clock("write: quantize + SQNR"):
+            q, sqnr = quantize_weight_sqnr(w, self.weight_scales[module], out=buf)
+        self.record.set_sqnr(module, sqnr)
+        with self.timings.clock("write: pwrite output"):
+            self._write_out(job, fd, buf.numpy())
+
+    def _write_out(self, job: _Job, fd: int, data: np.ndarray) -> None:
+        """The whole pages inside the tensor's range go straight to the device (O_DIRECT:
+        on the benchmark VM, page-cache writes cost several times the CPU); the partial pages
+        at either end, which it shares with its neighbours, go through the page cache. No
+        page is written both ways, so the two paths never overlap."""
+        direct = self.direct[job.shard]
+        n, off = len(data), job.offset
+        a0 = -(-off // _ALIGN) * _ALIGN
+        a1 = (off + n) // _ALIGN * _ALIGN
+        if direct is not None and a1 > a0:
+            try:
+                _pwrite_all(direct, data[a0 - off:a1 - off], a0)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct[job.shard] = None  # refused after all: the page cache then
+                _pwrite_all(fd, data, off)
+                return
+            _pwrite_all(fd, data[:a0 - off], off)
+            _pwrite_all(fd, data[a1 - off:], a1)
+        else:
+            _pwrite_all(fd, data, off)
+
+    def close(self) -> None:
+        for fd in self.fds + [d for d in self.direct if d is not None]:
+            os.close(fd)
+        self.fds, self.direct = [], []
+
+
+def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
+                          where: dict[str, SafetensorsFile], weight_scales: dict,
+                          input_scales: dict, *, workers: int, timings: Timings,
+                          on_tensor: Callable[[], None] | None = None) -> ParallelRecord:
+    """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs.
+
+    ``where`` maps each source tensor name to its safetensors file. The first error of any
+    worker stops the others and is raised here (an Fp8ExportError naming the tensor).
+    """
+    writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings)
+    threads = torch.get_num_threads()
+    # One thread per tensor's arithmetic (see quantize_weight_sqnr): the workers are the
+    # parallelism, and the SQNR must not depend on how many there are.
+    torch.set_num_threads(1)
+    try:
+        with timings.clock("write: create files"):
+            jobs = writer.open_shards()
+        with ThreadPoolExecutor(max(1, workers), "fp8export-convert") as pool:
+            futures = [pool.submit(writer.run, job) for job in jobs]
+            try:
+                for fut in futures:
+                    fut.result()
+                    if on_tensor is not None:
+                        on_tensor()
+            except BaseException:
+                writer.stop.set()
+                for f in futures:
+                    f.cancel()
+                raise
+        with timings.clock("write: fsync"):
+            for fd in writer.fds:
+                os.fsync(fd)
+    finally:
+        writer.close()
+        torch.set_num_threads(threads)
+    return writer.record
+
+
+# --- read-back ---------------------------------------------------------------------------
+
+
+def _sample_ranges(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
+    """Start, middle and end of a tensor's bytes, SAMPLE bytes each (element-aligned)."""
+    if nbytes <= 3 * SAMPLE:
+        return [(0, nbytes)] if nbytes else []
+    mid = (nbytes // 2) // itemsize * itemsize
+    return [(0, SAMPLE), (mid, mid + SAMPLE), (nbytes - SAMPLE, nbytes)]
+
+
+class _DeviceReader:
+    """Byte ranges of a written file, read with ``O_DIRECT`` where the file system allows it
+    (the bytes the device holds, not pages cached while writing), else ordinary reads."""
+
+    def __init__(self, path: Path):
+        import mmap
+
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.direct = None
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                self.direct = None
+        self.buf = mmap.mmap(-1, 4 * _ALIGN)  # page-aligned, as O_DIRECT needs
+
+    def read(self, begin: int, end: int) -> bytes | None:
+        if self.direct is not None:
+            start = begin - begin % _ALIGN
+            length = -(-(end - start) // _ALIGN) * _ALIGN
+            try:
+                got = pread_exact(self.direct, memoryview(self.buf)[:length], start)
+            except OSError:
+                os.close(self.direct)
+                self.direct = None
+            else:
+                return self.buf[begin - start:end - start] if got >= end - start else None
+        out = bytearray(end - begin)
+        return bytes(out) if pread_exact(self.fd, out, begin) == end - begin else None
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct):
+            if fd is not None:
+                os.close(fd)
+        self.buf.close()
+
+
+def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile],
+                  weight_scales: dict, input_scales: dict, record: ParallelRecord,
+                  min_sqnr_db: float) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    from fp8export.numerics.fp8 import quantize_e4m3
+
+    fname = plan.file_name
+    try:
+        _infos, _meta, spans, _start = read_header_spans(path)
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            found = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
+                     for n in f.keys()}
+    except (Fp8ExportError, SafetensorError, OSError) as exc:
+        return [f"{fname}: cannot be reopened ({exc})"]
+    planned = {e.tensor.name: e for e in plan.entries}
+    if set(found) != set(planned):
+        missing, extra = sorted(set(planned) - set(found)), sorted(set(found) - set(planned))
+        return [f"{fname}: tensors differ from the plan (missing {missing[:3]}, unexpected "
+                f"{extra[:3]})"]
+    problems: list[str] = []
+    disk = _DeviceReader(path)
+    try:
+        for name, entry in planned.items():
+            dtype, shape = found[name]
+            if (dtype, shape) != (entry.tensor.dtype, entry.tensor.shape):
+                problems.append(f"{fname}: {name} is {dtype} {list(shape)}, expected "
+                                f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
+                continue
+            begin, end = spans[name]
+            if entry.kind in ("weight_scale", "input_scale"):
+                raw = disk.read(begin, end)
+                value = float(np.frombuffer(raw, dtype="<f4")[0]) if raw else math.nan
+                want = float((weight_scales if entry.kind == "weight_scale"
+                              else input_scales)[entry.source])
+                if not (math.isfinite(value) and value > 0.0):
+                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
+                elif value != want:
+                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
+                continue
+            st = where[entry.source]
+            info = st.info(entry.source)
+            itemsize = ST_TO_TORCH[info.dtype].itemsize
+            out_itemsize = 1 if entry.kind == "weight" else itemsize
+            src_begin, _ = st.spans[entry.source]
+            for a, b in _sample_ranges(end - begin, out_itemsize):
+                got = disk.read(begin + a, begin + b)
+                if got is None:
+                    problems.append(f"{fname}: {name} is cut short on disk")
+                    break
+                k = itemsize // out_itemsize
+                src = bytearray((b - a) * k)
+                pread_exact(st.fileno(), src, src_begin + a * k)
+                if entry.kind == "weight":
+                    x = torch.frombuffer(src, dtype=ST_TO_TORCH[info.dtype])
+                    module = entry.source[: -len(".weight")]
+                    want = quantize_e4m3(x, weight_scales[module]).view(torch.uint8).numpy()
+                    if want.tobytes() != got:
+                        problems.append(f"{fname}: the FP8 bytes of {name} on disk (bytes "
+                                        f"{a}-{b}) differ from a fresh quantization of the "
+                                        "source")
+                        break
+                elif bytes(src) != got:
+                    problems.append(f"{fname}: the bytes of {name} on disk (bytes {a}-{b}) "
+                                    "differ from the source")
+                    break
+            if entry.kind == "weight":
+                module = entry.source[: -len(".weight")]
+                value = record.sqnr.get(module)
+                if value is None:
+                    problems.append(f"{name}: no SQNR was recorded when it was written")
+                elif not value >= min_sqnr_db:
+                    problems.append(f"{name}: the FP8 weight in {fname} has SQNR {value:.1f} dB "
+                                    f"against the source (minimum {min_sqnr_db:.0f} dB)")
+    finally:
+        disk.close()
+    return problems
+
+
+def spot_verify(out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
+                weight_scales: dict, input_scales: dict, record: ParallelRecord, *,
+                workers: int, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
+    """Read the written shards back (module docstring); return the SQNR of each module.
+
+    All problems are collected into one Fp8ExportError.
+    """
+    with ThreadPoolExecutor(max(1, workers), "fp8export-verify") as pool:
+        results = list(pool.map(lambda p: _verify_shard(
+            out_dir / p.file_name, p, where, weight_scales, input_scales, record, min_sqnr_db),
+            plans))
+    problems = [p for found in results for p in found]
+    index = out_dir / INDEX_NAME
+    want = index_json(plans)
+    if want is not None:
+        try:
+            got = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            got = None
+            problems.append(f"{INDEX_NAME}: unreadable ({exc})")
+        if got is not None and got != want:
+            problems.append(f"{INDEX_NAME}: does not match the shards written")
+    elif index.exists():
+        problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
+    if problems:
+        shown = "; ".join(problems[:10])
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise Fp8ExportError(
+            f"read-back verification of the FP8 output failed, so nothing was written: {shown}"
+            f"{more}. A weight with low SQNR has outliers FP8 cannot hold per-tensor: leave it "
+            "in high precision with --exclude (or, for a q/k/v or gate/up member whose siblings "
+            "are much larger, give it its own scale with --no-fuse-scales); any other failure "
+            "is a bug or a failing disk.")
+    return dict(record.sqnr)
