@@ -72,6 +72,12 @@ class RunResult:
     # count in RSS and in ru_maxrss.
     rss_samples: list[tuple[float, int, int, int]] = field(default_factory=list)
     log: Path | None = None
+    cpu_seconds: float = 0.0  # user + system CPU time of the process (and its waited children)
+    # Largest VmHWM sampled from /proc/<pid>/status: the high-water mark of the program itself.
+    # ru_maxrss also counts the memory of the process that spawned it (Linux carries the
+    # pre-exec high-water mark over exec), so it overstates a small program started by a large
+    # one; VmHWM can only miss growth in the last sampling interval.
+    peak_hwm_bytes: int = 0
 
     def peak_sampled(self, index: int) -> int:
         return max((s[index] for s in self.rss_samples), default=0)
@@ -90,6 +96,7 @@ def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         done = threading.Event()
+        hwm = [0]
 
         def sample():
             status = f"/proc/{proc.pid}/status"
@@ -97,8 +104,9 @@ def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
                 kib = {}
                 for ln in _read(status).splitlines():
                     key = ln.split(":", 1)[0]
-                    if key in ("VmRSS", "RssAnon", "RssFile"):
+                    if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                         kib[key] = int(ln.split()[1]) * 1024
+                hwm[0] = max(hwm[0], kib.get("VmHWM", 0))
                 if "VmRSS" in kib:
                     samples.append((round(time.perf_counter() - t0, 2), kib["VmRSS"],
                                     kib.get("RssAnon", 0), kib.get("RssFile", 0)))
@@ -110,7 +118,8 @@ def run_measured(argv: list[str], log: Path, sample_every: float = 0.25,
         done.set()
         th.join()
         proc.returncode = os.waitstatus_to_exitcode(status)
-    return RunResult(argv, proc.returncode, seconds, usage.ru_maxrss * 1024, samples, log)
+    return RunResult(argv, proc.returncode, seconds, usage.ru_maxrss * 1024, samples, log,
+                     usage.ru_utime + usage.ru_stime, hwm[0])
 
 
 def timed(argv: list[str]) -> float:

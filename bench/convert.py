@@ -21,7 +21,8 @@
 4. Convert runs as a child process that imports fp8export and calls ``api.convert`` with the
    config the CLI builds (``--workers N --force``), so the same run also gives the time per
    step (``ConvertResult.timings``); start-up is the child's wall time outside ``convert``.
-   Peak RSS of every contender: the kernel's high-water mark (``wait4`` ``ru_maxrss``).
+   Peak RSS of every contender: its high-water mark (``VmHWM``), sampled every 20 ms
+   (``ru_maxrss`` would also count this script's memory, which Linux carries over exec).
 5. Targets (2 cores): convert <= 2.0x ``cp -r`` + fsync (aim 1.5x); llm-compressor / convert
    >= 5; peak RSS <= 0.75 GiB + 2x the largest tensor per worker; 2 workers >= 1.6x the
    throughput of 1. The best round of each contender is compared; peak RSS is the worst.
@@ -281,13 +282,14 @@ def llmc_version(env: dict) -> str:
 
 def timed_run(argv: list[str], out: Path, log: Path, env: dict | None = None) -> dict:
     """Run ``argv``; then fsync everything under ``out``. Seconds, fsync, peak RSS."""
-    r = run_measured(argv, log, env=env)
+    r = run_measured(argv, log, env=env, sample_every=0.02)
     ok = r.returncode == 0 and out.exists()
     sync = fsync_tree(out) if ok else 0.0
     if not ok:
         print(log.read_text()[-3000:], file=sys.stderr)
     return {"exit": r.returncode, "seconds": r.seconds, "fsync_seconds": sync,
-            "total_seconds": r.seconds + sync, "peak_rss_bytes": r.peak_rss_bytes,
+            "total_seconds": r.seconds + sync, "peak_rss_bytes": r.peak_hwm_bytes,
+            "ru_maxrss_bytes": r.peak_rss_bytes, "cpu_seconds": r.cpu_seconds,
             "output_bytes": tree_bytes(out) if ok else 0}
 
 
@@ -355,15 +357,13 @@ def bench_size(args, size_gb: float, llmc: dict | None) -> dict:
     runs: dict[str, list[dict]] = {"cp": []}
     details: dict[int, list[dict]] = {n: [] for n in args.workers}
     for rnd in range(1, args.rounds + 1):
-        t0 = time.perf_counter()
-        subprocess.run(["cp", "-r", str(ckpt), str(copy)], check=True)
-        cp_s = time.perf_counter() - t0
-        sync = fsync_tree(copy)
-        runs["cp"].append({"exit": 0, "seconds": cp_s, "fsync_seconds": sync,
-                           "total_seconds": cp_s + sync, "peak_rss_bytes": 0,
-                           "output_bytes": tree_bytes(copy)})
+        r = timed_run(["cp", "-r", str(ckpt), str(copy)], copy, args.work / "cp.log")
+        if r["exit"] != 0:
+            sys.exit("cp -r failed")
+        runs["cp"].append(r)
         shutil.rmtree(copy)
-        print(f"[{size_gb:g} GB, round {rnd}] cp -r + fsync: {cp_s + sync:.2f} s", flush=True)
+        print(f"[{size_gb:g} GB, round {rnd}] cp -r + fsync: {r['total_seconds']:.2f} s",
+              flush=True)
         for n in args.workers:
             res = args.work / f"timings-{n}.json"
             argv = [sys.executable, str(Path(__file__).resolve()), "--child-convert", str(ckpt),
@@ -437,14 +437,15 @@ def render(result: dict) -> str:
         rows = []
         cp_t = s["best"]["cp"]["total_seconds"]
         for name, b in s["best"].items():
-            rss = fmt_bytes(b["peak_rss_bytes"]) if b["peak_rss_bytes"] else "-"
             rows.append((name, f"{b['seconds']:.2f} + {b['fsync_seconds']:.2f} = "
                                f"{b['total_seconds']:.2f}",
-                         f"{b['total_seconds'] / cp_t:.2f}x", rss,
+                         f"{b['total_seconds'] / cp_t:.2f}x", fmt_bytes(b["peak_rss_bytes"]),
+                         f"{b.get('cpu_seconds', 0.0):.2f}",
                          ", ".join(f"{x:.2f}" for x in b["rounds_total_seconds"]),
                          b["exit"]))
         lines += [md_table(rows, ("contender", "seconds + fsync = total (best round)",
-                                  "/ cp", "peak RSS (worst)", "each round", "exit")), ""]
+                                  "/ cp", "peak RSS (worst)", "CPU s (user+sys, best round)",
+                                  "each round", "exit")), ""]
         trows = []
         for key, t in s["targets"].items():
             n = key.split("_")[1]
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
               "llmcompressor": llmc_version(llmc) if llmc else None,
               "method": ("page cache warm (source fsynced, then read once); per round cp -r + "
                          "fsync, convert per --workers, llm-compressor; best round compared, "
-                         "worst peak RSS (wait4 ru_maxrss)"),
+                         "worst peak RSS (VmHWM sampled every 20 ms)"),
               "sizes": results}
     table = render(result)
     print("\n" + table, flush=True)
