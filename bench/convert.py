@@ -334,7 +334,7 @@ def breakdown_rows(runs: dict[int, dict]) -> list[tuple]:
     return rows
 
 
-def bench_size(args, size_gb: float, llmc: dict | None) -> dict:
+def bench_size(args, size_gb: float, llmc: dict | None, rounds: int) -> dict:
     size = int(size_gb * GB)
     ckpt = args.work / f"ckpt-{size_gb:g}gb"
     plan_file = ckpt / "bench_plan.json"
@@ -356,7 +356,7 @@ def bench_size(args, size_gb: float, llmc: dict | None) -> dict:
 
     runs: dict[str, list[dict]] = {"cp": []}
     details: dict[int, list[dict]] = {n: [] for n in args.workers}
-    for rnd in range(1, args.rounds + 1):
+    for rnd in range(1, rounds + 1):
         r = timed_run(["cp", "-r", str(ckpt), str(copy)], copy, args.work / "cp.log")
         if r["exit"] != 0:
             sys.exit("cp -r failed")
@@ -482,6 +482,8 @@ def main(argv=None) -> int:
     ap.add_argument("--large", action="store_true",
                     help="also the largest size that leaves 5 GB free beside a copy and output")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--large-rounds", type=int, default=1, help="rounds at the --large size")
+    ap.add_argument("--name", default="convert", help="result file stem (default convert)")
     ap.add_argument("--workers", default="1,2", help="convert --workers values, comma-separated")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8export-bench"))
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
@@ -500,6 +502,7 @@ def main(argv=None) -> int:
         generated = sum(p.stat().st_size for p in args.work.rglob("*") if p.is_file())
         free = shutil.disk_usage(args.work).free + generated
         sizes.append(math.floor((free - 5 * GB) / 2.6 / GB))
+    n_plain = len(sizes) - (1 if args.large else 0)
     machine = machine_info(args.work)
     llmc = None if args.no_llmc else llmc_env(args.llmc_pythonpath)
     if llmc is None and not args.no_llmc:
@@ -511,7 +514,8 @@ def main(argv=None) -> int:
         if free < need:
             sys.exit(f"need about {need / GB:.1f} GB free under {args.work}, have {free / GB:.1f}")
         results.append(bench_size(args, size_gb,
-                                  llmc if (i == 0 or args.llmc_all_sizes) else None))
+                                  llmc if (i == 0 or args.llmc_all_sizes) else None,
+                                  args.rounds if i < n_plain else args.large_rounds))
     result = {"benchmark": "convert",
               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine, "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
@@ -524,10 +528,11 @@ def main(argv=None) -> int:
     print("\n" + table, flush=True)
     for s in result["sizes"]:
         s.pop("_breakdown_rows")
-    write_json(args.results / "convert.json", result)
+    write_json(args.results / f"{args.name}.json", result)
     md = ["# convert benchmark", "",
-          f"`bench/convert.py --sizes {args.sizes}{' --large' if args.large else ''} --rounds "
-          f"{args.rounds}` on {result['date_utc']}, commit {machine['git_commit']}"
+          f"`bench/convert.py --sizes {args.sizes!r}{' --large' if args.large else ''} --rounds "
+          f"{args.rounds}{' --no-llmc' if args.no_llmc else ''}` on {result['date_utc']}, "
+          f"commit {machine['git_commit']}"
           + (f" + uncommitted {', '.join(machine['git_uncommitted_code'])}"
              if machine["git_uncommitted_code"] else "") + ".", "",
           f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, "
@@ -535,8 +540,8 @@ def main(argv=None) -> int:
           f" at start, {result['load_avg_1m_at_end']} at end. llm-compressor "
           f"{result['llmcompressor'] or 'not run'}.", "",
           f"Method: {result['method']}.", "", table]
-    (args.results / "convert.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {args.results / 'convert.json'} and convert.md", flush=True)
+    (args.results / f"{args.name}.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {args.results / args.name}.json and .md", flush=True)
     return 0
 
 
