@@ -182,7 +182,8 @@ class _Writer:
             else:
                 scales = self.weight_scales if entry.kind == "weight_scale" else self.input_scales
                 t = scale_tensor(scales[entry.source], entry.tensor.shape)
-                _pwrite_all(fd, t.view(torch.uint8).reshape(-1).numpy(), job.offset)
+                # reshape first: a ModelOpt scale is 0-dim, which view() refuses
+                _pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), job.offset)
         except Fp8ExportError:
             raise
         except EOFError as exc:
