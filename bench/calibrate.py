@@ -46,9 +46,10 @@ LLAMA_TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hi
 def build(args):
     """(model, samples, modules, groups)."""
     import torch
+
     from fp8export.calibration.api import groups_by_name, max_positions
-    from fp8export.calibration.data import as_samples, load_samples
     from fp8export.calibration.observers import is_linear_like
+    from fp8export.inputs.samples import as_samples, load_samples
 
     if args.model in ("llama-1b", "llama-tiny"):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -102,8 +103,9 @@ def main(argv=None) -> int:
     args.samples = args.samples or (128 if cuda else 256)
 
     import torch
+
     from fp8export.calibration.api import amaxes_from_stats, forward_fn, observe
-    from fp8export.calibration.data import iter_batches
+    from fp8export.inputs.samples import iter_batches
 
     if cuda and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)

@@ -2,7 +2,6 @@
 
 Modules (heavy imports stay inside functions, so importing a module here is cheap):
 
-- :mod:`.data`: sample files (.txt / .jsonl / .npz / .safetensors) -> tokens -> padded batches.
 - :mod:`.observers`: forward pre-hooks and streaming statistics (absmax, bf16-exact histogram).
 - :mod:`.calibrators`: ``max`` / ``percentile`` / ``mse`` / ``entropy`` behind one interface
   and a registry (``register_calibrator``, ``get_calibrator``).

@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
-
 from fp8export._progress import STAGE_PREFIX, info, progress_enabled, stage
+from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
 from fp8export.config import Device, ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales.ranges import ActivationRange
@@ -25,10 +24,9 @@ from fp8export.scales.ranges import ActivationRange
 if TYPE_CHECKING:
 
     from fp8export.calibration.calibrators import AmaxResult
-    from fp8export.calibration.data import Batch, Samples
     from fp8export.calibration.observers import FinalStats
-
     from fp8export.config import ConvertConfig
+    from fp8export.inputs.samples import Batch, Samples
 
 
 # Name patterns of projections that read the same input (used when the checkpoint's family
@@ -256,9 +254,10 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     ``hist_rows``: histogram row cap per call (-1: the default, None: every row).
     """
     import torch
+
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
-    from fp8export.calibration.data import iter_batches
     from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
+    from fp8export.inputs.samples import iter_batches
 
     calibrator_class(method)  # unknown names fail before any work
     if input_device is None:
@@ -341,7 +340,6 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
                ) -> CalibrationResult:
     from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
-
     from fp8export.placement import parse_max_memory
 
     if cfg.output is not None:
@@ -367,8 +365,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
                       device: str, method: str) -> CalibrationResult:
     from fp8export.calibration.amax_file import source_hashes, write_amax_file
     from fp8export.calibration.calibrators import get_calibrator
-    from fp8export.calibration.data import load_samples
-
+    from fp8export.inputs.samples import load_samples
     from fp8export.numerics.fp8 import amax_to_scale
 
     if cfg.modules:

@@ -110,6 +110,7 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
     See the module docstring; returns a JSON-serialisable dict (``results``, ``amax``, ...).
     """
     import torch
+
     from fp8export.calibration.api import (
         amaxes_from_stats,
         default_modules,
@@ -117,8 +118,7 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
         observe,
         share_groups,
     )
-    from fp8export.calibration.data import iter_batches, load_samples
-
+    from fp8export.inputs.samples import iter_batches, load_samples
     from fp8export.models import load_model, task_of
     from fp8export.numerics.fp8 import amax_to_scale
 

@@ -1,6 +1,6 @@
 """The inputs verify feeds to both runners: the user's data file, or a built-in sample set.
 
-Data files are read exactly as calibration reads them (``fp8export.calibration.data``). With
+Data files are read exactly as calibration reads them (``fp8export.inputs.samples``). With
 no ``--data`` a small built-in set is used, and the report says so: a handful of English
 sentences tokenised with the reference's tokenizer, or, when the reference has no tokenizer,
 fixed pseudo-random token ids (seed 0). Either proves the artifact runs and matches on
@@ -41,8 +41,8 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
                         samples: int | None, seq_len: int | None):
     """``(Samples, data_info)`` for verify; ``data_info`` is JSON-serialisable for the report."""
     from fp8export.calibration.api import vocab_size
-    from fp8export.calibration.data import as_samples, load_samples
-    from fp8export.calibration.tokenizer import has_tokenizer
+    from fp8export.inputs.samples import as_samples, load_samples
+    from fp8export.inputs.tokenizer import has_tokenizer
     from fp8export.models import task_of
 
     tok_dir = reference if reference.is_dir() else reference.parent

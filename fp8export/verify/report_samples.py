@@ -42,14 +42,13 @@ def display_text(text: str, limit: int, keep: str = "start") -> str:
 
 
 def _tokenizer(folder: Path):
-    from fp8export.calibration.data import load_sample_tokenizer
-    from fp8export.calibration.tokenizer import has_tokenizer
     from fp8export.errors import Fp8ExportError
+    from fp8export.inputs.tokenizer import has_tokenizer, load_tokenizer
 
     if not has_tokenizer(folder):
         return None
     try:
-        return load_sample_tokenizer(folder, folder)
+        return load_tokenizer(folder)
     except Fp8ExportError:
         return None
 

@@ -228,7 +228,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
             else:
                 notes.append(f"--per-layer needs the FP8 folder as the candidate (got a {kind}); "
                              "run verify on the FP8 folder for per-layer attribution.")
-        from fp8export.calibration.data import iter_batches, num_batches
+        from fp8export.inputs.samples import iter_batches, num_batches
 
         cmp = floor_cmp = vs_fp32 = family = None
         t_ref = t_cand = t_floor = 0.0

@@ -81,7 +81,7 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
     "keep": [module...], "kl_after": float, "budget_kl": float|None, "data": str,
     "steps": [{"kept", "kl"}...]}``.
     """
-    from fp8export.calibration.data import iter_batches
+    from fp8export.inputs.samples import iter_batches
     from fp8export.models import load_model
     from fp8export.runners.torch_runner import resolve_device
     from fp8export.verify.data import load_verify_samples

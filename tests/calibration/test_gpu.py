@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fp8export.calibration.api import observe
-from fp8export.calibration.data import as_samples
+from fp8export.inputs.samples import as_samples
 
 
 @pytest.mark.gpu

@@ -138,9 +138,9 @@ def test_worst_samples_decode_the_text_around_the_divergence(repo_root):
     tok_dir = repo_root / "samples" / "tiny-llama" / "model"
     if not (tok_dir / "tokenizer.json").is_file():
         pytest.skip("the sample tokenizer is not built")
-    from fp8export.calibration.data import load_sample_tokenizer
+    from fp8export.inputs.tokenizer import load_tokenizer
 
-    tok = load_sample_tokenizer(tok_dir, tok_dir)
+    tok = load_tokenizer(tok_dir)
     text = "Once upon a time <script>alert(1)</script> the cat sat on the mat."
     ids = tuple(tok(text)["input_ids"])
     pos = len(tok("Once upon a time <script>")["input_ids"]) - 1

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from fp8export.calibration.data import iter_batches, load_samples
 
 from fp8export.errors import Fp8ExportError
+from fp8export.inputs.samples import iter_batches, load_samples
 
 
 @pytest.fixture(scope="module")

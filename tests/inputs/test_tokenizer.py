@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 from calib_fixtures import build_tokenizer
-from fp8export.calibration.data import load_samples
-from fp8export.calibration.tokenizer import has_tokenizer, load_tokenizer
 
 from fp8export.errors import Fp8ExportError
+from fp8export.inputs.samples import load_samples
+from fp8export.inputs.tokenizer import has_tokenizer, load_tokenizer
 
 
 @pytest.fixture()

@@ -9,10 +9,10 @@ import zipfile
 
 import numpy as np
 import pytest
-from fp8export.calibration import data as data_mod
-from fp8export.calibration.data import load_samples
 
 from fp8export.errors import Fp8ExportError
+from fp8export.inputs import samples as samples_mod
+from fp8export.inputs.samples import load_samples
 
 
 def _npz(path, **arrays):
@@ -22,7 +22,7 @@ def _npz(path, **arrays):
 
 def test_a_line_longer_than_the_limit_is_refused_before_tokenising(tmp_path, tiny_llama):
     p = tmp_path / "calib.txt"
-    p.write_text("the cat\n" + "cat " * (data_mod.MAX_LINE_BYTES // 4 + 1) + "\n")
+    p.write_text("the cat\n" + "cat " * (samples_mod.MAX_LINE_BYTES // 4 + 1) + "\n")
     with pytest.raises(Fp8ExportError, match=r"calib.txt:2: the line is longer than"):
         load_samples(p, tiny_llama)
 
@@ -34,7 +34,7 @@ def test_only_the_samples_needed_are_read(tmp_path, tiny_llama):
 
 
 def test_sample_count_is_bounded(tmp_path, tiny_llama, monkeypatch):
-    monkeypatch.setattr(data_mod, "MAX_SAMPLES", 3)
+    monkeypatch.setattr(samples_mod, "MAX_SAMPLES", 3)
     p = tmp_path / "calib.txt"
     p.write_text("the cat\n" * 5)
     with pytest.raises(Fp8ExportError, match="more than 3 samples"):

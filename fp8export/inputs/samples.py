@@ -299,8 +299,8 @@ def _text_samples(p: Path, f: IO[bytes], suffix: str) -> Iterator[tuple[str, Any
         yield obj["text"], obj.get("label")
 
 
-def load_sample_tokenizer(p: Path, tokenizer_dir: Path | None):
-    from fp8export.calibration.tokenizer import load_tokenizer
+def _load_tokenizer(p: Path, tokenizer_dir: Path | None):
+    from fp8export.inputs.tokenizer import load_tokenizer
 
     if tokenizer_dir is None:
         raise Fp8ExportError(
@@ -313,7 +313,7 @@ def load_sample_tokenizer(p: Path, tokenizer_dir: Path | None):
 
 def _tokenise(p: Path, texts: Iterator[tuple[str, Any]], tokenizer_dir: Path | None,
               max_samples: int | None, bounds: _Bounds):
-    tok = load_sample_tokenizer(p, tokenizer_dir)
+    tok = _load_tokenizer(p, tokenizer_dir)
     label2id: dict[str, int] | None = None
     try:
         n_special = int(tok.num_special_tokens_to_add(pair=False))
