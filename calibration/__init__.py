@@ -8,6 +8,5 @@ Modules (heavy imports stay inside functions, so importing a module here is chea
 - :mod:`.api`: ``calibrate(CalibrateConfig)``, ``calibrate_ranges`` (for ``convert``),
   ``observe`` / ``amaxes_from_stats`` (one pass, any calibrator).
 - :mod:`.amax_file`: ``write_amax_file`` / ``read_amax_file`` (``amax.json``).
-- :mod:`.evaluate`: FP8 fake-quant accuracy comparison of the calibrators.
 - :mod:`.config`: ``CalibrateConfig``.
 """

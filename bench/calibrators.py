@@ -1,4 +1,5 @@
-"""Built-in accuracy check of the calibrators: FP8 fake-quantisation against the bf16 model.
+#!/usr/bin/env python
+"""Calibrator comparison: FP8 fake-quantisation against the bf16 model, one table per run.
 
 For each calibrator the model runs in float32 with
 
@@ -13,10 +14,11 @@ agreement, and for causal LMs perplexity. A "weights only" row shows how much of
 comes from the weights alone. One observation pass (histogram kept) serves all calibrators,
 so they are compared on identical statistics.
 
-    python -m fp8export.calibration.evaluate samples/tiny-llama/model \\
-        --calib-data samples/tiny-llama/data/calib.txt \\
-        --eval-data samples/tiny-llama/data/eval.txt \\
-        --json bench/results/calibrators.json --md bench/results/calibrators.md
+    python bench/calibrators.py            # the sample LM and its calib/eval text (CPU, minutes)
+    python bench/calibrators.py --calib-samples 16 --eval-samples 16 --results /tmp/r  # quick
+
+Writes ``<results>/calibrators.json`` and ``calibrators.md`` (default ``bench/results``) and
+prints the table.
 """
 
 from __future__ import annotations
@@ -26,24 +28,39 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, machine_info  # noqa: E402
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+try:  # an installed (editable) fp8export maps calibration/ to fp8export.calibration
+    import fp8export.calibration  # noqa: F401
+except ModuleNotFoundError:  # a bare checkout: the same mapping by hand
+    import calibration
+
+    sys.modules["fp8export.calibration"] = calibration
+
+SAMPLE = REPO / "samples" / "tiny-llama"
 METHODS = ("max", "percentile", "mse", "entropy")
 
 
-def _fq_weights(model, modules, groups):
+# The FP8 model as a server runs it, simulated in float32: E4M3 weights with per-tensor max
+# scales (fused groups share one), inputs fake-quantised with static per-tensor scales.
+
+def fp8_weights(model, modules, groups) -> dict[str, Any]:
+    """Each module's weight after an E4M3 round trip with its (group-shared) max scale."""
     import torch
 
+    from fp8export.calibration.api import share_groups
     from fp8export.numerics.fp8 import amax_to_scale, fake_quantize_e4m3
 
     named = dict(model.named_modules())
-    amax = {m: float(named[m].weight.detach().abs().max()) for m in modules}
-    for members in groups.values():
-        top = max(amax[m] for m in members if m in amax)
-        for m in members:
-            if m in amax:
-                amax[m] = top
+    amax = share_groups({m: float(named[m].weight.detach().abs().max()) for m in modules},
+                        groups)
     out = {}
     with torch.no_grad():
         for m in modules:
@@ -52,27 +69,28 @@ def _fq_weights(model, modules, groups):
     return out
 
 
-def _swap(model, weights: dict):
-    """Put ``weights`` into the modules and return the previous tensors."""
-    named = dict(model.named_modules())
-    old = {}
-    for m, w in weights.items():
-        p = named[m].weight
-        old[m] = p.data
-        p.data = w
-    return old
-
-
-def _input_hooks(model, scales: dict[str, float]):
+@contextmanager
+def fake_quant(model, weights: dict[str, Any], input_scales: dict[str, float] | None = None):
+    """``model`` with ``weights`` swapped in and, with ``input_scales``, its inputs quantised."""
     from fp8export.numerics.fp8 import fake_quantize_e4m3
 
     named = dict(model.named_modules())
+    old = {}
     handles = []
-    for m, s in scales.items():
-        def hook(module, args, _s=s):
-            return (fake_quantize_e4m3(args[0], _s),) + tuple(args[1:])
-        handles.append(named[m].register_forward_pre_hook(hook))
-    return handles
+    try:
+        for m, w in weights.items():
+            old[m] = named[m].weight.data
+            named[m].weight.data = w
+        for m, s in (input_scales or {}).items():
+            def hook(module, args, _s=s):
+                return (fake_quantize_e4m3(args[0], _s),) + tuple(args[1:])
+            handles.append(named[m].register_forward_pre_hook(hook))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for m, w in old.items():
+            named[m].weight.data = w
 
 
 class _Acc:
@@ -143,7 +161,7 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
 
     model, _ = load_model(ckpt, dtype=torch.float32, device="cpu")
     causal = task_of(config) == "causal-lm"
-    fq_w = _fq_weights(model, modules, groups)
+    fq_w = fp8_weights(model, modules, groups)
     evals = load_samples(eval_data, tok_dir, max_samples=eval_samples, seq_len=seq_len,
                          max_positions=max_positions(config))
     configs = ["weights-only"] + list(methods)
@@ -154,18 +172,10 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
             ids, mask = batch.input_ids, batch.attention_mask
             ref = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
             acc["reference"].add(ref, ref, mask, ids, causal)
-            old = _swap(model, fq_w)
-            try:
-                for c in configs:
-                    handles = _input_hooks(model, scales[c]) if c in scales else []
-                    try:
-                        out = model(input_ids=ids, attention_mask=mask).logits.float()
-                    finally:
-                        for h in handles:
-                            h.remove()
-                    acc[c].add(ref, torch.log_softmax(out, -1), mask, ids, causal)
-            finally:
-                _swap(model, old)
+            for c in configs:
+                with fake_quant(model, fq_w, scales.get(c)):
+                    out = model(input_ids=ids, attention_mask=mask).logits.float()
+                acc[c].add(ref, torch.log_softmax(out, -1), mask, ids, causal)
 
     def summary(m):
         ratios = [amax[m][k] / ob.stats[k].amax for k in amax[m]]
@@ -211,26 +221,28 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Compare calibrators by FP8 fake-quant accuracy.")
-    ap.add_argument("checkpoint")
-    ap.add_argument("--calib-data", required=True)
-    ap.add_argument("--eval-data", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("checkpoint", nargs="?", default=str(SAMPLE / "model"))
+    ap.add_argument("--calib-data", default=str(SAMPLE / "data" / "calib.txt"))
+    ap.add_argument("--eval-data", default=str(SAMPLE / "data" / "eval.txt"))
     ap.add_argument("--calib-samples", type=int, default=512)
     ap.add_argument("--eval-samples", type=int)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--json")
-    ap.add_argument("--md")
+    ap.add_argument("--results", default=str(REPO / "bench" / "results"))
     a = ap.parse_args(argv)
     res = compare_calibrators(a.checkpoint, a.calib_data, a.eval_data,
                               calib_samples=a.calib_samples, eval_samples=a.eval_samples,
                               batch_size=a.batch_size, seq_len=a.seq_len)
+    results = Path(a.results)
+    res["machine"] = machine_info(results.parent if results.parent.exists() else REPO)
     md = to_markdown(res)
     print(md)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
-    if a.md:
-        Path(a.md).write_text("# Calibrator comparison (FP8 fake-quant vs bf16)\n\n" + md)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "calibrators.json").write_text(json.dumps(res, indent=2) + "\n")
+    (results / "calibrators.md").write_text(
+        "# Calibrator comparison (FP8 fake-quant vs bf16)\n\n" + md)
+    print(f"wrote {results / 'calibrators.json'}")
     return 0
 
 
