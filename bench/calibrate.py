@@ -7,7 +7,7 @@
     python bench/calibrate.py --device cpu --model sample
 
 For each method the calibration pass is exactly what ``fp8export calibrate`` runs
-(:func:`fp8export.calibration.api.observe`: pre-hooks, padding mask, device-side absmax and
+(:func:`fp8export.calibration.observe.observe`: pre-hooks, padding mask, device-side absmax and
 histograms, one host sync at the end). The baseline is the same forward callable over the same
 batches without hooks. Passes alternate (baseline, max, percentile, ...) for ``--repeats``
 rounds and the median is reported, so clock drift hits all of them alike. mse and entropy
@@ -47,9 +47,10 @@ def build(args):
     """(model, samples, modules, groups)."""
     import torch
 
-    from fp8export.calibration.api import groups_by_name, max_positions
     from fp8export.calibration.observers import is_linear_like
+    from fp8export.calibration.targets import groups_by_name
     from fp8export.inputs.samples import as_samples, load_samples
+    from fp8export.models import max_positions
 
     if args.model in ("llama-1b", "llama-tiny"):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fp8export.calibration.api import amaxes_from_stats, forward_fn, observe
+    from fp8export.calibration.observe import amaxes_from_stats, forward_fn, observe
     from fp8export.inputs.samples import iter_batches
 
     if cuda and not torch.cuda.is_available():

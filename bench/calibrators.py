@@ -55,7 +55,7 @@ def fp8_weights(model, modules, groups) -> dict[str, Any]:
     """Each module's weight after an E4M3 round trip with its (group-shared) max scale."""
     import torch
 
-    from fp8export.calibration.api import share_groups
+    from fp8export.calibration.targets import share_groups
     from fp8export.numerics.fp8 import amax_to_scale, fake_quantize_e4m3
 
     named = dict(model.named_modules())
@@ -129,15 +129,10 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
     """
     import torch
 
-    from fp8export.calibration.api import (
-        amaxes_from_stats,
-        default_modules,
-        max_positions,
-        observe,
-        share_groups,
-    )
+    from fp8export.calibration.observe import amaxes_from_stats, observe
+    from fp8export.calibration.targets import default_modules, share_groups
     from fp8export.inputs.samples import iter_batches, load_samples
-    from fp8export.models import load_model, task_of
+    from fp8export.models import load_model, max_positions, task_of
     from fp8export.numerics.fp8 import amax_to_scale
 
     ckpt = Path(checkpoint)

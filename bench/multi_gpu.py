@@ -94,7 +94,8 @@ def gpu_memory() -> dict:
 
 def token_samples(vocab: int, n: int, length: int, seed: int):
     import torch
-    from fp8export.calibration.data import as_samples
+
+    from fp8export.inputs.samples import as_samples
 
     g = torch.Generator().manual_seed(seed)
     return as_samples([torch.randint(3, vocab, (length,), generator=g).tolist()
@@ -124,9 +125,9 @@ def write_checkpoint(folder: Path, cfg: dict, device: str) -> None:
 
 def identity(work: Path, args) -> dict:
     import numpy as np
-    from fp8export.calibration.config import CalibrateConfig
 
     from fp8export import api
+    from fp8export.calibration.config import CalibrateConfig
     from fp8export.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
@@ -253,10 +254,10 @@ def fp8_candidate(ref, modules, groups, amax):
         infer_auto_device_map,
         set_module_tensor_to_device,
     )
-    from fp8export.calibration.api import share_groups
     from transformers import AutoModelForCausalLM
 
     from fp8export import placement
+    from fp8export.calibration.targets import share_groups
     from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
     from fp8export.runners.fp8_fused import fuse_projections
     from fp8export.runners.fp8_linear import Fp8Linear
@@ -301,10 +302,11 @@ def fp8_candidate(ref, modules, groups, amax):
 
 def big(args) -> dict:
     import torch
-    from fp8export.calibration.api import amaxes_from_stats, forward_fn, groups_by_name, observe
-    from fp8export.calibration.data import iter_batches
-    from fp8export.calibration.observers import is_linear_like
 
+    from fp8export.calibration.observe import amaxes_from_stats, forward_fn, observe
+    from fp8export.calibration.observers import is_linear_like
+    from fp8export.calibration.targets import groups_by_name
+    from fp8export.inputs.samples import iter_batches
     from fp8export.verify.metrics import Comparison
 
     model, cfg, placed, build_s = build_big(args)

@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from fp8export.calibration.observers import ActivationStats, FinalStats
 
+from fp8export.calibration.observers import ActivationStats, FinalStats
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
 

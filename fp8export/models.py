@@ -55,6 +55,24 @@ def task_of(config: dict[str, Any]) -> str:
     return "base"
 
 
+def max_positions(config: dict[str, Any]) -> int | None:
+    """The longest input the model's positions allow, None if the config does not say."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = config.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The embedding rows of the model (token ids must stay below), None if not said."""
+    for cfg in (config, config.get("text_config") or {}):
+        v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
 def config_file(source: Path) -> Path:
     """The config.json that describes ``source`` (a folder, or a weights file beside one)."""
     source = Path(source)
@@ -327,3 +345,23 @@ def load_model_spread(path: str | Path, budgets: dict[int | str, int], *,
         model.tie_weights()
     placement.check_loaded(model, str(path))
     return model.eval(), config, placement.dispatch(model, device_map)
+
+
+def load_model_placed(path: str | Path, device: str,
+                      max_memory: dict[int | str, int] | None = None, *,
+                      dtype: torch.dtype = torch.bfloat16):
+    """:func:`load_model` on ``device``, or :func:`load_model_spread` over several devices when
+    ``max_memory`` is given, or when the model does not fit one GPU and several are visible
+    (:func:`fp8export.placement.budgets`).
+
+    Returns ``(model, config_dict, placement)``; ``placement`` is None on one device, else the
+    caller closes it when done.
+    """
+    from fp8export import placement
+
+    weight_bytes = checkpoint_bytes(path, dtype.itemsize) if device == "cuda" else 0
+    spread = placement.budgets(device, weight_bytes, max_memory)
+    if spread is None:
+        model, config = load_model(path, dtype=dtype, device=device)
+        return model, config, None
+    return load_model_spread(path, spread, dtype=dtype)

@@ -1,4 +1,6 @@
-"""Spread one model over the GPUs of one host (accelerate's ``device_map="auto"``).
+"""Where a model runs: ``--device`` (:func:`resolve_device`), and one model spread over the GPUs
+of one host (accelerate's ``device_map="auto"``; :func:`fp8export.models.load_model_placed`
+picks one device or the spread).
 
 A model larger than one GPU is built on the meta device (parameters take no memory), a device
 map is planned from its module sizes (``accelerate.infer_auto_device_map`` over balanced
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fp8export.config import Device
 from fp8export.errors import Fp8ExportError, UsageError
 
 if TYPE_CHECKING:
@@ -294,3 +297,16 @@ def check_loaded(model: torch.nn.Module, where: str) -> None:
         raise Fp8ExportError(f"{where}: {len(left)} weights the architecture needs were not "
                              f"loaded, e.g. {left[:3]}. The checkpoint does not match its "
                              "config.json.")
+
+
+def resolve_device(device: Device | str) -> str:
+    """``auto`` -> ``cuda`` when available else ``cpu``; ``cuda`` without a GPU is an error."""
+    import torch
+
+    d = Device.parse(device, "--device")
+    if d is Device.AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if d is Device.CUDA and not torch.cuda.is_available():
+        raise Fp8ExportError("--device cuda: no CUDA GPU is visible to PyTorch (torch "
+                             f"{torch.__version__}). Use --device cpu or auto.")
+    return d.value

@@ -33,7 +33,6 @@ def test_parse_max_memory_refuses_with_the_part_named(text, says):
 
 def test_config_refuses_bad_max_memory_before_any_work(tmp_path):
     from fp8export.calibration.config import CalibrateConfig
-
     from fp8export.verify.config import VerifyConfig
 
     with pytest.raises(UsageError, match="--max-memory"):
@@ -108,9 +107,8 @@ def test_two_gpu_split_matches_one_gpu(repo_root, tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from fp8export.calibration.config import CalibrateConfig
-
     from fp8export import api
+    from fp8export.calibration.config import CalibrateConfig
     from fp8export.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
 
@@ -144,3 +142,33 @@ def test_cli_bad_max_memory_is_a_usage_error(run_cli, repo_root, command):
     result = run_cli(command, *args, "--max-memory", "0:70GiB")
     assert result.exit_code == 2, result.output
     assert "--max-memory" in result.output and "DEVICE=SIZE" in result.output
+
+
+def test_resolve_device():
+    import torch
+
+    from fp8export.placement import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UsageError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(Fp8ExportError, match="no CUDA GPU"):
+            resolve_device("cuda")
+
+
+@needs_accelerate
+def test_load_model_placed_picks_one_device_or_the_spread(repo_root):
+    import torch
+
+    from fp8export.models import load_model_placed
+
+    path = repo_root / "samples" / "tiny-llama" / "model"
+    model, config, placed = load_model_placed(path, "cpu", dtype=torch.bfloat16)
+    assert placed is None and {p.device.type for p in model.parameters()} == {"cpu"}
+    _, _, placed = load_model_placed(path, "cpu", {"cpu": 6 << 20}, dtype=torch.bfloat16)
+    try:
+        assert set(placed.device_map.values()) == {"cpu", "disk"}
+    finally:
+        placed.close()

@@ -40,10 +40,9 @@ RANDOM_LEN = 32
 def load_verify_samples(data: Path | None, reference: Path, config: dict[str, Any], *,
                         samples: int | None, seq_len: int | None):
     """``(Samples, data_info)`` for verify; ``data_info`` is JSON-serialisable for the report."""
-    from fp8export.calibration.api import vocab_size
     from fp8export.inputs.samples import as_samples, load_samples
     from fp8export.inputs.tokenizer import has_tokenizer
-    from fp8export.models import task_of
+    from fp8export.models import task_of, vocab_size
 
     tok_dir = reference if reference.is_dir() else reference.parent
     max_pos = config.get("max_position_embeddings") or config.get("n_positions")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8export.calibration.api import observe
+from fp8export.calibration.observe import observe
 from fp8export.inputs.samples import as_samples
 
 

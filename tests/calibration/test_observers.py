@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8export.calibration.api import observe
 from fp8export.calibration.calibrators import get_calibrator
+from fp8export.calibration.observe import observe
 from fp8export.calibration.observers import ActivationObserver
 from fp8export.errors import Fp8ExportError
 from fp8export.inputs.samples import as_samples

@@ -1,0 +1,146 @@
+"""One observation pass: sample batches through the bf16 model, statistics per linear input.
+
+:func:`observe` hooks the observed modules (:mod:`.observers`), runs the cheapest forward that
+reaches them (:func:`forward_fn`) and returns their statistics; :func:`amaxes_from_stats` turns
+those into one calibrator's amaxes. One pass serves any calibrator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fp8export._progress import STAGE_PREFIX, info, progress_enabled
+from fp8export.calibration.config import DEFAULT_BATCH_SIZE
+from fp8export.errors import Fp8ExportError
+
+if TYPE_CHECKING:
+    from fp8export.calibration.calibrators import AmaxResult
+    from fp8export.calibration.observers import FinalStats
+    from fp8export.inputs.samples import Batch, Samples
+
+
+@dataclass
+class Observation:
+    """Statistics of one pass (:func:`observe`)."""
+
+    stats: dict[str, FinalStats]
+    samples: int
+    tokens: int
+    batches: int
+    seconds: float
+    missing: list[str]
+    notes: list[str]
+
+
+def forward_fn(model, modules: Sequence[str]) -> Callable[[Batch, Any], Any]:
+    """The cheapest forward that still reaches every observed module.
+
+    Calibrated linears live in the transformer body; when none is in a head, only the body
+    (``model.base_model``) runs, skipping e.g. the vocab-sized ``lm_head`` GEMM.
+    """
+    import torch
+
+    prefix = getattr(model, "base_model_prefix", "")
+    body = getattr(model, "base_model", model)
+    run = model
+    if prefix and body is not model and all(m.startswith(prefix + ".") for m in modules):
+        run = body
+    cfg = getattr(model, "config", None)
+    kwargs = {"use_cache": False} if getattr(cfg, "use_cache", None) is not None else {}
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise Fp8ExportError("encoder-decoder models are not calibrated yet (the decoder needs "
+                             "its own inputs); use --calib-amax or weights-only scales.")
+
+    def call(batch: Batch, device):
+        ids = batch.input_ids.to(device, non_blocking=True)
+        mask = batch.attention_mask.to(device, non_blocking=True)
+        with torch.inference_mode():
+            return run(input_ids=ids, attention_mask=mask, **kwargs)
+
+    return call
+
+
+def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "max",
+            groups: dict[str, list[str]] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+            input_device=None, forward: Callable | None = None,
+            batches: Iterable[Batch] | None = None, show_progress: bool = True,
+            hist_rows: int | None = -1) -> Observation:
+    """One pass over ``samples`` with observers on ``modules``; statistics per module.
+
+    ``method`` decides which statistics are kept (a histogram for everything but ``max``).
+    The only host syncs are at the end (:meth:`ActivationObserver.finalize`).
+    ``hist_rows``: histogram row cap per call (-1: the default, None: every row).
+    """
+    import torch
+
+    from fp8export.calibration.calibrators import calibrator_class, get_calibrator
+    from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
+    from fp8export.inputs.samples import iter_batches
+
+    calibrator_class(method)  # unknown names fail before any work
+    if input_device is None:
+        input_device = next(model.parameters()).device
+    forward = forward or forward_fn(model, modules)
+    obs = ActivationObserver(model, modules, lambda: get_calibrator(method),
+                             groups=list((groups or {}).values()),
+                             hist_rows=DEFAULT_HIST_ROWS if hist_rows == -1 else hist_rows)
+    bar = None
+    if show_progress and progress_enabled():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(samples), desc=f"calibrate ({method})", unit="sample",
+                   leave=False, dynamic_ncols=True)
+    elif show_progress:
+        info(f"{STAGE_PREFIX}calibrate ({method}): {len(samples)} sample(s)")
+    n_samples = n_tokens = n_done = 0
+    start = time.perf_counter()
+    try:
+        with obs:
+            for batch in (batches if batches is not None else iter_batches(samples, batch_size)):
+                obs.begin_batch(batch.attention_mask)
+                forward(batch, input_device)
+                obs.end_batch()
+                n_samples += len(batch)
+                n_tokens += batch.num_tokens
+                n_done += 1
+                if bar is not None:
+                    bar.update(len(batch))
+        stats = obs.finalize()  # the one sync
+        if input_device is not None and torch.device(input_device).type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    missing = [m for m in modules if m not in stats]
+    notes = []
+    unmasked = sorted(m for m, c in obs.unmasked_calls.items() if c)
+    if unmasked:
+        notes.append(f"{len(unmasked)} modules received inputs whose shape does not match the "
+                     f"attention mask, so padding could not be excluded there: {unmasked[:5]}")
+    return Observation(stats=stats, samples=n_samples, tokens=n_tokens, batches=n_done,
+                       seconds=seconds, missing=missing, notes=notes)
+
+
+def amaxes_from_stats(stats: dict[str, FinalStats], method: str,
+                      **options: Any) -> dict[str, AmaxResult]:
+    """Run one calibrator's ``amax_from`` on each module's statistics (sorted by name)."""
+    from fp8export.calibration.calibrators import get_calibrator
+
+    cal = get_calibrator(method, **options)
+    out = {}
+    done: dict[int, AmaxResult] = {}  # fused members observed once share one stats object
+    for m in sorted(stats):
+        key = id(stats[m])
+        if key not in done:
+            try:
+                done[key] = cal.amax_from(stats[m])
+            except Fp8ExportError as exc:
+                raise Fp8ExportError(f"{m}: {exc}") from exc
+        out[m] = done[key]
+    return out
+
+
