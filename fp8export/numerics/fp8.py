@@ -97,15 +97,3 @@ def dequantize(q: torch.Tensor, scale: float | np.floating | torch.Tensor,
 def fake_quantize_e4m3(x: torch.Tensor, scale: float | np.floating | torch.Tensor) -> torch.Tensor:
     """Quantize then dequantize, returning x's dtype: the exact FP8 round trip, emulated."""
     return dequantize(quantize_e4m3(x, scale), scale, dtype=x.dtype)
-
-
-def decode_e4m3_bytes(raw: np.ndarray) -> np.ndarray:
-    """Decode uint8 E4M3 codes to float32 (NaN for 0x7F / 0xFF)."""
-    t = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).view(E4M3_DTYPE)
-    return t.to(torch.float32).numpy()
-
-
-def decode_e5m2_bytes(raw: np.ndarray) -> np.ndarray:
-    """Decode uint8 E5M2 codes to float32 (read-only support: ±inf and NaN as in IEEE)."""
-    t = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).view(E5M2_DTYPE)
-    return t.to(torch.float32).numpy()

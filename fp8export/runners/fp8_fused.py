@@ -53,11 +53,6 @@ class Fp8FusedLinear(Fp8Linear):
         self.member_names = list(names)
         self.__dict__["_slot"] = _Pending()
 
-    @property
-    def _pending(self) -> tuple | None:
-        """(x, member outputs, bit mask of the members still to collect), or None."""
-        return self._slot.value
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, splits={self.splits}"
 

@@ -163,9 +163,6 @@ class Fp8Linear(nn.Module):
                        self.bias, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.to(torch.float32) * self.weight_scale).to(dtype)
-
 
 def _scalar(value) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=torch.float32).detach().reshape(-1)

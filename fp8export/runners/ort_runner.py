@@ -1,4 +1,4 @@
-"""onnxruntime runner (and an ``onnx.reference`` runner as an independent slow cross-check).
+"""onnxruntime runner.
 
 DESIGN.md "ONNX profile": onnxruntime's CPU provider runs FP8 Q/DQ graphs only in float/float16
 and only at ``ORT_ENABLE_BASIC`` — at the extended level it fuses fp32 Q/DQ+MatMul into
@@ -157,35 +157,3 @@ class OrtRunner(Runner):
         return {**super().describe(), "path": str(self.path), "providers": self.providers,
                 "graph_optimization_level": "ORT_ENABLE_BASIC"}
 
-
-class OnnxReferenceRunner(Runner):
-    """``onnx.reference.ReferenceEvaluator``: numpy, slow, independent of onnxruntime.
-
-    Runs bf16 graphs too (through ml_dtypes). For tests and small graphs only.
-    """
-
-    backend = "onnx-reference"
-
-    def __init__(self, path: str | Path, name: str | None = None):
-        super().__init__(name)
-        self.path = Path(path)
-        self.evaluator = None
-
-    def _activate(self) -> None:
-        from onnx.reference import ReferenceEvaluator
-
-        from fp8export.onnx.load import load_onnx
-
-        model = load_onnx(self.path, load_data=True)
-        self.evaluator = ReferenceEvaluator(model)
-        self._inputs = {i.name: ("tensor(int64)" if i.type.tensor_type.elem_type == 7 else "")
-                        for i in model.graph.input}
-        self._outputs = [o.name for o in model.graph.output]
-
-    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        run_feed = _prepare_feed(feed, self._inputs, self.name)
-        values = self.evaluator.run(None, run_feed)
-        return dict(zip(self._outputs, values))
-
-    def _deactivate(self) -> None:
-        self.evaluator = None

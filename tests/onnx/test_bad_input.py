@@ -94,10 +94,10 @@ def test_bad_options(run_cli, fp8_static, tmp_path):
 
 def test_failed_check_leaves_nothing(tmp_path):
     import torch
+    from onnx_graphs import single_linear_model
 
     from fp8export.fp8dir.reader import QuantLayer
     from fp8export.numerics.fp8 import quantize_e4m3
-    from fp8export.onnx.graph import single_linear_model
 
     w = torch.ones(4, 4)
     model = single_linear_model(QuantLayer("lin", quantize_e4m3(w, 0.01), "out_in", 0.01, 0.1))
@@ -119,12 +119,12 @@ def test_failed_check_leaves_nothing(tmp_path):
 def test_external_data_above_threshold(tmp_path, monkeypatch):
     """Models over the protobuf limit are written with external data (threshold lowered)."""
     import torch
+    from onnx_graphs import single_linear_model
 
     import fp8export.onnx.export as export
     from fp8export.fp8dir.reader import QuantLayer
     from fp8export.numerics.fp8 import quantize_e4m3
     from fp8export.onnx.check import check_model
-    from fp8export.onnx.graph import single_linear_model
 
     w = torch.randn(256, 128)
     model = single_linear_model(QuantLayer("lin", quantize_e4m3(w, 0.01), "out_in", 0.01, 0.1))

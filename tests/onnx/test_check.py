@@ -8,11 +8,11 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx_graphs import single_linear_model
 
 from fp8export.fp8dir.reader import QuantLayer
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.onnx.check import check_model
-from fp8export.onnx.graph import single_linear_model
 
 
 def _layer(input_scale=0.01) -> QuantLayer:

@@ -9,10 +9,11 @@ import onnx
 import pytest
 import torch
 from fp8_folder_maker import token_feed
+from onnx_reference import OnnxReferenceRunner
 
 from fp8export.numerics.fp8 import fake_quantize_e4m3
 from fp8export.numerics.metrics import cosine, rel_l2
-from fp8export.runners.ort_runner import OnnxReferenceRunner, OrtRunner
+from fp8export.runners.ort_runner import OrtRunner
 
 SHAPES = [(2, 8), (3, 13)]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from onnx_graphs import qdq_pattern, single_linear_model
 
 from fp8export.fp8dir.reader import QuantLayer
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
-from fp8export.onnx.graph import qdq_pattern, single_linear_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 

@@ -7,12 +7,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx_graphs import single_linear_model
+from onnx_reference import OnnxReferenceRunner
 
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import QuantLayer
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
-from fp8export.onnx.graph import single_linear_model
-from fp8export.runners.ort_runner import OnnxReferenceRunner, OrtRunner, graph_uses_bf16
+from fp8export.runners.ort_runner import OrtRunner, graph_uses_bf16
 
 W_SCALE = float(amax_to_scale(2.0))
 IN_SCALE = float(amax_to_scale(4.0))

@@ -1,8 +1,8 @@
-"""Small graph utilities: a one-linear FP8 model, and the Q/DQ pattern around a GEMM as data.
+"""Test graphs: a one-linear FP8 model, and the Q/DQ pattern around a GEMM as data.
 
 ``single_linear_model`` builds ``y = x @ W.T`` as a plain float graph and runs the same rewrite
 export-onnx uses (binding by content, since the graph has no exporter metadata). It is the
-smallest graph in the profile: tests, the docs' example and the runner tests build on it.
+smallest graph in the profile: the checker, golden, bad-input and runner tests build on it.
 ``qdq_pattern`` describes the nodes feeding one GEMM (op types, wiring, attributes, initializer
 dtypes and shapes) as JSON-able data — what the golden tests compare.
 """
