@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Calibration overhead: observed vs plain bf16 forward passes, same batches, same run.
 
-    # GPU, Llama-shaped random model (~1.1 B parameters), what the issue's target is about:
+    # GPU, Llama-shaped random model (~1.1 B parameters), the size the overhead target is set for:
     python bench/calibrate.py --device cuda --model llama-1b
     # CPU, the sample model and its calibration corpus:
     python bench/calibrate.py --device cpu --model sample

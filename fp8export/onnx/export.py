@@ -1,4 +1,4 @@
-"""``export-onnx``: FP8 folder → standard ONNX Q/DQ graph (issue 5, DESIGN.md "ONNX profile").
+"""``export-onnx``: FP8 folder → standard ONNX Q/DQ graph (DESIGN.md "ONNX profile").
 
 Steps: read and validate the FP8 folder (:mod:`fp8export.fp8dir.reader`); build the transformers
 model from its config.json with the dequantized weights (a Keras config: the model rebuilt by

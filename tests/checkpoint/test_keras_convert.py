@@ -1,4 +1,4 @@
-"""End to end: the Keras float8 sample converts with --scales history (issue 3 "Done when").
+"""End to end: the Keras float8 sample converts with --scales history.
 
 Expected values are computed here independently of the reader: the float8 layers' histories are
 read straight from the archive with zipfile + h5py (a float8 layer is a ``vars`` group whose

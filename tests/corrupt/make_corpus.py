@@ -1,4 +1,4 @@
-"""Build the corrupt/hostile-input corpus (issue 8): every reader, every command, one net.
+"""Build the corrupt/hostile-input corpus: every reader, every command, one net.
 
     python tests/corrupt/make_corpus.py OUT_DIR      # writes the files and OUT_DIR/cases.json
 

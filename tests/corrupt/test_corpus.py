@@ -1,4 +1,4 @@
-"""The corrupt/hostile-input corpus through the real CLI (issue 8).
+"""The corrupt/hostile-input corpus through the real CLI.
 
 For every case of ``make_corpus.py``: the exit code the contract requires (1 for bad input),
 exactly one ``Error:`` line that names the file (or tensor) and the problem, no traceback, no

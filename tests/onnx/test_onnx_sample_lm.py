@@ -1,4 +1,4 @@
-"""Done-when of issue 5 on the sample LM (samples/tiny-llama/model): convert -> export-onnx ->
+"""The ONNX path end to end on the sample LM (samples/tiny-llama/model): convert -> export-onnx ->
 checker (every quantized GEMM FP8-eligible) -> onnxruntime at two shapes -> logits within the
 bound of the torch FP8 model. Slow (convert + two exports, ~2 min on 2 cores)."""
 

@@ -4,7 +4,7 @@
 independent writer that follows docs/fp8-folder.md (per-tensor E4M3 weights, static input
 scales, fused q/k/v and gate/up scales) and keeps the folder contract honest from the
 reader's side.
-``damage_scale`` multiplies one layer's weight_scale (the issue's "damaged candidate").
+``damage_scale`` multiplies one layer's weight_scale (a "damaged candidate" the gate must fail).
 """
 
 from __future__ import annotations

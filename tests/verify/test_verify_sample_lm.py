@@ -1,4 +1,4 @@
-"""The issue's acceptance test on the sample LM (samples/tiny-llama): the real convert passes
+"""Verify end to end on the sample LM (samples/tiny-llama): the real convert passes
 ``default``; one weight scale x8 fails with exit 3, named metrics, damaged layer ranked first."""
 
 import json
