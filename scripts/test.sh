@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The README's test command (.ci/run calls it): set up .venv, then run the test suite.
+# The README's test command (.ci/run calls it): set up .venv, lint with ruff (config in
+# pyproject.toml), then run the test suite. Both run; either failing fails the command.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/numerics -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
+.venv/bin/ruff check .
+lint_rc=$?
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing (exit 5 must not pass as success)" >&2
   exit 1
+fi
+if [ "$lint_rc" -ne 0 ]; then
+  echo "ruff found problems (exit $lint_rc): see above (\`ruff check --fix .\` fixes what it can)" >&2
+  [ "$rc" -ne 0 ] || rc=$lint_rc
 fi
 exit "$rc"

@@ -21,9 +21,11 @@ def _torch_dtype(trt, dt):
 
     table = {
         trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-        trt.DataType.INT32: torch.int32, trt.DataType.INT8: torch.int8, trt.DataType.BOOL: torch.bool,
+        trt.DataType.INT32: torch.int32, trt.DataType.INT8: torch.int8,
+        trt.DataType.BOOL: torch.bool,
     }
-    for name, tdt in (("BF16", torch.bfloat16), ("INT64", torch.int64), ("FP8", torch.float8_e4m3fn)):
+    newer = (("BF16", torch.bfloat16), ("INT64", torch.int64), ("FP8", torch.float8_e4m3fn))
+    for name, tdt in newer:
         if hasattr(trt.DataType, name):
             table[getattr(trt.DataType, name)] = tdt
     if dt not in table:
@@ -74,7 +76,8 @@ class TrtRunner(Runner):
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         missing = [n for n in inputs if n not in feed]
         if missing:
-            raise Fp8ExportError(f"engine {self.engine_path.name} needs inputs {missing}; got {sorted(feed)}.")
+            raise Fp8ExportError(f"engine {self.engine_path.name} needs inputs {missing}; "
+                                 f"got {sorted(feed)}.")
         keep = []
         for n in inputs:
             t = torch.from_numpy(np.ascontiguousarray(feed[n])).to(
@@ -91,7 +94,8 @@ class TrtRunner(Runner):
             if n in inputs:
                 continue
             shape = tuple(ctx.get_tensor_shape(n))
-            t = torch.empty(shape, device="cuda", dtype=_torch_dtype(trt, engine.get_tensor_dtype(n)))
+            dtype = _torch_dtype(trt, engine.get_tensor_dtype(n))
+            t = torch.empty(shape, device="cuda", dtype=dtype)
             ctx.set_tensor_address(n, t.data_ptr())
             outputs[n] = t
         if not ctx.execute_async_v3(self._stream.cuda_stream):

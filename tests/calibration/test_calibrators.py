@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from fp8export.calibration.calibrators import (
     available_calibrators,
     get_calibrator,
@@ -12,7 +13,6 @@ from fp8export.calibration.calibrators import (
     register_calibrator,
 )
 from fp8export.calibration.observers import ActivationStats
-
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import fake_quantize_e4m3
 
