@@ -118,15 +118,14 @@ class TorchModelRunner(Runner):
 
 
 class TorchRunner(TorchModelRunner):
-    """The reference: the checkpoint in bf16 (or fp32) through ``fp8export.models.load_model``."""
+    """The reference: the checkpoint in bf16 (or fp32), on one device or spread over several
+    (``fp8export.models.load_model_placed``, as calibration loads it)."""
 
     backend = "torch"
 
     def _build(self):
-        from fp8export.models import checkpoint_bytes, load_model, load_model_spread
+        from fp8export.models import load_model_placed
 
-        spread = self._budgets(lambda: checkpoint_bytes(self.path, self.dtype.itemsize))
-        if spread is None:
-            return load_model(self.path, dtype=self.dtype, device=self.device)
-        model, config, self.placement = load_model_spread(self.path, spread, dtype=self.dtype)
+        model, config, self.placement = load_model_placed(self.path, self.device,
+                                                          self.max_memory, dtype=self.dtype)
         return model, config
