@@ -33,7 +33,6 @@ Results: ``bench/results/convert.json`` and ``convert.md`` (``--results DIR`` el
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os

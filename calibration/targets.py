@@ -18,8 +18,8 @@ _FUSED_LEAVES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1"
 def default_modules(checkpoint: Path, config: dict | None, *, include=(), exclude=(),
                     fuse_scales: bool = True) -> tuple[list[str], dict[str, list[str]]]:
     """What ``convert`` quantizes (its selection) and its fused groups."""
-    from fp8export.scales.select import select_targets
     from fp8export.checkpoint.source import open_checkpoint
+    from fp8export.scales.select import select_targets
 
     with open_checkpoint(checkpoint) as ckpt:
         sel = select_targets(ckpt.tensors(), ckpt.config, include=include, exclude=exclude,

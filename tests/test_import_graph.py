@@ -24,6 +24,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),
     ("models", {"models", "keras_model"}),
+    ("inputs", {"inputs"}),
     ("calibration", {"calibration"}),
     ("plots", {"plots"}),
     ("onnx", {"onnx"}),

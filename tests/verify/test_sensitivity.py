@@ -48,7 +48,7 @@ def _folder_kl(reference, fp8_dir, data) -> float:
     on the batches sensitivity measures on."""
     import torch
 
-    from fp8export.calibration.data import iter_batches
+    from fp8export.inputs.samples import iter_batches
     from fp8export.models import load_model
     from fp8export.runners.fp8_model import load_fp8_model
     from fp8export.verify.data import load_verify_samples
