@@ -48,9 +48,9 @@ def build(args):
     import torch
 
     from fp8export.calibration.observers import is_linear_like
-    from fp8export.calibration.targets import groups_by_name
     from fp8export.inputs.samples import as_samples, load_samples
     from fp8export.models import max_positions
+    from fp8export.scales.groups import fused_groups
 
     if args.model in ("llama-1b", "llama-tiny"):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,7 +78,7 @@ def build(args):
     head = {"lm_head", "score", "classifier"}
     modules = [n for n, m in model.named_modules()
                if is_linear_like(m) and n.rsplit(".", 1)[-1] not in head]
-    return model, samples, modules, groups_by_name(modules, config), config
+    return model, samples, modules, fused_groups(modules, config), config
 
 
 def main(argv=None) -> int:

@@ -55,11 +55,11 @@ def fp8_weights(model, modules, groups) -> dict[str, Any]:
     """Each module's weight after an E4M3 round trip with its (group-shared) max scale."""
     import torch
 
-    from fp8export.calibration.targets import share_groups
     from fp8export.numerics.fp8 import amax_to_scale, fake_quantize_e4m3
+    from fp8export.scales.groups import share_max
 
     named = dict(model.named_modules())
-    amax = share_groups({m: float(named[m].weight.detach().abs().max()) for m in modules},
+    amax = share_max({m: float(named[m].weight.detach().abs().max()) for m in modules},
                         groups)
     out = {}
     with torch.no_grad():
@@ -130,10 +130,11 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
     import torch
 
     from fp8export.calibration.observe import amaxes_from_stats, observe
-    from fp8export.calibration.targets import default_modules, share_groups
+    from fp8export.calibration.targets import default_modules
     from fp8export.inputs.samples import iter_batches, load_samples
     from fp8export.models import load_model, max_positions, task_of
     from fp8export.numerics.fp8 import amax_to_scale
+    from fp8export.scales.groups import share_max
 
     ckpt = Path(checkpoint)
     t0 = time.perf_counter()
@@ -151,7 +152,7 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
         opts = {"percentile": percentile} if m == "percentile" else {}
         res = amaxes_from_stats(ob.stats, m, **opts)
         compute_s[m] = time.perf_counter() - t
-        amax[m] = share_groups({k: r.amax for k, r in res.items()}, groups)
+        amax[m] = share_max({k: r.amax for k, r in res.items()}, groups)
     del model
 
     model, _ = load_model(ckpt, dtype=torch.float32, device="cpu")

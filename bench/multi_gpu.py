@@ -257,10 +257,10 @@ def fp8_candidate(ref, modules, groups, amax):
     from transformers import AutoModelForCausalLM
 
     from fp8export import placement
-    from fp8export.calibration.targets import share_groups
     from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
     from fp8export.runners.fp8_fused import fuse_projections
     from fp8export.runners.fp8_linear import Fp8Linear
+    from fp8export.scales.groups import share_max
 
     with placement.empty_weights():
         cand = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
@@ -276,8 +276,8 @@ def fp8_candidate(ref, modules, groups, amax):
                                      dtype=torch.bfloat16, special_dtypes=fp8)
     ref_mods = dict(ref.named_modules())
     w_amax = {m: float(ref_mods[m].weight.detach().abs().amax()) for m in modules}
-    w_amax = share_groups(w_amax, groups)
-    in_amax = share_groups(amax, groups)
+    w_amax = share_max(w_amax, groups)
+    in_amax = share_max(amax, groups)
     quantized = set(modules)
     for m in modules:
         w = ref_mods[m].weight.detach()
@@ -305,8 +305,8 @@ def big(args) -> dict:
 
     from fp8export.calibration.observe import amaxes_from_stats, forward_fn, observe
     from fp8export.calibration.observers import is_linear_like
-    from fp8export.calibration.targets import groups_by_name
     from fp8export.inputs.samples import iter_batches
+    from fp8export.scales.groups import fused_groups
     from fp8export.verify.metrics import Comparison
 
     model, cfg, placed, build_s = build_big(args)
@@ -318,7 +318,7 @@ def big(args) -> dict:
                                             "num_key_value_heads", "vocab_size")}},
            "build_random_on_gpus_s": round(build_s, 1), "reference_placement": placed.describe()}
     modules = [n for n, m in model.named_modules() if is_linear_like(m) and n != "lm_head"]
-    groups = groups_by_name(modules, cfg)
+    groups = fused_groups(modules, cfg)
     samples = token_samples(cfg["vocab_size"], args.samples, args.seq_len, 2)
     fwd = forward_fn(model, modules)
     dev = torch.device(placed.main_device)

@@ -112,10 +112,11 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     from fp8export.calibration.amax_file import source_hashes, write_amax_file
     from fp8export.calibration.calibrators import get_calibrator
     from fp8export.calibration.observe import amaxes_from_stats, observe
-    from fp8export.calibration.targets import default_modules, groups_by_name, share_groups
+    from fp8export.calibration.targets import default_modules
     from fp8export.inputs.samples import load_samples
     from fp8export.models import max_positions, vocab_size
     from fp8export.numerics.fp8 import amax_to_scale
+    from fp8export.scales.groups import fused_groups, share_max
 
     if cfg.modules:
         modules = list(cfg.modules)
@@ -124,7 +125,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
         elif known_groups is not None:  # convert's selection already knows them
             groups = {g: [m for m in ms if m in set(modules)] for g, ms in known_groups.items()}
         else:
-            groups = groups_by_name(modules, config)
+            groups = fused_groups(modules, config)
     else:
         modules, groups = default_modules(cfg.checkpoint, config, include=cfg.include,
                                           exclude=cfg.exclude, fuse_scales=cfg.fuse_scales)
@@ -148,7 +149,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
             f"{cfg.checkpoint}: none of the {len(modules)} layers received input from "
             f"{cfg.calib_data}; check that the data matches the model.")
     observed = {m: r.amax for m, r in results.items()}
-    amax = share_groups(observed, groups)
+    amax = share_max(observed, groups)
     for m, a in amax.items():
         amax_to_scale(a, f"{m} (input, {method} calibration)")  # never an invalid scale
     if ob.missing:

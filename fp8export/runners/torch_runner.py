@@ -28,21 +28,6 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[key])
 
 
-def resolve_device(device: str | None) -> str:
-    """"auto" → "cuda" when a GPU is visible else "cpu"; "cuda" without a GPU is an error."""
-    import torch
-
-    dev = str(device or "auto").lower()
-    if dev == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise Fp8ExportError("--device cuda was requested but no CUDA GPU is visible to torch "
-                             "on this machine. Use --device cpu (or auto), or run on a GPU host.")
-    if dev != "cpu" and not dev.startswith("cuda"):
-        raise Fp8ExportError(f"--device {device!r} is unknown; use auto, cpu or cuda.")
-    return dev
-
-
 class TorchModelRunner(Runner):
     """A runner around a torch module built in ``_build()``; subclasses say how to build it."""
 
@@ -72,7 +57,9 @@ class TorchModelRunner(Runner):
                        self.max_memory)
 
     def _activate(self) -> None:
-        self.device = resolve_device(self.device_name)
+        from fp8export.placement import resolve_device
+
+        self.device = resolve_device(self.device_name or "auto")
         self.dtype = torch_dtype(self.dtype_name)
         self.model, self.config = self._build()
         # inputs go where the first layer runs (the embedding's GPU when spread)

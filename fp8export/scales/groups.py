@@ -2,15 +2,15 @@
 
 q/k/v and gate/up read the same input and run as one fused GEMM in vLLM and TensorRT, which
 has one weight scale and one input scale; so every member uses the group's max amax (or
-scale). Convert's weight scan, its history weight scales, its activation ranges and the
-sensitivity analysis all share through here.
+scale). Convert's weight scan, its history weight scales, its activation ranges, calibration
+and the sensitivity analysis all find groups and share through here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 V = TypeVar("V", bound=float)
 
@@ -38,3 +38,19 @@ def share_max(values: Mapping[str, V], groups: Mapping[str, Iterable[str]]) -> d
             if m in values:
                 out[m] = top
     return out
+
+
+def fused_groups(modules: Iterable[str], config: Mapping[str, Any] | None
+                 ) -> dict[str, list[str]]:
+    """Fused group -> its members among ``modules``, by the family table (the rule convert's
+    selection uses); groups of one member are dropped. No family, no groups."""
+    from fp8export.scales.families import family_of, fused_group_of
+
+    family = family_of(dict(config) if config is not None else None)
+    present = list(modules)
+    found: dict[str, list[str]] = {}
+    for m in present:
+        fg = fused_group_of(m, family)
+        if fg is not None:
+            found.setdefault(fg[0], [x for x in fg[1] if x in set(present)])
+    return {g: ms for g, ms in found.items() if len(ms) >= 2}

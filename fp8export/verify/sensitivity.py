@@ -83,7 +83,7 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
     """
     from fp8export.inputs.samples import iter_batches
     from fp8export.models import load_model
-    from fp8export.runners.torch_runner import resolve_device
+    from fp8export.placement import resolve_device
     from fp8export.verify.data import load_verify_samples
 
     if budget_kl is not None and not budget_kl > 0:
