@@ -200,10 +200,3 @@ def weight_scales_from_history(state: TrainingState, modules: Iterable[str], *,
         if got is not None:
             scales[module] = float(amax_to_scale(got[0], f"{module}.weight"))
     return scales
-
-
-def history_vs_calibration(history: Mapping[str, ActivationRange],
-                           calibrated: Mapping[str, ActivationRange]) -> dict[str, float]:
-    """Per layer, history-derived amax ÷ calibrated amax (= ratio of the scales), for the report."""
-    return {m: history[m].amax / calibrated[m].amax for m in sorted(history)
-            if m in calibrated and calibrated[m].amax > 0}
