@@ -65,6 +65,21 @@ class OutputFormat(StrEnum):
     MODELOPT = "modelopt"
 
 
+class WeightGranularity(StrEnum):
+    """One weight scale per tensor, or one per output channel (``convert --weight-granularity``)."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+
+
+class DynamicActivations(StrEnum):
+    """How layers without a static input scale scale their input at run time
+    (``convert --dynamic-activations``): one amax per tensor, or one per token (row)."""
+
+    TENSOR = "tensor"
+    TOKEN = "token"
+
+
 class CalibMethod(StrEnum):
     """Calibrator used to turn observed activations into an amax."""
 
@@ -109,6 +124,8 @@ class ConvertConfig:
     exclude: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     fuse_scales: bool = True
+    weight_granularity: WeightGranularity = WeightGranularity.TENSOR
+    dynamic_activations: DynamicActivations = DynamicActivations.TENSOR
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
@@ -119,7 +136,9 @@ class ConvertConfig:
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
         for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
-                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device)):
+                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
+                           ("weight_granularity", WeightGranularity),
+                           ("dynamic_activations", DynamicActivations)):
             option = f"--{name.replace('_', '-')}"
             object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))

@@ -45,6 +45,7 @@ from fp8export.checkpoint.atomic import (
 from fp8export.checkpoint.formats import (
     LOADED_BY,
     activation_scheme,
+    check_supported,
     extra_files,
     format_notes,
     quantization_config,
@@ -67,7 +68,7 @@ from fp8export.checkpoint.select import Selection, select_targets
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
 from fp8export.checkpoint.weights import scan_weights
 from fp8export.checkpoint.write import INDEX_NAME, index_json, plan_shards, write_shards
-from fp8export.config import ConvertConfig
+from fp8export.config import ConvertConfig, DynamicActivations, OutputFormat, WeightGranularity
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import amax_to_scale
 
@@ -208,6 +209,10 @@ def convert(cfg: ConvertConfig) -> ConvertResult:
     """
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
+    check_supported(cfg.format, [], [], per_channel=_per_channel(cfg))
+    if _per_channel(cfg) and cfg.weight_scales_from_history:
+        raise Fp8ExportError("--weight-scales-from-history gives one scale per tensor (training "
+                             "histories are per tensor); use it with --weight-granularity tensor.")
     refuse_inside_input(out, cfg.checkpoint)
     stop = threading.Event()  # ends the background hashing early when convert fails
     with open_checkpoint(cfg.checkpoint) as ckpt, ThreadPoolExecutor(1) as pool:
@@ -237,7 +242,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                           desc="scanning weights", unit="tensor"))
     # scan_weights drops each weight before loading the next: a reused read buffer is safe.
     scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
-                        on_step=lambda: next(ticks, None))
+                        on_step=lambda: next(ticks, None), per_channel=_per_channel(cfg))
     _finish(ticks)
     if scan.nonfinite:
         raise Fp8ExportError(
@@ -265,7 +270,12 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
                      f"activations (second config group): {_listed(dynamic)}")
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
-                                  tool_version=__version__)
+                                  tool_version=__version__, per_channel=_per_channel(cfg))
+    if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
+            and cfg.format is OutputFormat.COMPRESSED_TENSORS:
+        notes.append("dynamic activations are verified per tensor here, while vLLM runs "
+                     "compressed-tensors dynamic inputs per token; --dynamic-activations token "
+                     "verifies what it runs")
     notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
@@ -336,6 +346,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 "output_format": str(cfg.format),
                 "loaded_by": list(LOADED_BY[cfg.format]),
                 "activation_scheme": scheme,
+                "weight_granularity": str(cfg.weight_granularity),
+                "dynamic_activations": str(cfg.dynamic_activations),
                 "dynamic_activation_layers": dynamic,
                 "quantization_config": qconfig,
                 "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
@@ -361,9 +373,15 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         loaded_by=list(LOADED_BY[cfg.format]))
 
 
+def _per_channel(cfg: ConvertConfig) -> bool:
+    return cfg.weight_granularity is WeightGranularity.CHANNEL
+
+
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
             plans) -> list[dict[str, Any]]:
     """The per-layer rows of the manifest and the result, in source order."""
+    import numpy as np
+
     shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
     rows = []
     for t in sel.targets:
@@ -373,7 +391,10 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             "shape": list(t.shape), "layout": t.layout, "source_dtype": t.dtype,
             "fused_group": t.fused_group,
             "weight_amax": scan.amax[t.module],
-            "weight_scale": float(weight_scales[t.module]),
+            # per channel: the largest of the row scales (what inspect shows), and the smallest
+            "weight_scale": float(np.max(weight_scales[t.module])),
+            **({"weight_scale_min": float(np.min(weight_scales[t.module]))}
+               if np.ndim(weight_scales[t.module]) else {}),
             "weight_scale_source": weight_source[t.module],
             "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
             "input_amax": float(r.amax) if r else None,

@@ -25,10 +25,10 @@ collected into one Fp8ExportError.
 from __future__ import annotations
 
 import json
-import math
 import os
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from fp8export.checkpoint.source import Checkpoint
 from fp8export.checkpoint.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
 from fp8export.checkpoint.write import INDEX_NAME, ShardPlan, WriteRecord
 from fp8export.errors import Fp8ExportError
+from fp8export.numerics.channel import channels_roundtrip_sqnr
 
 _MAX_LISTED = 10
 
@@ -115,7 +116,7 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
         problems.append(f"{fname}: tensors differ from the plan "
                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
     digests = record.digests.get(fname, {}) if record is not None else None
-    disk_scale: dict[str, float] = {}  # module -> weight scale as read from disk
+    disk_scale: dict[str, Any] = {}  # module -> weight scale(s) as read from disk
     disk = _DiskReader(path)
     try:
         # Scales first (a weight's SQNR uses its scale as read from disk), then the rest.
@@ -138,13 +139,16 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                 problems.append(f"{fname}: the bytes of {name} on disk differ from those "
                                 "written (digest mismatch)")
             if entry.kind in ("weight_scale", "input_scale"):
-                value = float(raw.view(torch.float32)[0])
-                want = float((weight_scales if entry.kind == "weight_scale"
-                              else input_scales)[entry.source])
-                if not (math.isfinite(value) and value > 0.0):
-                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
-                elif value != want:
-                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
+                values = raw.view(torch.float32).numpy().copy()
+                want = np.asarray((weight_scales if entry.kind == "weight_scale"
+                                   else input_scales)[entry.source], dtype=np.float32).reshape(-1)
+                value = float(values[0]) if values.size == 1 else values
+                if not (np.all(np.isfinite(values)) and np.all(values > 0.0)):
+                    bad = values[~(np.isfinite(values) & (values > 0.0))][0]
+                    problems.append(f"{fname}: {name} holds {bad} (not a finite positive scale)")
+                elif not np.array_equal(values, want):
+                    shown = value if values.size == 1 else "values"
+                    problems.append(f"{fname}: {name} = {shown!r} but other values were computed")
                 if entry.kind == "weight_scale":
                     disk_scale[entry.source] = value
             elif entry.kind == "weight":
@@ -230,13 +234,13 @@ class _DiskReader:
         self._buf = None
 
 
-def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
+def _check_weight(entry, raw, disk_scale: dict[str, Any], ckpt: Checkpoint,
                   record: WriteRecord | None, min_sqnr_db: float, sqnr: dict[str, float],
                   fname: str) -> str | None:
     name = entry.tensor.name
     module = name[: -len(".weight")]
     scale = disk_scale.get(module)
-    if scale is None or not (math.isfinite(scale) and scale > 0.0):
+    if scale is None or not (np.all(np.isfinite(scale)) and np.all(np.asarray(scale) > 0.0)):
         return None  # reported with the scale itself
     if record is not None:
         value = record.sqnr.get(module)
@@ -244,7 +248,10 @@ def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
             return f"{name}: no SQNR was recorded when it was written"
     else:
         q = raw.view(ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
-        value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)
+        if np.ndim(scale):
+            value = channels_roundtrip_sqnr(ckpt.load(entry.source), q, scale, entry.layout)
+        else:
+            value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)
     sqnr[module] = value
     if not value >= min_sqnr_db:
         return (f"{name}: the FP8 weight read back from {fname} has SQNR {value:.1f} dB against "

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fp8export.checkpoint.select import Target
+from fp8export.numerics.channel import channel_amax, channel_scales
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of float32
@@ -172,24 +173,29 @@ class WeightScan:
 
     amax: dict[str, float]
     scale_amax: dict[str, float]  # the amax the scale is built from (group max when fused)
-    scale: dict[str, np.float32]
+    scale: dict[str, np.float32 | np.ndarray]  # float32 [out] per channel
     nonfinite: list[str]  # tensor names holding NaN/Inf
     all_zero: list[str]  # modules whose scale amax is 0 (kept in high precision)
 
 
 def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
                  groups: dict[str, list[str]], *, on_step: Callable[[], None] | None = None,
-                 ) -> WeightScan:
+                 per_channel: bool = False) -> WeightScan:
     """Read every target weight once: amax, NaN/Inf offenders, and the per-module scale.
 
     Fused groups use the max amax of their members (DESIGN.md: what vLLM/TensorRT run).
     A module whose (group) amax is 0 has no scale: it is reported in ``all_zero``.
+    ``per_channel``: one scale per output channel instead (float32 ``[out]``); fused members
+    keep their own rows' scales, which vLLM concatenates without re-quantizing.
     """
     amax: dict[str, float] = {}
+    rows: dict[str, np.ndarray] = {}
     nonfinite: list[str] = []
     for t in targets:
         w = load(t.weight)
         a = chunked_amax(w)
+        if per_channel and math.isfinite(a) and a > 0.0:
+            rows[t.module] = channel_amax(w, t.layout)
         del w
         if not math.isfinite(a):
             nonfinite.append(t.weight)
@@ -203,8 +209,11 @@ def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
             gmax = max(vals)
             for m in members:
                 scale_amax[m] = gmax
+    if per_channel:
+        scale_amax = dict(amax)
     all_zero = [m for m, a in scale_amax.items() if a == 0.0]
-    scale = {m: amax_to_scale(a, f"{m}.weight") for m, a in scale_amax.items()
-             if math.isfinite(a) and a > 0.0}
+    scale = {m: (channel_scales(rows[m], f"{m}.weight") if per_channel
+                 else amax_to_scale(a, f"{m}.weight"))
+             for m, a in scale_amax.items() if math.isfinite(a) and a > 0.0}
     return WeightScan(amax=amax, scale_amax=scale_amax, scale=scale, nonfinite=nonfinite,
                       all_zero=all_zero)

@@ -4,7 +4,8 @@ Output shards mirror the source's file grouping: each source weight file becomes
 file (``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` for several, plus
 ``model.safetensors.index.json``). Inside a shard, tensors keep the source order; a quantized
 ``<m>.weight`` (F8_E4M3, source layout) is followed by ``<m>.weight_scale`` and, with static
-activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt).
+activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a per-channel
+``weight_scale`` is ``[out, 1]``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fp8export.checkpoint.select import Target
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.checkpoint.weights import quantize_weight_sqnr
 from fp8export.errors import Fp8ExportError
+from fp8export.numerics.channel import quantize_channels_sqnr
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -37,6 +39,7 @@ class Planned:
     tensor: PlannedTensor
     kind: str  # "copy" | "weight" | "weight_scale" | "input_scale"
     source: str  # source tensor name ("weight"/"copy") or module name (scales)
+    layout: str = "out_in"  # of a quantized weight: where its output channels are
 
 
 @dataclass
@@ -69,13 +72,16 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
                                             "copy", name))
                 continue
             plan.entries.append(Planned(PlannedTensor(name, "F8_E4M3", tuple(info.shape)),
-                                        "weight", name))
+                                        "weight", name, t.layout))
             extra = ["weight_scale"] + (["input_scale"] if t.module in input_scales else [])
             for kind in extra:
                 scale_name = f"{t.module}.{kind}"
                 if scale_name in infos:
                     clashes.append(scale_name)
-                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", scale_shape),
+                shape = scale_shape
+                if kind == "weight_scale" and np.ndim(weight_scales[t.module]):
+                    shape = (np.size(weight_scales[t.module]), 1)  # per channel: [out, 1]
+                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", shape),
                                             kind, t.module))
     if clashes:
         raise Fp8ExportError(
@@ -121,8 +127,8 @@ class WriteRecord:
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB
 
 
-def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(np.array([value], dtype=np.float32)).reshape(shape)
+def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
 
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
@@ -157,8 +163,11 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if entry.kind == "weight":
             module = weight_module[entry.source]
             w = load_scratch(entry.source)  # dropped before the next weight is loaded
-            q, record.sqnr[module] = quantize_weight_sqnr(w, weight_scales[module],
-                                                          out=pool.get(w.numel()))
+            scale = weight_scales[module]
+            if np.ndim(scale):
+                q, record.sqnr[module] = quantize_channels_sqnr(w, scale, entry.layout)
+            else:
+                q, record.sqnr[module] = quantize_weight_sqnr(w, scale, out=pool.get(w.numel()))
             del w
             return q
         scales = weight_scales if entry.kind == "weight_scale" else input_scales

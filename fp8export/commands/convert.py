@@ -64,6 +64,17 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--no-fuse-scales", is_flag=True,
               help="Give q/k/v and gate/up projections their own scales (default: they share "
                    "the group max, as vLLM and TensorRT-LLM run them).")
+@click.option("--weight-granularity", type=_choice("tensor", "channel"), default="tensor",
+              show_default=True,
+              help="One weight scale per tensor, or one per output channel (weight_scale "
+                   "[out, 1]; compressed-tensors strategy channel; --format compressed-tensors "
+                   "only). Which is more accurate depends on the model: measure with verify.")
+@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="tensor",
+              show_default=True,
+              help="Layers without a static input scale quantize their input at run time with "
+                   "one scale per tensor, or one per token (what vLLM runs for "
+                   "compressed-tensors dynamic inputs). Recorded in fp8export.json; verify "
+                   "runs it.")
 @click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
@@ -74,7 +85,8 @@ def _choice(*values: str) -> click.Choice:
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
-            fmt, exclude, include, no_fuse_scales, device, accuracy_budget, force):
+            fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
+            device, accuracy_budget, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
@@ -96,6 +108,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         batch_size=batch_size, seq_len=seq_len, percentile=percentile, amax_algo=amax_algo,
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
+        weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
         device=device, force=force,
         accuracy_budget=accuracy_budget,
     )

@@ -17,7 +17,7 @@ import torch
 
 from fp8export.errors import Fp8ExportError
 from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
-from fp8export.runners.fp8_linear import MODES, Fp8Linear, scaled_mm_available
+from fp8export.runners.fp8_linear import DYNAMIC, MODES, Fp8Linear, scaled_mm_available
 
 MANIFEST = "fp8export.json"
 
@@ -70,7 +70,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor], *,
                     mode: str, dtype: torch.dtype, where: Path,
-                    bias: torch.Tensor | None = None) -> Fp8Linear:
+                    bias: torch.Tensor | None = None, dynamic: str = "tensor") -> Fp8Linear:
     """One Fp8Linear from the manifest entry of module ``name`` and the folder's tensors
     (``bias``: the bias to use instead of the folder's ``<name>.bias``)."""
     wname = entry.get("weight", f"{name}.weight")
@@ -85,7 +85,8 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
     if entry.get("layout", "out_in") == "in_out":
         w = w.t().contiguous()
     bias = tensors.get(f"{name}.bias") if bias is None else bias
-    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype)
+    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype,
+                     dynamic=dynamic)
 
 
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
@@ -129,7 +130,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
                         empty=budgets is not None)
     quantized = manifest.get("quantized") or {}
     fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
-                                 where=where)
+                                 where=where, dynamic=dynamic_of(manifest, where))
     state = model.state_dict()
     loadable = {}
     for key, t in tensors.items():
@@ -165,6 +166,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     unfused = fuse_projections(model, groups)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
+            "weight_granularity": manifest.get("weight_granularity", "tensor"),
+            "dynamic_activations": dynamic_of(manifest, where),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
@@ -172,6 +175,16 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         placement.check_loaded(model, str(where))
         info["placement"] = placement.dispatch(model, placement.plan(model, budgets, dtype))
     return model, config, manifest, info
+
+
+def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
+    """How the folder's dynamic layers scale their input: "tensor" (folders written before
+    the option existed) or "token"."""
+    value = manifest.get("dynamic_activations", "tensor")
+    if value not in DYNAMIC:
+        raise Fp8ExportError(f"{where}: fp8export.json has dynamic_activations {str(value)[:20]!r}"
+                             f"; expected one of {', '.join(DYNAMIC)}. Re-run `fp8export convert`.")
+    return value
 
 
 def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
@@ -195,7 +208,8 @@ def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
 
 def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
                      tensors: dict[str, torch.Tensor], *, mode: str, dtype: torch.dtype,
-                     where: Path, keep_bias: bool = False) -> dict[str, str]:
+                     where: Path, keep_bias: bool = False, dynamic: str = "tensor",
+                     ) -> dict[str, str]:
     """Replace every manifest-listed module of ``model`` by its Fp8Linear; returns fallbacks.
 
     ``keep_bias``: the new layer takes the replaced module's bias (already loaded) rather than
@@ -210,7 +224,7 @@ def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
                                  "in config.json does not have.") from None
         bias = getattr(old, "bias", None) if keep_bias else None
         new = make_fp8_linear(name, entry, tensors, mode=mode, dtype=dtype, where=where,
-                              bias=None if bias is None else bias.detach())
+                              bias=None if bias is None else bias.detach(), dynamic=dynamic)
         expected = _linear_shape(old)
         if expected is not None and expected != (new.out_features, new.in_features):
             raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
@@ -232,7 +246,8 @@ def _load_keras_fp8(where: Path, device: torch.device, dtype: torch.dtype, mode:
     quantized = folder.manifest.get("quantized") or {}
     # the rebuilt layers hold the biases as the Keras layers compute with them
     fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
-                                 where=where, keep_bias=True)
+                                 where=where, keep_bias=True,
+                                 dynamic=dynamic_of(folder.manifest, where))
     info = {"mode": mode, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": folder.manifest.get("activation_scheme"),
             "fused_groups": 0, "unfused_groups": {}}  # Keras runs q, k, v as separate GEMMs
