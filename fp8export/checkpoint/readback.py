@@ -144,11 +144,14 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                                    else input_scales)[entry.source], dtype=np.float32).reshape(-1)
                 value = float(values[0]) if values.size == 1 else values
                 if not (np.all(np.isfinite(values)) and np.all(values > 0.0)):
-                    bad = values[~(np.isfinite(values) & (values > 0.0))][0]
-                    problems.append(f"{fname}: {name} holds {bad} (not a finite positive scale)")
+                    bad = float(values[~(np.isfinite(values) & (values > 0.0))][0])
+                    problems.append(f"{fname}: {name} = {bad} is not a finite positive scale")
+                elif values.size == 1 and want.size == 1 and value != float(want[0]):
+                    problems.append(f"{fname}: {name} = {value!r} but {float(want[0])!r} was "
+                                    "computed")
                 elif not np.array_equal(values, want):
-                    shown = value if values.size == 1 else "values"
-                    problems.append(f"{fname}: {name} = {shown!r} but other values were computed")
+                    problems.append(f"{fname}: {name} differs from the per-channel scales that "
+                                    "were computed")
                 if entry.kind == "weight_scale":
                     disk_scale[entry.source] = value
             elif entry.kind == "weight":
