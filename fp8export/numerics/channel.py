@@ -57,8 +57,9 @@ def channel_scales(amax: np.ndarray, name: str) -> np.ndarray:
     amax = np.asarray(amax, dtype=np.float64)
     if not np.all(np.isfinite(amax)) or np.any(amax < 0):
         bad = int(np.flatnonzero(~np.isfinite(amax) | (amax < 0))[0])
-        raise Fp8ExportError(f"{name}: channel {bad} has amax {float(amax[bad])!r}; a weight with NaN/Inf "
-                             "cannot be quantized. Fix the checkpoint or --exclude the module.")
+        raise Fp8ExportError(f"{name}: channel {bad} has amax {float(amax[bad])!r}; a weight "
+                             "with NaN/Inf cannot be quantized. Fix the checkpoint or --exclude "
+                             "the module.")
     scales = (amax / E4M3_MAX).astype(np.float32)
     positive = scales > 0
     if not positive.any():
