@@ -14,7 +14,8 @@ For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)
   output-channel axis with an all-zero zero point of the same shape (ONNX requires the zero
   point to match the scale's shape; TensorRT takes per-channel weight DQ), ``axis`` always
   written (TensorRT 10.1 defaulted a missing axis to 0, later parsers to 1), an all-zero
-  FLOAT8E4M3FN zero point on every Q and DQ (the onnx-tensorrt importer takes the quantized type from the zero point, else ``output_dtype``, else INT8);
+  FLOAT8E4M3FN zero point on every Q and DQ (the onnx-tensorrt importer takes the quantized
+  type from the zero point, else ``output_dtype``, else INT8);
 * scale dtype = activation dtype; at opset >= 23 with bf16 activations the scales stay float32
   and the DQs carry ``output_dtype`` = bf16 (needs TensorRT >= 10.13);
 * layers without a static ``input_scale`` (dynamic activations) get the weight DQ only: the
