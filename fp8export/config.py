@@ -129,6 +129,7 @@ class ConvertConfig:
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
+    accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -90,6 +90,7 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)  # output file names
     bytes_out: int = 0
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
+    accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,22 +107,47 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_MAX_LISTED]) + more
 
 
-def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[str]]:
-    """Keep in high precision the layers the sensitivity analysis picks for the KL budget."""
-    fn = provider("fp8export.verify.sensitivity", "exclusions_for_budget", "--accuracy-budget",
-                  "Leave it out, or exclude sensitive layers by hand with --exclude.")
-    keep, notes = fn(cfg, sel.modules)
-    keep = set(keep)
-    # vLLM refuses a partly quantized fused layer: a sensitive member takes its siblings along.
+def _apply_budget(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, weight_scales: dict,
+                  input_scales: dict) -> tuple[Selection, Any, dict[str, Any], list[str]]:
+    """Keep in high precision the fewest layers that bring the measured KL within the budget.
+
+    The search (``fp8export.verify.fallback``) gets every layer as it will be written: the same
+    E4M3 bytes, weight scales (group max or per channel) and input scales.
+    """
+    import numpy as np
+
+    from fp8export.checkpoint.weights import quantize_weight_sqnr
+    from fp8export.numerics.channel import quantize_channels_sqnr
+
+    start = provider("fp8export.verify.fallback", "start", "--accuracy-budget",
+                     "Leave it out, or exclude sensitive layers by hand with --exclude.")
+    layer_type = provider("fp8export.verify.fallback", "FallbackLayer", "--accuracy-budget",
+                          "Leave it out, or exclude sensitive layers by hand with --exclude.")
+    layers = []
+    for t in sel.targets:
+        w, scale = ckpt.load(t.weight), weight_scales[t.module]
+        if np.ndim(scale):
+            q, _ = quantize_channels_sqnr(w, scale, t.layout)
+        else:
+            q, _ = quantize_weight_sqnr(w, scale)
+        del w
+        layers.append(layer_type(t.module, q.t().contiguous() if t.layout == "in_out" else q,
+                                 scale, input_scales.get(t.module), t.fused_group))
+    search = start(cfg, ckpt.path, layers)
+    del layers
+    result = search.search(float(cfg.accuracy_budget))
+    keep = set(result["keep"])
+    # vLLM refuses a partly quantized fused layer: the search keeps fused groups whole.
     for members in sel.groups.values():
         if keep & set(members):
             keep |= set(members)
-    notes = list(notes)
-    if keep:
-        notes.append(f"--accuracy-budget {cfg.accuracy_budget}: {len(keep)} layer(s) kept in "
-                     f"high precision: {_listed(sorted(keep))}")
+    notes = [f"--accuracy-budget {cfg.accuracy_budget}: KL {result['kl_all_fp8']:.3e} with every "
+             f"layer in FP8; {len(keep)} layer(s) ({100 * result['kept_param_fraction']:.1f}% of "
+             f"the linear parameters) kept in high precision give KL "
+             f"{result['kl_selected']:.3e} on {result['samples']} samples of {result['data']}"
+             + (f": {_listed(sorted(keep))}" if keep else "")]
     return sel.without(keep, f"kept in high precision for --accuracy-budget "
-                             f"{cfg.accuracy_budget}"), notes
+                             f"{cfg.accuracy_budget}"), search, result, notes
 
 
 def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
@@ -229,9 +255,6 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
                          fuse_scales=cfg.fuse_scales)
     notes.extend(sel.notes)
-    if cfg.accuracy_budget is not None:
-        sel, more = _apply_budget(cfg, sel)
-        notes.extend(more)
     if not sel.targets:
         raise Fp8ExportError(
             f"{cfg.checkpoint}: no linear weights to quantize (family "
@@ -263,6 +286,14 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                                              groups=sel.groups if cfg.fuse_scales else None)
     notes.extend(more)
     input_scales = {m: amax_to_scale(r.amax, f"{m} (input)") for m, r in ranges.items()}
+    search = budget = None
+    if cfg.accuracy_budget is not None:
+        sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
+        notes.extend(more)
+        modules = sel.modules
+        weight_scales = {m: weight_scales[m] for m in modules}
+        input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
+        ranges = {m: r for m, r in ranges.items() if m in weight_scales}
     static = sorted(input_scales)
     dynamic = sorted(set(modules) - set(static))
     scheme = activation_scheme(static, dynamic)
@@ -356,6 +387,15 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 "notes": _portable(notes, cfg, out),
             }
             write_json(tmp / MANIFEST_NAME, manifest)
+            if search is not None:  # the written folder, measured through the FP8 runtime
+                measured = search.check_written(tmp)
+                budget = {**budget, "data": Path(str(budget["data"])).name,
+                          "written": measured, "seconds": search.cost()}
+                manifest["accuracy_budget"] = budget
+                write_json(tmp / MANIFEST_NAME, manifest)
+                notes.append(f"--accuracy-budget: the written folder measures KL "
+                             f"{measured['kl']:.3e}, top-1 {measured['top1_agreement']:.4f}; "
+                             f"search cost {budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
@@ -370,7 +410,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         output=str(out), format=str(cfg.format), activation_scheme=scheme,
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out,
-        loaded_by=list(LOADED_BY[cfg.format]))
+        loaded_by=list(LOADED_BY[cfg.format]), accuracy_budget=budget)
 
 
 def _per_channel(cfg: ConvertConfig) -> bool:

@@ -77,16 +77,21 @@ def _choice(*values: str) -> click.Choice:
                    "runs it.")
 @click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
+@click.option("--accuracy-samples", type=click.IntRange(min=1),
+              help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
+                   "measures on (default 16).")
 @click.option("--accuracy-budget", type=float, metavar="KL",
-              help="Keep the most sensitive layers in high precision until the estimated KL "
-                   "divergence to the bf16 model is within KL. Default: off (every selected "
-                   "layer in FP8).")
+              help="Keep the fewest linears in high precision such that the measured KL "
+                   "divergence (nats per token) of the model convert writes to the bf16 model "
+                   "is within KL; the written folder is measured again, and the kept layers "
+                   "and the cost go into fp8export.json. Default: off (every selected layer "
+                   "in FP8).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
-            device, accuracy_budget, force):
+            device, accuracy_samples, accuracy_budget, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
@@ -110,7 +115,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
         device=device, force=force,
-        accuracy_budget=accuracy_budget,
+        accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples,
     )
     render(api.convert(cfg))
 
