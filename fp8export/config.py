@@ -80,6 +80,13 @@ class DynamicActivations(StrEnum):
     TOKEN = "token"
 
 
+class KvCache(StrEnum):
+    """KV-cache precision the folder declares (``convert --kv-cache``)."""
+
+    NONE = "none"
+    FP8 = "fp8"  # per-attention-layer k_scale / v_scale, calibrated
+
+
 class CalibMethod(StrEnum):
     """Calibrator used to turn observed activations into an amax."""
 
@@ -126,6 +133,7 @@ class ConvertConfig:
     fuse_scales: bool = True
     weight_granularity: WeightGranularity = WeightGranularity.TENSOR
     dynamic_activations: DynamicActivations = DynamicActivations.TENSOR
+    kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
@@ -139,7 +147,8 @@ class ConvertConfig:
         for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
                            ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
                            ("weight_granularity", WeightGranularity),
-                           ("dynamic_activations", DynamicActivations)):
+                           ("dynamic_activations", DynamicActivations),
+                           ("kv_cache", KvCache)):
             option = f"--{name.replace('_', '-')}"
             object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -150,6 +159,9 @@ class ConvertConfig:
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
+        if self.kv_cache is KvCache.FP8 and self.calib_data is None:
+            raise UsageError("--kv-cache fp8 calibrates the keys and values: give --calib-data "
+                             "PATH.")
         if self.margin < 0:
             raise UsageError(f"--margin must be >= 0, got {self.margin}.")
         if self.accuracy_budget is not None and not self.accuracy_budget > 0:

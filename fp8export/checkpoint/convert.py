@@ -48,6 +48,7 @@ from fp8export.checkpoint.formats import (
     check_supported,
     extra_files,
     format_notes,
+    kv_scale_names,
     quantization_config,
     scale_shape,
 )
@@ -68,7 +69,13 @@ from fp8export.checkpoint.select import Selection, select_targets
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
 from fp8export.checkpoint.weights import scan_weights
 from fp8export.checkpoint.write import INDEX_NAME, index_json, plan_shards, write_shards
-from fp8export.config import ConvertConfig, DynamicActivations, OutputFormat, WeightGranularity
+from fp8export.config import (
+    ConvertConfig,
+    DynamicActivations,
+    KvCache,
+    OutputFormat,
+    WeightGranularity,
+)
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import amax_to_scale
 
@@ -294,6 +301,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         weight_scales = {m: weight_scales[m] for m in modules}
         input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
         ranges = {m: r for m, r in ranges.items() if m in weight_scales}
+    kv_scales, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     static = sorted(input_scales)
     dynamic = sorted(set(modules) - set(static))
     scheme = activation_scheme(static, dynamic)
@@ -301,7 +309,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
                      f"activations (second config group): {_listed(dynamic)}")
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic, ignore=sel.ignore,
-                                  tool_version=__version__, per_channel=_per_channel(cfg))
+                                  tool_version=__version__, per_channel=_per_channel(cfg),
+                                  kv_cache=kv_entry is not None)
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
             and cfg.format is OutputFormat.COMPRESSED_TENSORS:
         notes.append("dynamic activations are verified per tensor here, while vLLM runs "
@@ -311,7 +320,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format))
+                        scale_shape(cfg.format), kv_after=kv_after)
     if ckpt.config and "quantization_config" in ckpt.config:
         notes.append("the source config.json had a quantization_config; it was replaced")
 
@@ -325,11 +334,11 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             early: dict[str, Any] = {}
             with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
                 record = write_shards(
-                    tmp, plans, ckpt, weight_scales, input_scales,
+                    tmp, plans, ckpt, weight_scales, input_scales, kv_scales=kv_scales,
                     on_tensor=lambda: next(ticks, None),
                     on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
                         verify_shard, tmp, plan, ckpt, weight_scales, input_scales,
-                        record=rec)))
+                        record=rec, kv_scales=kv_scales)))
                 for fut in early.values():
                     fut.exception()  # wait, inside the pool's lifetime
             _finish(ticks)
@@ -344,7 +353,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 notes.append("the source has no config.json; the quantization config is recorded "
                              "in fp8export.json only")
             for name, content in extra_files(cfg.format, ignore=sel.ignore,
-                                             tool_version=__version__).items():
+                                             tool_version=__version__,
+                                             kv_cache=kv_entry is not None).items():
                 write_json(tmp / name, content)
                 written.add(name)
                 ours.add(name)
@@ -364,7 +374,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
             sqnr = verify_output(tmp, plans, ckpt, weight_scales, input_scales, record=record,
-                                 early=early)
+                                 early=early, kv_scales=kv_scales)
             layers = _layers(sel, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
                              plans)
             manifest = {
@@ -386,6 +396,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
                 "excluded": dict(sorted(sel.excluded.items())),
                 "notes": _portable(notes, cfg, out),
             }
+            if kv_entry is not None:
+                manifest["kv_cache"] = kv_entry
             write_json(tmp / MANIFEST_NAME, manifest)
             if search is not None:  # the written folder, measured through the FP8 runtime
                 measured = search.check_written(tmp)
@@ -411,6 +423,35 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes) -> Co
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=dynamic, layers=layers, notes=notes, files=files, bytes_out=bytes_out,
         loaded_by=list(LOADED_BY[cfg.format]), accuracy_budget=budget)
+
+
+def _kv_cache_scales(cfg: ConvertConfig, ckpt: Checkpoint
+                     ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, Any] | None]:
+    """``--kv-cache fp8``: (scale tensor -> value, source tensor -> the KV scales written right
+    after it, the manifest entry), or empty and None when the KV cache stays in 16 bits."""
+    if cfg.kv_cache is not KvCache.FP8:
+        return {}, {}, None
+    ranges = provider("fp8export.calibration.kv_cache", "kv_cache_ranges", "--kv-cache fp8",
+                      "Leave --kv-cache off.")
+    amax, facts = ranges(cfg, ckpt.path)
+    names = {t.name for t in ckpt.tensors()}
+    scales: dict[str, Any] = {}
+    after: dict[str, list[str]] = {}
+    layers: dict[str, Any] = {}
+    for attn, (k_amax, v_amax) in sorted(amax.items()):
+        k_name, v_name = kv_scale_names(cfg.format, attn)
+        anchor = f"{attn}.v_proj.weight"
+        if anchor not in names:
+            raise Fp8ExportError(f"{cfg.checkpoint}: --kv-cache fp8 found attention {attn} but "
+                                 f"no tensor {anchor} to place its scales beside.")
+        scales[k_name] = amax_to_scale(k_amax, f"{attn} keys")
+        scales[v_name] = amax_to_scale(v_amax, f"{attn} values")
+        after[anchor] = [k_name, v_name]
+        layers[attn] = {"k_amax": k_amax, "v_amax": v_amax, "k_scale": float(scales[k_name]),
+                        "v_scale": float(scales[v_name]), "k_scale_tensor": k_name,
+                        "v_scale_tensor": v_name}
+    return scales, after, {"dtype": "float8_e4m3fn", "granularity": "tensor", **facts,
+                           "layers": layers}
 
 
 def _per_channel(cfg: ConvertConfig) -> bool:

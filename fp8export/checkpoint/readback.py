@@ -36,7 +36,7 @@ from fp8export.checkpoint.safetensors_reader import pread_exact, read_header_spa
 from fp8export.checkpoint.safetensors_writer import ST_TO_TORCH, digest
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.checkpoint.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
-from fp8export.checkpoint.write import INDEX_NAME, ShardPlan, WriteRecord
+from fp8export.checkpoint.write import INDEX_NAME, ShardPlan, WriteRecord, scale_of
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.channel import channels_roundtrip_sqnr
 
@@ -47,7 +47,8 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   *, record: WriteRecord | None = None,
                   min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
-                  early: dict[str, Future] | None = None) -> dict[str, float]:
+                  early: dict[str, Future] | None = None,
+                  kv_scales: dict[str, np.float32] | None = None) -> dict[str, float]:
     """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
     With ``record`` (what :func:`~fp8export.checkpoint.write.write_shards` returned), every
@@ -63,7 +64,8 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             found, values = early[plan.file_name].result()
         else:
             found, values = verify_shard(out_dir, plan, ckpt, weight_scales, input_scales,
-                                         record=record, min_sqnr_db=min_sqnr_db)
+                                         record=record, min_sqnr_db=min_sqnr_db,
+                                         kv_scales=kv_scales)
         problems.extend(found)
         sqnr.update(values)
     index = out_dir / INDEX_NAME
@@ -86,17 +88,18 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
 def verify_shard(out_dir: Path, plan: ShardPlan, ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32], *,
                  record: WriteRecord | None = None, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
+                 kv_scales: dict[str, np.float32] | None = None,
                  ) -> tuple[list[str], dict[str, float]]:
     """Read one written shard back (see the module docstring): (problems, module -> SQNR)."""
     sqnr: dict[str, float] = {}
     return _verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales, input_scales,
-                         record, min_sqnr_db, sqnr), sqnr
+                         record, min_sqnr_db, sqnr, kv_scales), sqnr
 
 
 def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   record: WriteRecord | None, min_sqnr_db: float,
-                  sqnr: dict[str, float]) -> list[str]:
+                  sqnr: dict[str, float], kv_scales: dict | None = None) -> list[str]:
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -138,10 +141,10 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
             if digests is not None and digests.get(name) != digest(raw.numpy()):
                 problems.append(f"{fname}: the bytes of {name} on disk differ from those "
                                 "written (digest mismatch)")
-            if entry.kind in ("weight_scale", "input_scale"):
+            if entry.kind in ("weight_scale", "input_scale", "kv_scale"):
                 values = raw.view(torch.float32).numpy().copy()
-                want = np.asarray((weight_scales if entry.kind == "weight_scale"
-                                   else input_scales)[entry.source], dtype=np.float32).reshape(-1)
+                want = np.asarray(scale_of(entry, weight_scales, input_scales, kv_scales),
+                                  dtype=np.float32).reshape(-1)
                 value = float(values[0]) if values.size == 1 else values
                 if not (np.all(np.isfinite(values)) and np.all(values > 0.0)):
                     bad = float(values[~(np.isfinite(values) & (values > 0.0))][0])

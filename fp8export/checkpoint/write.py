@@ -37,8 +37,9 @@ class Planned:
     """One output tensor and where its data comes from."""
 
     tensor: PlannedTensor
-    kind: str  # "copy" | "weight" | "weight_scale" | "input_scale"
-    source: str  # source tensor name ("weight"/"copy") or module name (scales)
+    kind: str  # "copy" | "weight" | "weight_scale" | "input_scale" | "kv_scale"
+    source: str  # source tensor name ("weight"/"copy"), module name (scales), or the KV
+    # scale's own name
     layout: str = "out_in"  # of a quantized weight: where its output channels are
 
 
@@ -56,9 +57,10 @@ def shard_names(n: int) -> list[str]:
 
 
 def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dict[str, np.float32],
-                input_scales: dict[str, np.float32], scale_shape: tuple[int, ...]
-                ) -> list[ShardPlan]:
-    """The output files and their tensors, in order. ``targets`` is keyed by weight name."""
+                input_scales: dict[str, np.float32], scale_shape: tuple[int, ...],
+                kv_after: dict[str, list[str]] | None = None) -> list[ShardPlan]:
+    """The output files and their tensors, in order. ``targets`` is keyed by weight name.
+    ``kv_after``: KV-cache scale tensors to write right after a source tensor (by its name)."""
     infos = {i.name: i for i in ckpt.tensors()}
     groups = ckpt.shard_groups()
     plans = [ShardPlan(name, src) for name, (src, _) in zip(shard_names(len(groups)), groups)]
@@ -67,9 +69,13 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
         for name in names:
             info = infos[name]
             t = targets.get(name)
+            kv = [Planned(PlannedTensor(k, "F32", scale_shape), "kv_scale", k)
+                  for k in (kv_after or {}).get(name, ())]
+            clashes.extend(e.tensor.name for e in kv if e.tensor.name in infos)
             if t is None or t.module not in weight_scales:
                 plan.entries.append(Planned(PlannedTensor(name, info.dtype, tuple(info.shape)),
                                             "copy", name))
+                plan.entries.extend(kv)
                 continue
             plan.entries.append(Planned(PlannedTensor(name, "F8_E4M3", tuple(info.shape)),
                                         "weight", name, t.layout))
@@ -83,6 +89,7 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
                     shape = (np.size(weight_scales[t.module]), 1)  # per channel: [out, 1]
                 plan.entries.append(Planned(PlannedTensor(scale_name, "F32", shape),
                                             kind, t.module))
+            plan.entries.extend(kv)
     if clashes:
         raise Fp8ExportError(
             f"{ckpt.path}: already holds {', '.join(clashes[:5])}; it looks like a quantized "
@@ -133,7 +140,8 @@ def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torc
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                 *, on_tensor: Callable[[], None] | None = None,
+                 *, kv_scales: dict[str, np.float32] | None = None,
+                 on_tensor: Callable[[], None] | None = None,
                  on_file: Callable[[ShardPlan, WriteRecord], None] | None = None,
                  ) -> WriteRecord:
     """Write every shard, one tensor in memory at a time; return the digests and SQNRs.
@@ -170,8 +178,8 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                 q, record.sqnr[module] = quantize_weight_sqnr(w, scale, out=pool.get(w.numel()))
             del w
             return q
-        scales = weight_scales if entry.kind == "weight_scale" else input_scales
-        return scale_tensor(scales[entry.source], entry.tensor.shape)
+        return scale_tensor(scale_of(entry, weight_scales, input_scales, kv_scales),
+                            entry.tensor.shape)
 
     load_scratch = getattr(ckpt, "load_scratch", ckpt.load)
     pool = _BufferPool()
@@ -185,6 +193,14 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if on_file is not None:
             on_file(plan, record)
     return record
+
+
+def scale_of(entry: Planned, weight_scales: dict, input_scales: dict,
+             kv_scales: dict | None) -> np.float32 | np.ndarray:
+    """The value a planned scale tensor holds."""
+    table = {"weight_scale": weight_scales, "input_scale": input_scales,
+             "kv_scale": kv_scales or {}}[entry.kind]
+    return table[entry.source]
 
 
 def index_json(plans: list[ShardPlan]) -> dict | None:

@@ -75,6 +75,11 @@ def _choice(*values: str) -> click.Choice:
                    "one scale per tensor, or one per token (what vLLM runs for "
                    "compressed-tensors dynamic inputs). Recorded in fp8export.json; verify "
                    "runs it.")
+@click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
+              help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
+                   "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "
+                   "(kv_cache_scheme) and TensorRT-LLM (kv_cache_quant_algo FP8) read it; "
+                   "verify then runs the candidate with FP8 keys and values.")
 @click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-samples", type=click.IntRange(min=1),
@@ -91,7 +96,7 @@ def _choice(*values: str) -> click.Choice:
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
-            device, accuracy_samples, accuracy_budget, force):
+            kv_cache, device, accuracy_samples, accuracy_budget, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
@@ -114,6 +119,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
+        kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples,
     )

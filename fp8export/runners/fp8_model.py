@@ -164,17 +164,42 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     model.eval()
     groups = fused_groups(quantized, config) if fuse else {}
     unfused = fuse_projections(model, groups)
+    kv = _emulate_kv_cache(model, manifest, tensors, where)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "weight_granularity": manifest.get("weight_granularity", "tensor"),
             "dynamic_activations": dynamic_of(manifest, where),
-            "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused}
+            "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
+            "kv_cache": kv}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
 
         placement.check_loaded(model, str(where))
         info["placement"] = placement.dispatch(model, placement.plan(model, budgets, dtype))
     return model, config, manifest, info
+
+
+def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      where: Path) -> str | None:
+    """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3-quantized
+    by its own ``k_scale``/``v_scale`` tensors (what vLLM / TensorRT-LLM run)."""
+    entry = manifest.get("kv_cache")
+    if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
+        return None
+    from fp8export.calibration.kv_cache import emulate_fp8_kv
+
+    scales = {}
+    for attn, layer in entry["layers"].items():
+        try:
+            k = tensors[str(layer["k_scale_tensor"])]
+            v = tensors[str(layer["v_scale_tensor"])]
+        except (KeyError, TypeError):
+            raise Fp8ExportError(f"{where}: fp8export.json declares an FP8 KV cache for {attn} "
+                                 "but its k_scale/v_scale tensor is missing. Re-run `fp8export "
+                                 "convert --kv-cache fp8`.") from None
+        scales[attn] = (float(k.float().reshape(-1)[0]), float(v.float().reshape(-1)[0]))
+    emulate_fp8_kv(model, scales)
+    return "fp8 (keys after RoPE and values quantized with k_scale/v_scale, emulated)"
 
 
 def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
