@@ -141,11 +141,12 @@ def markdown(doc: dict) -> str:
         lines += ["", f"Best all-FP8 recipe: **{model['best']}** "
                       f"({'passes' if model['best_passes_default'] else 'fails'} `default`).", ""]
     d = doc["setup"]
-    sizes = ", ".join(f"{m['model']} {m['samples']}" for m in doc["models"])
+    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load "
+                      f"{m.get('setup', {}).get('load_avg_1m_at_start', '?')})"
+                      for m in doc["models"])
     lines += [f"Data: {d['seq_len']}-token samples of each model's eval text ({sizes} samples); "
               f"calibration {d['calib_samples']} samples. Machine: {doc['machine']['cores']} "
-              f"cores, load {doc['machine']['load_avg_1m_at_start']} at start (shared: timings "
-              "are not comparable across runs).", ""]
+              "cores, shared (timings are not comparable across runs).", ""]
     return "\n".join(lines)
 
 
@@ -177,13 +178,21 @@ def main() -> None:
                      "calib_samples": args.calib_samples, "runtime": "torch FP8, emulate, cpu",
                      "thresholds": "default"},
            "models": []}
+    # Models measured before (another run) are kept: each model's rows are written as soon as
+    # they are measured, replacing that model's earlier rows only.
+    old = args.out.with_suffix(".json")
+    kept = json.loads(old.read_text())["models"] if old.exists() else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fp8-recipes-") as tmp:
         for label, path, c, e, which in models:
             which = "quick" if args.quick else which
-            doc["models"].append(run_model(label, path, c, e, args, Path(tmp), which))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(doc))
+            result = run_model(label, path, c, e, args, Path(tmp), which)
+            result["setup"] = dict(doc["setup"], load_avg_1m_at_start=doc["machine"][
+                "load_avg_1m_at_start"])
+            kept = [m for m in kept if m["model"] != label] + [result]
+            doc["models"] = kept
+            old.write_text(json.dumps(doc, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))
 
 
