@@ -122,14 +122,18 @@ def kv_cache_ranges(cfg, checkpoint: Path) -> tuple[dict[str, tuple[float, float
                              "PATH.")
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    model, config, input_device, _ = load_calibration_model(checkpoint, device)
-    tok_dir = checkpoint if checkpoint.is_dir() else None
-    samples = load_samples(cfg.calib_data, tok_dir,
-                           max_samples=cfg.calib_samples or DEFAULT_CALIB_SAMPLES,
-                           seq_len=cfg.seq_len, max_positions=max_positions(config),
-                           vocab_size=vocab_size(config))
-    amax = observe_kv(model, iter_batches(samples, cfg.batch_size or DEFAULT_BATCH_SIZE),
-                      input_device)
+    model, config, input_device, _, spread = load_calibration_model(checkpoint, device)
+    try:
+        tok_dir = checkpoint if checkpoint.is_dir() else None
+        samples = load_samples(cfg.calib_data, tok_dir,
+                               max_samples=cfg.calib_samples or DEFAULT_CALIB_SAMPLES,
+                               seq_len=cfg.seq_len, max_positions=max_positions(config),
+                               vocab_size=vocab_size(config))
+        amax = observe_kv(model, iter_batches(samples, cfg.batch_size or DEFAULT_BATCH_SIZE),
+                          input_device)
+    finally:
+        if spread is not None:
+            spread.close()
     bad = [n for n, (k, v) in amax.items() if not (k > 0 and v > 0)]
     if bad or not amax:
         raise Fp8ExportError(f"{cfg.calib_data}: no key/value range observed for "
