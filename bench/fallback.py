@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--eval-data", type=Path, default=SAMPLE / "data" / "eval.txt")
     ap.add_argument("--budget", type=float, default=0.01)
     ap.add_argument("--weight-granularity", default="tensor")
+    ap.add_argument("--scales", default="calibrate", choices=("calibrate", "weights"))
+    ap.add_argument("--dynamic-activations", default="tensor", choices=("tensor", "token"))
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--accuracy-samples", type=int, default=16)
     ap.add_argument("--eval-samples", type=int, default=32)
@@ -69,9 +71,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="fp8-fallback-") as tmp:
         work = Path(tmp)
-        common = dict(checkpoint=args.model, scales="calibrate", calib_data=args.calib_data,
+        common = dict(checkpoint=args.model, scales=args.scales, calib_data=args.calib_data,
                       calib_samples=args.calib_samples, seq_len=args.seq_len,
-                      weight_granularity=args.weight_granularity)
+                      weight_granularity=args.weight_granularity,
+                      dynamic_activations=args.dynamic_activations)
         t0 = time.perf_counter()
         res = api.convert(ConvertConfig(output=work / "budget", accuracy_budget=args.budget,
                                         accuracy_samples=args.accuracy_samples, **common))
@@ -86,7 +89,8 @@ def main() -> None:
                                 args.seq_len, work)
     doc = {
         "machine": machine_info(REPO), "model": args.model.name, "budget_kl": args.budget,
-        "weight_granularity": args.weight_granularity,
+        "weight_granularity": args.weight_granularity, "scales": args.scales,
+        "dynamic_activations": args.dynamic_activations,
         "search": {k: fb[k] for k in ("kept_layers", "candidate_layers", "kept_params",
                                       "linear_params", "kept_param_fraction", "kl_all_fp8",
                                       "kl_selected", "written", "evaluations", "seconds",
@@ -108,6 +112,9 @@ def main() -> None:
     s, f, g = doc["search"], doc["full_fp8_eval"], doc["fallback_eval"]
     md = "\n".join([
         f"# convert --accuracy-budget {args.budget} on {args.model.name}", "",
+        f"Recipe: --scales {args.scales}, weights per {args.weight_granularity}"
+        + (f", dynamic activations per {args.dynamic_activations}"
+           if args.scales == "weights" else ", calibrator max") + ".", "",
         "| | value | target |", "|---|---|---|",
         f"| linears kept in bf16 | {s['kept_layers']} of {s['candidate_layers']} | |",
         f"| linear parameters kept in bf16 | {100 * s['kept_param_fraction']:.1f}% | <= 20% |",
