@@ -65,6 +65,28 @@ class OutputFormat(StrEnum):
     MODELOPT = "modelopt"
 
 
+class WeightGranularity(StrEnum):
+    """One weight scale per tensor, or one per output channel (``convert --weight-granularity``)."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+
+
+class DynamicActivations(StrEnum):
+    """How layers without a static input scale scale their input at run time
+    (``convert --dynamic-activations``): one amax per tensor, or one per token (row)."""
+
+    TENSOR = "tensor"
+    TOKEN = "token"
+
+
+class KvCache(StrEnum):
+    """KV-cache precision the folder declares (``convert --kv-cache``)."""
+
+    NONE = "none"
+    FP8 = "fp8"  # per-attention-layer k_scale / v_scale, calibrated
+
+
 class CalibMethod(StrEnum):
     """Calibrator used to turn observed activations into an amax."""
 
@@ -109,10 +131,14 @@ class ConvertConfig:
     exclude: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     fuse_scales: bool = True
+    weight_granularity: WeightGranularity = WeightGranularity.TENSOR
+    dynamic_activations: DynamicActivations = DynamicActivations.TENSOR
+    kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
     workers: int | None = None  # threads converting at once; None: every core
+    accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -120,7 +146,10 @@ class ConvertConfig:
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
         for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
-                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device)):
+                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
+                           ("weight_granularity", WeightGranularity),
+                           ("dynamic_activations", DynamicActivations),
+                           ("kv_cache", KvCache)):
             option = f"--{name.replace('_', '-')}"
             object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -131,6 +160,9 @@ class ConvertConfig:
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
+        if self.kv_cache is KvCache.FP8 and self.calib_data is None:
+            raise UsageError("--kv-cache fp8 calibrates the keys and values: give --calib-data "
+                             "PATH.")
         if self.margin < 0:
             raise UsageError(f"--margin must be >= 0, got {self.margin}.")
         if self.accuracy_budget is not None and not self.accuracy_budget > 0:

@@ -25,7 +25,7 @@ def single_linear_model(layer, *, dtype: str = "fp32", opset: int = 21):
 
     from fp8export.onnx.qdq import np_dtype, onnx_dtype, rewrite_qdq
 
-    w = layer.weight_out_in.to(torch.float32) * layer.weight_scale  # [out, in]
+    w = layer.weight_out_in.to(torch.float32) * layer.weight_scale_out_in  # [out, in]
     out_f, in_f = w.shape
     wt = np.ascontiguousarray(w.numpy().T).astype(np_dtype(dtype))  # [in, out], as exported
     et = onnx_dtype(dtype)

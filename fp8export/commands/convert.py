@@ -64,12 +64,33 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--no-fuse-scales", is_flag=True,
               help="Give q/k/v and gate/up projections their own scales (default: they share "
                    "the group max, as vLLM and TensorRT-LLM run them).")
+@click.option("--weight-granularity", type=_choice("tensor", "channel"), default="tensor",
+              show_default=True,
+              help="One weight scale per tensor, or one per output channel (weight_scale "
+                   "[out, 1]; compressed-tensors strategy channel; --format compressed-tensors "
+                   "only). Which is more accurate depends on the model: measure with verify.")
+@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="tensor",
+              show_default=True,
+              help="Layers without a static input scale quantize their input at run time with "
+                   "one scale per tensor, or one per token (what vLLM runs for "
+                   "compressed-tensors dynamic inputs). Recorded in fp8export.json; verify "
+                   "runs it.")
+@click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
+              help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
+                   "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "
+                   "(kv_cache_scheme) and TensorRT-LLM (kv_cache_quant_algo FP8) read it; "
+                   "verify then runs the candidate with FP8 keys and values.")
 @click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
+@click.option("--accuracy-samples", type=click.IntRange(min=1),
+              help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
+                   "measures on (default 16).")
 @click.option("--accuracy-budget", type=float, metavar="KL",
-              help="Keep the most sensitive layers in high precision until the estimated KL "
-                   "divergence to the bf16 model is within KL. Default: off (every selected "
-                   "layer in FP8).")
+              help="Keep the fewest linears in high precision such that the measured KL "
+                   "divergence (nats per token) of the model convert writes to the bf16 model "
+                   "is within KL; the written folder is measured again, and the kept layers "
+                   "and the cost go into fp8export.json. Default: off (every selected layer "
+                   "in FP8).")
 @click.option("--workers", type=click.IntRange(min=1), metavar="N",
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
@@ -78,7 +99,8 @@ def _choice(*values: str) -> click.Choice:
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
-            fmt, exclude, include, no_fuse_scales, device, accuracy_budget, workers, force):
+            fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
+            kv_cache, device, accuracy_samples, accuracy_budget, workers, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
@@ -100,8 +122,10 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         batch_size=batch_size, seq_len=seq_len, percentile=percentile, amax_algo=amax_algo,
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
+        weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
+        kv_cache=kv_cache,
         device=device, force=force,
-        accuracy_budget=accuracy_budget, workers=workers,
+        accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
     )
     render(api.convert(cfg))
 

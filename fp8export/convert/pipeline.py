@@ -42,7 +42,13 @@ from fp8export._progress import progress
 from fp8export._timings import Timings
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
-from fp8export.config import ConvertConfig
+from fp8export.config import (
+    ConvertConfig,
+    DynamicActivations,
+    KvCache,
+    OutputFormat,
+    WeightGranularity,
+)
 from fp8export.convert.activation import resolve_activation_ranges
 from fp8export.convert.source_scan import (
     EarlyScan,
@@ -54,8 +60,10 @@ from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
     LOADED_BY,
     activation_scheme,
+    check_supported,
     extra_files,
     format_notes,
+    kv_scale_names,
     quantization_config,
     scale_shape,
 )
@@ -103,6 +111,7 @@ class ConvertResult:
     files: list[str] = field(default_factory=list)  # output file names
     bytes_out: int = 0
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
+    accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
     # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -121,24 +130,79 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_MAX_LISTED]) + more
 
 
-def _apply_budget(cfg: ConvertConfig, sel: Selection) -> tuple[Selection, list[str]]:
-    """Keep in high precision the layers the sensitivity analysis picks for the KL budget."""
-    # The sensitivity analysis runs the model (torch, transformers): imported only when asked.
-    from fp8export.verify.sensitivity import exclusions_for_budget
+def _apply_budget(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, weight_scales: dict,
+                  input_scales: dict) -> tuple[Selection, Any, dict[str, Any], list[str]]:
+    """Keep in high precision the fewest layers that bring the measured KL within the budget.
 
-    keep, notes = exclusions_for_budget(cfg, sel.modules,
-                                        groups=sel.groups if cfg.fuse_scales else None)
-    keep = set(keep)
-    # vLLM refuses a partly quantized fused layer: a sensitive member takes its siblings along.
+    The search (``fp8export.verify.fallback``) gets every layer as it will be written: the same
+    E4M3 bytes, weight scales (group max or per channel) and input scales.
+    """
+    import numpy as np
+
+    from fp8export.numerics.channel import quantize_channels_sqnr
+    from fp8export.scales.weights import quantize_weight_sqnr
+
+    # The search runs the model (torch, transformers): imported only when asked.
+    from fp8export.verify.fallback import FallbackLayer, start
+
+    layers = []
+    for t in sel.targets:
+        w, scale = ckpt.load(t.weight), weight_scales[t.module]
+        if np.ndim(scale):
+            q, _ = quantize_channels_sqnr(w, scale, t.layout)
+        else:
+            q, _ = quantize_weight_sqnr(w, scale)
+        del w
+        layers.append(FallbackLayer(t.module, q.t().contiguous() if t.layout == "in_out" else q,
+                                    scale, input_scales.get(t.module), t.fused_group))
+    search = start(cfg, ckpt.path, layers)
+    del layers
+    result = search.search(float(cfg.accuracy_budget))
+    keep = set(result["keep"])
+    # vLLM refuses a partly quantized fused layer: the search keeps fused groups whole.
     for members in sel.groups.values():
         if keep & set(members):
             keep |= set(members)
-    notes = list(notes)
-    if keep:
-        notes.append(f"--accuracy-budget {cfg.accuracy_budget}: {len(keep)} layer(s) kept in "
-                     f"high precision: {_listed(sorted(keep))}")
+    notes = [f"--accuracy-budget {cfg.accuracy_budget}: KL {result['kl_all_fp8']:.3e} with every "
+             f"layer in FP8; {len(keep)} layer(s) ({100 * result['kept_param_fraction']:.1f}% of "
+             f"the linear parameters) kept in high precision give KL "
+             f"{result['kl_selected']:.3e} on {result['samples']} samples of {result['data']}"
+             + (f": {_listed(sorted(keep))}" if keep else "")]
     return sel.without(keep, f"kept in high precision for --accuracy-budget "
-                             f"{cfg.accuracy_budget}"), notes
+                             f"{cfg.accuracy_budget}"), search, result, notes
+
+
+def _kv_cache_scales(cfg: ConvertConfig, ckpt: Checkpoint
+                     ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, Any] | None]:
+    """``--kv-cache fp8``: (scale tensor -> value, source tensor -> the KV scales written right
+    after it, the manifest entry), or empty and None when the KV cache stays in 16 bits."""
+    if cfg.kv_cache is not KvCache.FP8:
+        return {}, {}, None
+    from fp8export.calibration.kv_cache import kv_cache_ranges
+
+    amax, facts = kv_cache_ranges(cfg, ckpt.path)
+    names = {t.name for t in ckpt.tensors()}
+    scales: dict[str, Any] = {}
+    after: dict[str, list[str]] = {}
+    layers: dict[str, Any] = {}
+    for attn, (k_amax, v_amax) in sorted(amax.items()):
+        k_name, v_name = kv_scale_names(cfg.format, attn)
+        anchor = f"{attn}.v_proj.weight"
+        if anchor not in names:
+            raise Fp8ExportError(f"{cfg.checkpoint}: --kv-cache fp8 found attention {attn} but "
+                                 f"no tensor {anchor} to place its scales beside.")
+        scales[k_name] = amax_to_scale(k_amax, f"{attn} keys")
+        scales[v_name] = amax_to_scale(v_amax, f"{attn} values")
+        after[anchor] = [k_name, v_name]
+        layers[attn] = {"k_amax": k_amax, "v_amax": v_amax, "k_scale": float(scales[k_name]),
+                        "v_scale": float(scales[v_name]), "k_scale_tensor": k_name,
+                        "v_scale_tensor": v_name}
+    return scales, after, {"dtype": "float8_e4m3fn", "granularity": "tensor", **facts,
+                           "layers": layers}
+
+
+def _per_channel(cfg: ConvertConfig) -> bool:
+    return cfg.weight_granularity is WeightGranularity.CHANNEL
 
 
 def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
@@ -255,11 +319,19 @@ class _Run:
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
+    check_supported(cfg.format, [], [], per_channel=_per_channel(cfg))
+    if _per_channel(cfg) and cfg.weight_scales_from_history:
+        raise Fp8ExportError("--weight-scales-from-history gives one scale per tensor (training "
+                             "histories are per tensor); use it with --weight-granularity tensor.")
     refuse_inside_input(out, cfg.checkpoint)
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
-        run = _Run(fast_path_files(ckpt), early, cfg.workers or default_workers(), timings)
+        # The parallel writer knows per-tensor weight scales only: per-channel scales and KV
+        # cache scales take the general path (one tensor at a time).
+        simple = not _per_channel(cfg) and cfg.kv_cache is not KvCache.FP8
+        run = _Run(fast_path_files(ckpt) if simple else None, early,
+                   cfg.workers or default_workers(), timings)
         run.lap("open checkpoint")
         if run.files is not None:
             result = _convert_open(cfg, ckpt, out, run)
@@ -287,6 +359,11 @@ class _Scales:
     ranges: dict[str, ActivationRange]
     input: dict[str, Any]  # module -> np.float32 input scale (static layers only)
     dynamic: list[str]  # quantized layers without a static input scale
+    kv: dict[str, Any] = field(default_factory=dict)  # KV-cache scale tensor -> value
+    kv_after: dict[str, list[str]] = field(default_factory=dict)  # anchor -> KV scale names
+    kv_entry: dict[str, Any] | None = None  # the manifest's kv_cache entry
+    search: Any = None  # the accuracy-budget search, to measure the written folder
+    budget: dict[str, Any] | None = None  # its result
 
 
 def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) -> ConvertResult:
@@ -297,23 +374,29 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    search = budget = None
+    if cfg.accuracy_budget is not None:
+        sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
+        notes.extend(more)
+        weight_scales = {m: weight_scales[m] for m in sel.modules}
+        input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
+        ranges = {m: r for m, r in ranges.items() if m in weight_scales}
+    kv, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     dynamic = sorted(set(sel.modules) - set(input_scales))
-    scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic)
+    scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic,
+                     kv, kv_after, kv_entry, search, budget)
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format))
+                        scale_shape(cfg.format), kv_after=kv_after)
     run.lap("scales + plan")
     return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
 
 def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:
-    """The linear weights that become FP8, less those an accuracy budget keeps."""
+    """The linear weights that become FP8 (an accuracy budget may keep some back later)."""
     sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
                          fuse_scales=cfg.fuse_scales)
     notes.extend(sel.notes)
-    if cfg.accuracy_budget is not None:
-        sel, more = _apply_budget(cfg, sel)
-        notes.extend(more)
     if not sel.targets:
         raise Fp8ExportError(
             f"{cfg.checkpoint}: no linear weights to quantize (family "
@@ -339,7 +422,7 @@ def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[
                               desc="scanning weights", unit="tensor"))
         # scan_weights drops each weight before loading the next: a reused buffer is safe.
         scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
-                            on_step=lambda: next(ticks, None))
+                            on_step=lambda: next(ticks, None), per_channel=_per_channel(cfg))
     _finish(ticks)
     if scan.nonfinite:
         raise Fp8ExportError(
@@ -380,7 +463,14 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
         notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
                      f"activations (second config group): {_listed(dynamic)}")
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
-                                  ignore=scales.sel.ignore, tool_version=__version__)
+                                  ignore=scales.sel.ignore, tool_version=__version__,
+                                  per_channel=_per_channel(cfg),
+                                  kv_cache=scales.kv_entry is not None)
+    if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
+            and cfg.format is OutputFormat.COMPRESSED_TENSORS:
+        notes.append("dynamic activations are verified per tensor here, while vLLM runs "
+                     "compressed-tensors dynamic inputs per token; --dynamic-activations token "
+                     "verifies what it runs")
     notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
@@ -408,7 +498,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                 record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)
             run.lap("write shards")
-            written, ours = _write_configs(tmp, cfg, ckpt, scales.sel, qconfig, plans, notes)
+            written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
             _copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
@@ -418,12 +508,23 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                                    workers=run.workers)
             else:
                 sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
-                                     record=record, early=early)
+                                     record=record, early=early, kv_scales=scales.kv)
             run.lap("read-back")
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans)
-            write_json(tmp / MANIFEST_NAME, _manifest(cfg, ckpt, out, run.source_hashes(),
-                                                      scales, qconfig, layers, notes))
+            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
+                                 notes)
+            write_json(tmp / MANIFEST_NAME, manifest)
+            budget = scales.budget
+            if scales.search is not None:  # the written folder, measured through the FP8 runtime
+                measured = scales.search.check_written(tmp)
+                budget = {**budget, "data": Path(str(budget["data"])).name,
+                          "written": measured, "seconds": scales.search.cost()}
+                manifest["accuracy_budget"] = budget
+                write_json(tmp / MANIFEST_NAME, manifest)
+                notes.append(f"--accuracy-budget: the written folder measures KL "
+                             f"{measured['kl']:.3e}, top-1 {measured['top1_agreement']:.4f}; "
+                             f"search cost {budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
@@ -441,7 +542,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=list(LOADED_BY[cfg.format]))
+        bytes_out=bytes_out, loaded_by=list(LOADED_BY[cfg.format]), accuracy_budget=budget)
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
@@ -451,16 +552,17 @@ def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _
     early: dict[str, Any] = {}
     with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
         record = write_shards(
-            tmp, plans, ckpt, scales.weight, scales.input,
+            tmp, plans, ckpt, scales.weight, scales.input, kv_scales=scales.kv,
             on_tensor=lambda: next(ticks, None),
             on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
-                verify_shard, tmp, plan, ckpt, scales.weight, scales.input, record=rec)))
+                verify_shard, tmp, plan, ckpt, scales.weight, scales.input, record=rec,
+                kv_scales=scales.kv)))
         for fut in early.values():
             fut.exception()  # wait, inside the pool's lifetime
     return record, early
 
 
-def _write_configs(tmp: Path, cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
+def _write_configs(tmp: Path, cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales,
                    qconfig: dict[str, Any], plans: list[ShardPlan], notes: list[str]
                    ) -> tuple[set[str], set[str]]:
     """Index, config.json and the dialect's extra files; returns (every name written, ours)."""
@@ -474,8 +576,9 @@ def _write_configs(tmp: Path, cfg: ConvertConfig, ckpt: Checkpoint, sel: Selecti
     else:
         notes.append("the source has no config.json; the quantization config is recorded "
                      "in fp8export.json only")
-    for name, content in extra_files(cfg.format, ignore=sel.ignore,
-                                     tool_version=__version__).items():
+    for name, content in extra_files(cfg.format, ignore=scales.sel.ignore,
+                                     tool_version=__version__,
+                                     kv_cache=scales.kv_entry is not None).items():
         write_json(tmp / name, content)
         written.add(name)
         ours.add(name)
@@ -503,7 +606,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
               qconfig: dict[str, Any], layers: list[dict[str, Any]], notes: list[str]
               ) -> dict[str, Any]:
     sel = scales.sel
-    return {
+    manifest = {
         "format_version": FORMAT_VERSION,
         "tool": {"name": "fp8export", "version": __version__},
         "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
@@ -512,6 +615,8 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
         "output_format": str(cfg.format),
         "loaded_by": list(LOADED_BY[cfg.format]),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
+        "weight_granularity": str(cfg.weight_granularity),
+        "dynamic_activations": str(cfg.dynamic_activations),
         "dynamic_activation_layers": scales.dynamic,
         "quantization_config": qconfig,
         "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
@@ -519,11 +624,16 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
         "excluded": dict(sorted(sel.excluded.items())),
         "notes": _portable(notes, cfg, out),
     }
+    if scales.kv_entry is not None:
+        manifest["kv_cache"] = scales.kv_entry
+    return manifest
 
 
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
             plans) -> list[dict[str, Any]]:
     """The per-layer rows of the manifest and the result, in source order."""
+    import numpy as np
+
     shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
     rows = []
     for t in sel.targets:
@@ -533,7 +643,10 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             "shape": list(t.shape), "layout": t.layout, "source_dtype": t.dtype,
             "fused_group": t.fused_group,
             "weight_amax": scan.amax[t.module],
-            "weight_scale": float(weight_scales[t.module]),
+            # per channel: the largest of the row scales (what inspect shows), and the smallest
+            "weight_scale": float(np.max(weight_scales[t.module])),
+            **({"weight_scale_min": float(np.min(weight_scales[t.module]))}
+               if np.ndim(weight_scales[t.module]) else {}),
             "weight_scale_source": weight_source[t.module],
             "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
             "input_amax": float(r.amax) if r else None,

@@ -2,7 +2,8 @@
 
 Facts come from ``reference/fp8_checkpoint_formats.md``:
 - compressed-tensors (default): ``format: float-quantized``, ``quantization_status:
-  compressed``, per-tensor float8 weights, static per-tensor or dynamic activations, ``ignore``.
+  compressed``, per-tensor (or ``strategy: channel``, ``weight_scale [out, 1]``) float8
+  weights, static per-tensor or dynamic activations, ``ignore``.
   Loaded by vLLM (``CompressedTensorsW8A8Fp8``) and by transformers with compressed-tensors.
 - vllm: the native ``quant_method: fp8`` (AutoFP8 dialect): ``activation_scheme`` and
   ``ignored_layers``; one activation scheme for the whole model. **vLLM only**: transformers
@@ -38,6 +39,19 @@ _CT_STATIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "tensor", "symme
 _CT_DYNAMIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                      "dynamic": True}
 _MODELOPT_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
+# FP8 KV cache, static per-tensor k_scale/v_scale per attention layer (compressed-tensors
+# kv_cache_scheme with the tensor strategy; vLLM's fp8 dialect does not read the key, AutoFP8
+# writes "static" as information; ModelOpt: kv_cache_quant_algo FP8).
+_CT_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+          "dynamic": False}
+
+
+def kv_scale_names(fmt: OutputFormat, attention: str) -> tuple[str, str]:
+    """Tensor names of an attention layer's ``k_scale``/``v_scale`` in ``fmt``: on the
+    attention module (compressed-tensors, vLLM), or on k_proj/v_proj (ModelOpt)."""
+    if fmt is OutputFormat.MODELOPT:
+        return f"{attention}.k_proj.k_scale", f"{attention}.v_proj.v_scale"
+    return f"{attention}.k_scale", f"{attention}.v_scale"
 
 
 # Which runtimes load each dialect as what it is (reference/fp8_checkpoint_formats.md).
@@ -87,8 +101,18 @@ def _names(modules: list[str], limit: int = 5) -> str:
     return ", ".join(modules[:limit]) + more
 
 
-def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str]) -> None:
-    """Raise when ``fmt`` cannot express this mix of static and dynamic layers."""
+def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str],
+                    per_channel: bool = False) -> None:
+    """Raise when ``fmt`` cannot express this mix of static and dynamic layers, or
+    per-channel weight scales (only compressed-tensors declares them: ``strategy: channel``)."""
+    if per_channel and fmt is not OutputFormat.COMPRESSED_TENSORS:
+        why = ("vLLM's quant_method fp8 loader allocates one weight scale per shard "
+               "(per-tensor) or a block grid" if fmt is OutputFormat.VLLM else
+               "ModelOpt's quant_algo FP8 is per-tensor (0-dim scales)")
+        raise Fp8ExportError(
+            f"--format {fmt} cannot hold per-channel weight scales: {why}. Use --format "
+            "compressed-tensors (strategy: channel, weight_scale [out, 1]) or "
+            "--weight-granularity tensor.")
     if fmt is OutputFormat.MODELOPT and dynamic:
         raise Fp8ExportError(
             f"--format modelopt needs a static input scale for every quantized layer (ModelOpt "
@@ -104,44 +128,49 @@ def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str]) ->
 
 
 def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[str],
-                        ignore: list[str], tool_version: str) -> dict[str, Any]:
+                        ignore: list[str], tool_version: str, per_channel: bool = False,
+                        kv_cache: bool = False) -> dict[str, Any]:
     """The ``quantization_config`` object for config.json (sorted lists, no timestamps)."""
-    check_supported(fmt, static, dynamic)
+    check_supported(fmt, static, dynamic, per_channel)
+    weights = dict(_CT_WEIGHTS, strategy="channel") if per_channel else dict(_CT_WEIGHTS)
     ignore = sorted(ignore)
     if fmt is OutputFormat.VLLM:
         return {"quant_method": "fp8", "activation_scheme": activation_scheme(static, dynamic),
-                "ignored_layers": ignore}
+                "ignored_layers": ignore, **({"kv_cache_scheme": "static"} if kv_cache else {})}
     if fmt is OutputFormat.MODELOPT:
         return {"quant_method": "modelopt", "quant_algo": "FP8",
                 "config_groups": {"group_0": {"input_activations": dict(_MODELOPT_ARGS),
                                               "weights": dict(_MODELOPT_ARGS),
                                               "targets": ["Linear"]}},
-                "ignore": ignore, "producer": {"name": "fp8export", "version": tool_version}}
+                "ignore": ignore, "producer": {"name": "fp8export", "version": tool_version},
+                **({"kv_cache_scheme": dict(_MODELOPT_ARGS)} if kv_cache else {})}
     if static and dynamic:
         # One group per activation scheme, each with explicit module names (never "Linear" in
         # both: a module would match two groups). Fused siblings share an input scale, so they
         # always land in the same group — vLLM's fused-layer matching needs that.
-        groups = {"group_0": _ct_group(sorted(static), _CT_STATIC_INPUT),
-                  "group_1": _ct_group(sorted(dynamic), _CT_DYNAMIC_INPUT)}
+        groups = {"group_0": _ct_group(sorted(static), _CT_STATIC_INPUT, weights),
+                  "group_1": _ct_group(sorted(dynamic), _CT_DYNAMIC_INPUT, weights)}
     else:
         groups = {"group_0": _ct_group(["Linear"], _CT_STATIC_INPUT if static
-                                       else _CT_DYNAMIC_INPUT)}
+                                       else _CT_DYNAMIC_INPUT, weights)}
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
-            "kv_cache_scheme": None, "global_compression_ratio": None}
+            "kv_cache_scheme": dict(_CT_KV) if kv_cache else None,
+            "global_compression_ratio": None}
 
 
-def _ct_group(targets: list[str], input_args: dict[str, Any]) -> dict[str, Any]:
-    return {"targets": targets, "weights": dict(_CT_WEIGHTS),
+def _ct_group(targets: list[str], input_args: dict[str, Any], weights: dict[str, Any],
+              ) -> dict[str, Any]:
+    return {"targets": targets, "weights": dict(weights),
             "input_activations": dict(input_args), "output_activations": None}
 
 
-def extra_files(fmt: OutputFormat, *, ignore: list[str], tool_version: str
-                ) -> dict[str, dict[str, Any]]:
+def extra_files(fmt: OutputFormat, *, ignore: list[str], tool_version: str,
+                kv_cache: bool = False) -> dict[str, dict[str, Any]]:
     """Files besides config.json that the format needs (ModelOpt's ``hf_quant_config.json``)."""
     if fmt is not OutputFormat.MODELOPT:
         return {}
     return {"hf_quant_config.json": {
         "producer": {"name": "fp8export", "version": tool_version},
-        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_cache else None,
                          "exclude_modules": sorted(ignore)}}}

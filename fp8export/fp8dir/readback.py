@@ -25,19 +25,20 @@ collected into one Fp8ExportError.
 from __future__ import annotations
 
 import json
-import math
 import os
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from fp8export.checkpoint.safetensors_reader import pread_exact, read_header_spans
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
-from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, WriteRecord
+from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, WriteRecord, scale_of
 from fp8export.io.hashing import digest
 from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+from fp8export.numerics.channel import channels_roundtrip_sqnr
 from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
 
 _MAX_LISTED = 10
@@ -47,7 +48,8 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   *, record: WriteRecord | None = None,
                   min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
-                  early: dict[str, Future] | None = None) -> dict[str, float]:
+                  early: dict[str, Future] | None = None,
+                  kv_scales: dict[str, np.float32] | None = None) -> dict[str, float]:
     """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
     With ``record`` (what :func:`~fp8export.fp8dir.write.write_shards` returned), every
@@ -63,7 +65,8 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             found, values = early[plan.file_name].result()
         else:
             found, values = verify_shard(out_dir, plan, ckpt, weight_scales, input_scales,
-                                         record=record, min_sqnr_db=min_sqnr_db)
+                                         record=record, min_sqnr_db=min_sqnr_db,
+                                         kv_scales=kv_scales)
         problems.extend(found)
         sqnr.update(values)
     index = out_dir / INDEX_NAME
@@ -86,17 +89,18 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
 def verify_shard(out_dir: Path, plan: ShardPlan, ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32], *,
                  record: WriteRecord | None = None, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
+                 kv_scales: dict[str, np.float32] | None = None,
                  ) -> tuple[list[str], dict[str, float]]:
     """Read one written shard back (see the module docstring): (problems, module -> SQNR)."""
     sqnr: dict[str, float] = {}
     return _verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales, input_scales,
-                         record, min_sqnr_db, sqnr), sqnr
+                         record, min_sqnr_db, sqnr, kv_scales), sqnr
 
 
 def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   record: WriteRecord | None, min_sqnr_db: float,
-                  sqnr: dict[str, float]) -> list[str]:
+                  sqnr: dict[str, float], kv_scales: dict | None = None) -> list[str]:
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -116,7 +120,7 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
         problems.append(f"{fname}: tensors differ from the plan "
                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
     digests = record.digests.get(fname, {}) if record is not None else None
-    disk_scale: dict[str, float] = {}  # module -> weight scale as read from disk
+    disk_scale: dict[str, Any] = {}  # module -> weight scale(s) as read from disk
     disk = _DiskReader(path)
     try:
         # Scales first (a weight's SQNR uses its scale as read from disk), then the rest.
@@ -138,14 +142,20 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
             if digests is not None and digests.get(name) != digest(raw.numpy()):
                 problems.append(f"{fname}: the bytes of {name} on disk differ from those "
                                 "written (digest mismatch)")
-            if entry.kind in ("weight_scale", "input_scale"):
-                value = float(raw.view(torch.float32)[0])
-                want = float((weight_scales if entry.kind == "weight_scale"
-                              else input_scales)[entry.source])
-                if not (math.isfinite(value) and value > 0.0):
-                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
-                elif value != want:
-                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
+            if entry.kind in ("weight_scale", "input_scale", "kv_scale"):
+                values = raw.view(torch.float32).numpy().copy()
+                want = np.asarray(scale_of(entry, weight_scales, input_scales, kv_scales),
+                                  dtype=np.float32).reshape(-1)
+                value = float(values[0]) if values.size == 1 else values
+                if not (np.all(np.isfinite(values)) and np.all(values > 0.0)):
+                    bad = float(values[~(np.isfinite(values) & (values > 0.0))][0])
+                    problems.append(f"{fname}: {name} = {bad} is not a finite positive scale")
+                elif values.size == 1 and want.size == 1 and value != float(want[0]):
+                    problems.append(f"{fname}: {name} = {value!r} but {float(want[0])!r} was "
+                                    "computed")
+                elif not np.array_equal(values, want):
+                    problems.append(f"{fname}: {name} differs from the per-channel scales that "
+                                    "were computed")
                 if entry.kind == "weight_scale":
                     disk_scale[entry.source] = value
             elif entry.kind == "weight":
@@ -231,13 +241,13 @@ class _DiskReader:
         self._buf = None
 
 
-def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
+def _check_weight(entry, raw, disk_scale: dict[str, Any], ckpt: Checkpoint,
                   record: WriteRecord | None, min_sqnr_db: float, sqnr: dict[str, float],
                   fname: str) -> str | None:
     name = entry.tensor.name
     module = name[: -len(".weight")]
     scale = disk_scale.get(module)
-    if scale is None or not (math.isfinite(scale) and scale > 0.0):
+    if scale is None or not (np.all(np.isfinite(scale)) and np.all(np.asarray(scale) > 0.0)):
         return None  # reported with the scale itself
     if record is not None:
         value = record.sqnr.get(module)
@@ -245,7 +255,10 @@ def _check_weight(entry, raw, disk_scale: dict[str, float], ckpt: Checkpoint,
             return f"{name}: no SQNR was recorded when it was written"
     else:
         q = raw.view(ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
-        value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)
+        if np.ndim(scale):
+            value = channels_roundtrip_sqnr(ckpt.load(entry.source), q, scale, entry.layout)
+        else:
+            value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)
     sqnr[module] = value
     if not value >= min_sqnr_db:
         return (f"{name}: the FP8 weight read back from {fname} has SQNR {value:.1f} dB against "

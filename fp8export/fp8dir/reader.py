@@ -112,7 +112,7 @@ class QuantLayer:
     name: str  # module path, e.g. "model.layers.0.self_attn.q_proj"
     weight: torch.Tensor  # float8_e4m3fn, stored layout
     layout: str  # "out_in" | "in_out"
-    weight_scale: float  # dequantization factor (float32 value)
+    weight_scale: float | torch.Tensor  # dequantization factor; float32 [out] per channel
     input_scale: float | None  # static activation scale, None when activations are dynamic
 
     @property
@@ -120,11 +120,21 @@ class QuantLayer:
         """The E4M3 weight as ``[out, in]`` (what ``nn.Linear`` holds)."""
         return self.weight.t() if self.layout == "in_out" else self.weight
 
+    @property
+    def weight_scale_out_in(self) -> float | torch.Tensor:
+        """The weight scale broadcastable against :attr:`weight_out_in` ``[out, in]``."""
+        import torch
+
+        ws = self.weight_scale
+        return ws[:, None] if isinstance(ws, torch.Tensor) else ws
+
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``q * scale`` in float32, cast to ``dtype`` (default float32), in the stored layout."""
         import torch
 
-        return (self.weight.to(torch.float32) * self.weight_scale).to(dtype or torch.float32)
+        w = self.weight_out_in.to(torch.float32) * self.weight_scale_out_in
+        w = w.t() if self.layout == "in_out" else w
+        return w.contiguous().to(dtype or torch.float32)
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class _LayerEntry:
     name: str
     weight: str  # tensor name of the E4M3 weight
     layout: str
-    weight_scale: float
+    weight_scale: float | torch.Tensor  # float32 [out] per channel
     input_scale: float | None
 
 
@@ -191,11 +201,32 @@ class Fp8Folder:
         self.close()
 
 
-def _scalar_scale(t: torch.Tensor, tensor_name: str, folder: Path) -> float:
+def layout_axis(entry: dict[str, Any]) -> int:
+    """Axis of a stored weight that holds its output channels."""
+    return 1 if entry.get("layout", "out_in") == "in_out" else 0
+
+
+def _weight_scale(t: torch.Tensor, tensor_name: str, folder: Path, out_features: int,
+                  ) -> float | torch.Tensor:
+    """A per-tensor scale (float), or per-channel scales (float32 ``[out]``, from ``[out, 1]``)."""
+    import torch
+
+    if t.numel() == 1 or t.numel() != out_features:
+        return _scalar_scale(t, tensor_name, folder, "one value, or one per output channel")
+    v = t.to(torch.float32).reshape(-1).clone()
+    if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+        raise Fp8ExportError(
+            f"{folder}: {tensor_name} holds a scale that is not a positive finite number "
+            "(TensorRT rejects it). Re-convert, or exclude the layer with --exclude.")
+    return v
+
+
+def _scalar_scale(t: torch.Tensor, tensor_name: str, folder: Path,
+                  allowed: str = "one value") -> float:
     if t.numel() != 1:
         raise Fp8ExportError(
-            f"{folder}: {tensor_name} has shape {tuple(t.shape)}; export-onnx supports per-tensor "
-            "scales only (one value). Re-convert with per-tensor scales.")
+            f"{folder}: {tensor_name} has shape {tuple(t.shape)}; export-onnx supports {allowed}."
+            " Re-convert the folder with `fp8export convert`.")
     value = float(t.float().reshape(()))
     if not math.isfinite(value) or value <= 0.0:
         raise Fp8ExportError(
@@ -242,7 +273,7 @@ def _layer_entry(folder: Path, name: str, entry: dict[str, Any], tensors: Folder
         raise Fp8ExportError(
             f"{folder}: layer {name}: scale tensor {sname} is missing, so its FP8 weight "
             "cannot be dequantized. Re-run `fp8export convert` (or exclude the layer).")
-    wscale = _scalar_scale(tensors[sname], sname, folder)
+    wscale = _weight_scale(tensors[sname], sname, folder, info.shape[layout_axis(entry)])
     iname = f"{name}.input_scale"
     iscale = None
     if iname in tensors:

@@ -4,7 +4,8 @@ Output shards mirror the source's file grouping: each source weight file becomes
 file (``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` for several, plus
 ``model.safetensors.index.json``). Inside a shard, tensors keep the source order; a quantized
 ``<m>.weight`` (F8_E4M3, source layout) is followed by ``<m>.weight_scale`` and, with static
-activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt).
+activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a per-channel
+``weight_scale`` is ``[out, 1]``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
 from fp8export.io.safetensors_dtypes import TORCH_TO_ST
+from fp8export.numerics.channel import quantize_channels_sqnr
 from fp8export.scales.select import Target
 from fp8export.scales.weights import quantize_weight_sqnr
 
@@ -32,8 +34,10 @@ class Planned:
     """One output tensor and where its data comes from."""
 
     tensor: PlannedTensor
-    kind: str  # "copy" | "weight" | "weight_scale" | "input_scale"
-    source: str  # source tensor name ("weight"/"copy") or module name (scales)
+    kind: str  # "copy" | "weight" | "weight_scale" | "input_scale" | "kv_scale"
+    source: str  # source tensor name ("weight"/"copy"), module name (scales), or the KV
+    # scale's own name
+    layout: str = "out_in"  # of a quantized weight: where its output channels are
 
 
 @dataclass
@@ -50,9 +54,10 @@ def shard_names(n: int) -> list[str]:
 
 
 def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dict[str, np.float32],
-                input_scales: dict[str, np.float32], scale_shape: tuple[int, ...]
-                ) -> list[ShardPlan]:
-    """The output files and their tensors, in order. ``targets`` is keyed by weight name."""
+                input_scales: dict[str, np.float32], scale_shape: tuple[int, ...],
+                kv_after: dict[str, list[str]] | None = None) -> list[ShardPlan]:
+    """The output files and their tensors, in order. ``targets`` is keyed by weight name.
+    ``kv_after``: KV-cache scale tensors to write right after a source tensor (by its name)."""
     infos = {i.name: i for i in ckpt.tensors()}
     groups = ckpt.shard_groups()
     plans = [ShardPlan(name, src) for name, (src, _) in zip(shard_names(len(groups)), groups)]
@@ -61,19 +66,27 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
         for name in names:
             info = infos[name]
             t = targets.get(name)
+            kv = [Planned(PlannedTensor(k, "F32", scale_shape), "kv_scale", k)
+                  for k in (kv_after or {}).get(name, ())]
+            clashes.extend(e.tensor.name for e in kv if e.tensor.name in infos)
             if t is None or t.module not in weight_scales:
                 plan.entries.append(Planned(PlannedTensor(name, info.dtype, tuple(info.shape)),
                                             "copy", name))
+                plan.entries.extend(kv)
                 continue
             plan.entries.append(Planned(PlannedTensor(name, "F8_E4M3", tuple(info.shape)),
-                                        "weight", name))
+                                        "weight", name, t.layout))
             extra = ["weight_scale"] + (["input_scale"] if t.module in input_scales else [])
             for kind in extra:
                 scale_name = f"{t.module}.{kind}"
                 if scale_name in infos:
                     clashes.append(scale_name)
-                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", scale_shape),
+                shape = scale_shape
+                if kind == "weight_scale" and np.ndim(weight_scales[t.module]):
+                    shape = (np.size(weight_scales[t.module]), 1)  # per channel: [out, 1]
+                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", shape),
                                             kind, t.module))
+            plan.entries.extend(kv)
     if clashes:
         raise Fp8ExportError(
             f"{ckpt.path}: already holds {', '.join(clashes[:5])}; it looks like a quantized "
@@ -118,13 +131,14 @@ class WriteRecord:
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB
 
 
-def scale_tensor(value: np.float32, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(np.array([value], dtype=np.float32)).reshape(shape)
+def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
 
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
-                 *, on_tensor: Callable[[], None] | None = None,
+                 *, kv_scales: dict[str, np.float32] | None = None,
+                 on_tensor: Callable[[], None] | None = None,
                  on_file: Callable[[ShardPlan, WriteRecord], None] | None = None,
                  ) -> WriteRecord:
     """Write every shard, one tensor in memory at a time; return the digests and SQNRs.
@@ -154,12 +168,15 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if entry.kind == "weight":
             module = weight_module[entry.source]
             w = load_scratch(entry.source)  # dropped before the next weight is loaded
-            q, record.sqnr[module] = quantize_weight_sqnr(w, weight_scales[module],
-                                                          out=pool.get(w.numel()))
+            scale = weight_scales[module]
+            if np.ndim(scale):
+                q, record.sqnr[module] = quantize_channels_sqnr(w, scale, entry.layout)
+            else:
+                q, record.sqnr[module] = quantize_weight_sqnr(w, scale, out=pool.get(w.numel()))
             del w
             return q
-        scales = weight_scales if entry.kind == "weight_scale" else input_scales
-        return scale_tensor(scales[entry.source], entry.tensor.shape)
+        return scale_tensor(scale_of(entry, weight_scales, input_scales, kv_scales),
+                            entry.tensor.shape)
 
     load_scratch = getattr(ckpt, "load_scratch", ckpt.load)
     pool = _BufferPool()
@@ -173,6 +190,14 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         if on_file is not None:
             on_file(plan, record)
     return record
+
+
+def scale_of(entry: Planned, weight_scales: dict, input_scales: dict,
+             kv_scales: dict | None) -> np.float32 | np.ndarray:
+    """The value a planned scale tensor holds."""
+    table = {"weight_scale": weight_scales, "input_scale": input_scales,
+             "kv_scale": kv_scales or {}}[entry.kind]
+    return table[entry.source]
 
 
 def index_json(plans: list[ShardPlan]) -> dict | None:

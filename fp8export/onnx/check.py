@@ -22,7 +22,8 @@ docs/onnx.md and ``shared/reference/tensorrt_fp8_onnx.md`` sections 1, 2, 5):
                      23 and TRT 10.13 (warning).
 ``zero-point``       the quantized type is FLOAT8E4M3FN, taken from a zero point (else
                      ``output_dtype``, which exists only from opset 21, else TRT reads INT8:
-                     onnx-tensorrt QuantDequantLinearHelper); zero points are constant and 0;
+                     onnx-tensorrt QuantDequantLinearHelper); zero points are constant, 0 and
+                     shaped like the scale (ONNX rule);
                      E5M2/FNUZ are rejected (TRT: E4M3FN only).
 ``quantized-constant`` FP8 initializers feed only DequantizeLinear ("Quantized constant is only
                      allowed before DQ or PLUGIN_V2 node", TRT #3919).
@@ -286,6 +287,11 @@ def _check_zero_point(g: _Graph, node, issues: list[Issue], opset: int) -> None:
     if np.any(g.value(zp) != 0):
         issues.append(Issue("error", "zero-point", where, f"zero point {zp} is not 0; TensorRT "
                             "supports symmetric quantization only."))
+    s = g.const(node.input[1])
+    if s is not None and tuple(s.dims) != tuple(t.dims):
+        issues.append(Issue("error", "zero-point", where, f"zero point {zp} has shape "
+                            f"{list(t.dims)} but the scale has {list(s.dims)}; ONNX requires the "
+                            "same shape (onnxruntime refuses the node)."))
 
 
 def _scale_dtype(g: _Graph, node) -> int | None:

@@ -10,9 +10,12 @@ For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)
 
 * the weight is the folder's E4M3 bytes, pre-transposed to the orientation the GEMM reads, so no
   Transpose sits between the DQ and the GEMM (ModelOpt's ``fp8_exporter.py`` does the same);
-* per-tensor (scalar) scales, ``axis`` always written (TensorRT 10.1 defaulted a missing axis to
-  0, later parsers to 1), an all-zero FLOAT8E4M3FN zero point on every Q and DQ (the onnx-tensorrt
-  importer takes the quantized type from the zero point, else ``output_dtype``, else INT8);
+* per-tensor (scalar) scales, or for per-channel weights a 1-D scale along the stored weight's
+  output-channel axis with an all-zero zero point of the same shape (ONNX requires the zero
+  point to match the scale's shape; TensorRT takes per-channel weight DQ), ``axis`` always
+  written (TensorRT 10.1 defaulted a missing axis to 0, later parsers to 1), an all-zero
+  FLOAT8E4M3FN zero point on every Q and DQ (the onnx-tensorrt importer takes the quantized
+  type from the zero point, else ``output_dtype``, else INT8);
 * scale dtype = activation dtype; at opset >= 23 with bf16 activations the scales stay float32
   and the DQs carry ``output_dtype`` = bf16 (needs TensorRT >= 10.13);
 * layers without a static ``input_scale`` (dynamic activations) get the weight DQ only: the
@@ -122,7 +125,7 @@ def _orientation(node, transposed: bool) -> str:
 def _expected(layer, orientation: str, dtype: str) -> np.ndarray:
     import torch
 
-    w = layer.weight_out_in.to(torch.float32) * layer.weight_scale  # [out, in]
+    w = layer.weight_out_in.to(torch.float32) * layer.weight_scale_out_in  # [out, in]
     arr = w.numpy().astype(np_dtype(dtype)).astype(np.float32)
     return arr.T if orientation == "in_out" else arr
 
@@ -193,17 +196,21 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
     return bindings
 
 
-def _scale_tensor(name: str, value: float, sdtype: str, layer: str, result: RewriteResult):
+def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResult):
+    """A scalar scale, or a 1-D per-channel one (a float32 tensor of the output channels)."""
     from onnx import numpy_helper
 
-    cast = np.asarray(value, dtype=np.float32).astype(np_dtype(sdtype))
-    back = float(cast.astype(np.float32))
-    if not np.isfinite(back) or back <= 0.0:
+    want = np.asarray(value, dtype=np.float32)
+    cast = want.astype(np_dtype(sdtype))
+    back = cast.astype(np.float32)
+    if not np.all(np.isfinite(back)) or not np.all(back > 0.0):
+        shown = value if want.ndim == 0 else "a per-channel scale"
         raise Fp8ExportError(
-            f"layer {layer}: scale {value!r} is not representable as a positive {sdtype} "
+            f"layer {layer}: scale {shown!r} is not representable as a positive {sdtype} "
             f"(TensorRT needs positive scales of the activation dtype). Export with --dtype fp32, "
             "or exclude the layer at convert time.")
-    result.max_scale_rounding = max(result.max_scale_rounding, abs(back - value) / value)
+    rounding = float(np.max(np.abs(back - want) / want))
+    result.max_scale_rounding = max(result.max_scale_rounding, rounding)
     return numpy_helper.from_array(np.asarray(cast), name)
 
 
@@ -251,7 +258,12 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         new_inits.append(numpy_helper.from_array(w8, w_name))
         new_inits.append(_scale_tensor(s_name, layer.weight_scale, sdtype, name, result))
         axis = 1 if b.read_as == "in_out" else 0  # output-channel axis of the stored weight
-        nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, ZERO_POINT],
+        w_zp = ZERO_POINT
+        if np.ndim(layer.weight_scale):  # per channel: the zero point has the scale's shape
+            w_zp = f"{name}.weight_zero_point"
+            new_inits.append(numpy_helper.from_array(
+                np.zeros(np.shape(layer.weight_scale), dtype=ml_dtypes.float8_e4m3fn), w_zp))
+        nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, w_zp],
                                   [f"{name}.weight_dq"], name=f"{name}/weight_dq", axis=axis,
                                   **out_dtype_attr)]
         # activation

@@ -67,6 +67,26 @@ def quantized_matmul(a: torch.Tensor, weight_t: torch.Tensor, input_scale: torch
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def rowwise_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_matmul`` with a per-row input scale (``[M, 1]`` or scalar) and/or a per-output-
+    channel weight scale (``[N]`` or scalar): ``torch._scaled_mm``'s row-wise scaling, which
+    takes ``scale_a [M, 1]`` and ``scale_b [1, N]`` in float32 and a bf16 output (cuBLASLt's
+    row-wise FP8 GEMM needs compute capability 9.0). Not run on a GPU by this project's tests.
+    """
+    m, n = x.shape[0], weight.shape[0]
+    a = quantize_input(x, input_scale) if input_scale.dim() == 0 else \
+        (x.to(torch.float32) / input_scale).clamp(-448.0, 448.0).to(weight.dtype)
+    scale_a = input_scale.to(torch.float32).reshape(-1, 1).expand(m, 1).contiguous()
+    scale_b = weight_scale.to(torch.float32).reshape(1, -1).expand(1, n).contiguous()
+    y = torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=scale_b,
+                         out_dtype=torch.bfloat16)
+    if bias is not None:
+        y = y.to(torch.float32) + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
 # --------------------------------------------------------------------------- small-M kernel
 @functools.cache
 def _small_m_kernel():

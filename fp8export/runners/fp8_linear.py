@@ -1,4 +1,5 @@
-"""``Fp8Linear``: a linear layer whose weight stays in E4M3, with per-tensor scales.
+"""``Fp8Linear``: a linear layer whose weight stays in E4M3, with per-tensor scales (or per
+output channel, and per-token dynamic inputs).
 
 Two execution paths compute the same function (DESIGN.md "Conventions": scale = amax / 448):
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, quantize_e4m3
-from fp8export.runners.fp8_gemm import fp8_matmul
+from fp8export.runners.fp8_gemm import fp8_matmul, rowwise_matmul
 
 MODES = ("auto", "emulate", "scaled_mm")
 
@@ -44,13 +45,18 @@ def _cuda_fp8_ok(index: int) -> bool:  # cached: forward() asks on every call
     return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
-def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor dequantization scale ``amax / 448`` of ``x`` as a float32 scalar tensor.
+def dynamic_scale(x: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+    """Dequantization scale ``amax / 448`` of ``x`` as float32: a scalar tensor, or with
+    ``per_token`` one per row (amax over the last dimension, shape ``[..., 1]``).
 
-    An all-zero input gets scale 1 (any scale quantizes zeros exactly), never 0.
+    An all-zero input (row) gets scale 1 (any scale quantizes zeros exactly), never 0.
     """
-    amax = x.detach().abs().amax().to(torch.float32)
+    a = x.detach().abs()
+    amax = (a.amax(dim=-1, keepdim=True) if per_token else a.amax()).to(torch.float32)
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+DYNAMIC = ("tensor", "token")
 
 
 class Fp8Linear(nn.Module):
@@ -59,14 +65,19 @@ class Fp8Linear(nn.Module):
     Args:
         weight: E4M3 tensor ``[out_features, in_features]``.
         weight_scale: dequantization factor of the weight (float or 1-element tensor).
-        input_scale: static dequantization factor of the input, or None (dynamic per-tensor).
+        input_scale: static dequantization factor of the input, or None (dynamic).
         bias: optional ``[out_features]`` tensor in high precision.
         mode: "auto" (scaled_mm where available, else emulate), "emulate" or "scaled_mm".
         out_dtype: dtype of the output (and of the bias); bf16 by default.
+        dynamic: without ``input_scale``, one input scale per "tensor" or per "token" (row).
+
+    ``weight_scale`` may hold one value per output channel (``[out]`` or ``[out, 1]``). Such a
+    layer, or a per-token one, runs ``torch._scaled_mm`` with row-wise scales on the GPU.
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale, input_scale=None, bias=None,
-                 mode: str = "auto", out_dtype: torch.dtype = torch.bfloat16):
+                 mode: str = "auto", out_dtype: torch.dtype = torch.bfloat16,
+                 dynamic: str = "tensor"):
         super().__init__()
         if weight.dtype != E4M3_DTYPE or weight.dim() != 2:
             raise ValueError(f"Fp8Linear needs a 2-D float8_e4m3fn weight, got {weight.dtype} "
@@ -75,13 +86,16 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+        if dynamic not in DYNAMIC:
+            raise ValueError(f"dynamic must be one of {DYNAMIC}, got {dynamic!r}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("weight_scale", _scalar(weight_scale))
+        self.register_buffer("weight_scale", _weight_scale(weight_scale, self.out_features))
         self.register_buffer("input_scale", None if input_scale is None else _scalar(input_scale))
         self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype))
         self.mode = mode
         self.out_dtype = out_dtype
+        self.dynamic = dynamic
         self.fallback_reason: str | None = None
         if self.in_features % 16 or self.out_features % 16:
             self.fallback_reason = (f"in/out features {self.in_features}x{self.out_features} "
@@ -98,7 +112,7 @@ class Fp8Linear(nn.Module):
     def _refresh(self) -> None:
         fast = None
         w = self._buffers.get("weight")
-        if (w is not None and w.is_cuda and self.mode != "emulate"
+        if (w is not None and w.is_cuda and self.mode != "emulate" and not self.rowwise
                 and self.fallback_reason is None and scaled_mm_available(w.device)):
             b = self._buffers
             fast = (w, w.t(), b["weight_scale"], b["input_scale"], b["bias"])
@@ -114,8 +128,17 @@ class Fp8Linear(nn.Module):
         if name in self._BUFFERS and "_fast" in self.__dict__:
             self._refresh()
 
+    @property
+    def rowwise(self) -> bool:
+        """Scales per output channel or per token (not one pair of scalars)."""
+        ws = self._buffers.get("weight_scale")
+        return (ws is not None and ws.dim() > 0) or (
+            self._buffers.get("input_scale") is None and self.dynamic == "token")
+
     def extra_repr(self) -> str:
-        act = "static" if self.input_scale is not None else "dynamic"
+        act = "static" if self.input_scale is not None else f"dynamic per {self.dynamic}"
+        if self.weight_scale.dim():
+            act += ", weight per channel"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, input={act}, mode={self.mode}")
 
@@ -131,7 +154,14 @@ class Fp8Linear(nn.Module):
         return ok
 
     def input_scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        return self.input_scale if self.input_scale is not None else dynamic_scale(x)
+        if self.input_scale is not None:
+            return self.input_scale
+        return dynamic_scale(x, per_token=self.dynamic == "token")
+
+    def weight_scale_rows(self) -> torch.Tensor:
+        """The weight scale broadcastable against ``weight`` ``[out, in]``."""
+        ws = self.weight_scale
+        return ws[:, None] if ws.dim() else ws
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self._fast
@@ -150,7 +180,7 @@ class Fp8Linear(nn.Module):
         """Exact emulation: fake-quantize x, dequantize W, fp32 matmul, cast the result."""
         s_in = self.input_scale_for(x)
         xq = quantize_e4m3(x, s_in).to(torch.float32) * s_in
-        w = self.weight.to(torch.float32) * self.weight_scale
+        w = self.weight.to(torch.float32) * self.weight_scale_rows()
         y = torch.nn.functional.linear(xq, w)
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
@@ -158,10 +188,22 @@ class Fp8Linear(nn.Module):
 
     def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """Real FP8 GEMM (fp32 accumulate, ``out_dtype`` result): ``fp8_gemm.fp8_matmul``."""
-        s_in = self.input_scale if self.input_scale is not None else dynamic_scale(x)
-        y = fp8_matmul(x.reshape(-1, self.in_features), self.weight, s_in, self.weight_scale,
-                       self.bias, self.out_dtype)
+        x2 = x.reshape(-1, self.in_features)
+        s_in = self.input_scale_for(x2)
+        if self.rowwise:
+            y = rowwise_matmul(x2, self.weight, s_in, self.weight_scale, self.bias,
+                               self.out_dtype)
+        else:
+            y = fp8_matmul(x2, self.weight, s_in, self.weight_scale, self.bias, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def _weight_scale(value, out_features: int) -> torch.Tensor:
+    """A 0-d scale, or ``[out]`` per-channel scales (from ``[out]`` or ``[out, 1]``)."""
+    t = torch.as_tensor(value, dtype=torch.float32).detach().reshape(-1)
+    if t.numel() == out_features and out_features > 1:
+        return t.clone()
+    return _scalar(t)
 
 
 def _scalar(value) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import open_folder_tensors, read_folder_config, read_folder_manifest
 from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
-from fp8export.runners.fp8_linear import MODES, Fp8Linear, scaled_mm_available
+from fp8export.runners.fp8_linear import DYNAMIC, MODES, Fp8Linear, scaled_mm_available
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -37,7 +37,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.Tensor], *,
                     mode: str, dtype: torch.dtype, where: Path,
-                    bias: torch.Tensor | None = None) -> Fp8Linear:
+                    bias: torch.Tensor | None = None, dynamic: str = "tensor") -> Fp8Linear:
     """One Fp8Linear from the manifest entry of module ``name`` and the folder's tensors
     (``bias``: the bias to use instead of the folder's ``<name>.bias``)."""
     wname = entry.get("weight", f"{name}.weight")
@@ -52,7 +52,8 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
     if entry.get("layout", "out_in") == "in_out":
         w = w.t().contiguous()
     bias = tensors.get(f"{name}.bias") if bias is None else bias
-    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype)
+    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype,
+                     dynamic=dynamic)
 
 
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
@@ -95,7 +96,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         model = empty_model(config, where, dtype=dtype, shapes=tensors.shapes(),
                             empty=budgets is not None)
         fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
-                                     where=where)
+                                     where=where, dynamic=dynamic_of(manifest, where))
         state = model.state_dict()
         loadable = {}
         for key, shape in tensors.shapes().items():
@@ -129,15 +130,52 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     model.eval()
     groups = fused_groups(quantized, config) if fuse else {}
     unfused = fuse_projections(model, groups)
+    kv = _emulate_kv_cache(model, manifest, tensors, where)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
-            "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused}
+            "weight_granularity": manifest.get("weight_granularity", "tensor"),
+            "dynamic_activations": dynamic_of(manifest, where),
+            "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
+            "kv_cache": kv}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
 
         placement.check_loaded(model, str(where))
         info["placement"] = placement.dispatch(model, placement.plan(model, budgets, dtype))
     return model, config, manifest, info
+
+
+def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      where: Path) -> str | None:
+    """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3-quantized
+    by its own ``k_scale``/``v_scale`` tensors (what vLLM / TensorRT-LLM run)."""
+    entry = manifest.get("kv_cache")
+    if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
+        return None
+    from fp8export.calibration.kv_cache import emulate_fp8_kv
+
+    scales = {}
+    for attn, layer in entry["layers"].items():
+        try:
+            k = tensors[str(layer["k_scale_tensor"])]
+            v = tensors[str(layer["v_scale_tensor"])]
+        except (KeyError, TypeError):
+            raise Fp8ExportError(f"{where}: fp8export.json declares an FP8 KV cache for {attn} "
+                                 "but its k_scale/v_scale tensor is missing. Re-run `fp8export "
+                                 "convert --kv-cache fp8`.") from None
+        scales[attn] = (float(k.float().reshape(-1)[0]), float(v.float().reshape(-1)[0]))
+    emulate_fp8_kv(model, scales)
+    return "fp8 (keys after RoPE and values quantized with k_scale/v_scale, emulated)"
+
+
+def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
+    """How the folder's dynamic layers scale their input: "tensor" (folders written before
+    the option existed) or "token"."""
+    value = manifest.get("dynamic_activations", "tensor")
+    if value not in DYNAMIC:
+        raise Fp8ExportError(f"{where}: fp8export.json has dynamic_activations {str(value)[:20]!r}"
+                             f"; expected one of {', '.join(DYNAMIC)}. Re-run `fp8export convert`.")
+    return value
 
 
 def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
@@ -161,7 +199,8 @@ def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
 
 def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
                      tensors: dict[str, torch.Tensor], *, mode: str, dtype: torch.dtype,
-                     where: Path, keep_bias: bool = False) -> dict[str, str]:
+                     where: Path, keep_bias: bool = False, dynamic: str = "tensor",
+                     ) -> dict[str, str]:
     """Replace every manifest-listed module of ``model`` by its Fp8Linear; returns fallbacks.
 
     ``keep_bias``: the new layer takes the replaced module's bias (already loaded) rather than
@@ -176,7 +215,7 @@ def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
                                  "in config.json does not have.") from None
         bias = getattr(old, "bias", None) if keep_bias else None
         new = make_fp8_linear(name, entry, tensors, mode=mode, dtype=dtype, where=where,
-                              bias=None if bias is None else bias.detach())
+                              bias=None if bias is None else bias.detach(), dynamic=dynamic)
         expected = _linear_shape(old)
         if expected is not None and expected != (new.out_features, new.in_features):
             raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
@@ -198,7 +237,8 @@ def _load_keras_fp8(where: Path, device: torch.device, dtype: torch.dtype, mode:
         quantized = folder.manifest.get("quantized") or {}
         # the rebuilt layers hold the biases as the Keras layers compute with them
         fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
-                                     where=where, keep_bias=True)
+                                     where=where, keep_bias=True,
+                                     dynamic=dynamic_of(folder.manifest, where))
     info = {"mode": mode, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": folder.manifest.get("activation_scheme"),
             "fused_groups": 0, "unfused_groups": {}}  # Keras runs q, k, v as separate GEMMs

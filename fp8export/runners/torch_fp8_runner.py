@@ -83,7 +83,8 @@ class TorchFp8Runner(TorchModelRunner):
             gemm = "torch._scaled_mm" + (f" (eager, <= {EAGER_M} rows: one-launch Triton FP8 "
                                          "GEMM)" if EAGER_M else "")
         fused = info.get("fused_groups", 0)
-        return (f"{gemm}; {fused} fused q/k/v and gate/up groups" if fused else gemm) + \
+        kv = f"; KV cache {info['kv_cache']}" if info.get("kv_cache") else ""
+        return (f"{gemm}; {fused} fused q/k/v and gate/up groups" if fused else gemm) + kv + \
             f"; {self.execution.get('execution', 'eager')}"
 
     def describe(self) -> dict[str, Any]:
@@ -91,5 +92,6 @@ class TorchFp8Runner(TorchModelRunner):
         d.update(mode=self.info.get("mode", self.mode), fallbacks=self.info.get("fallbacks", {}),
                  fused_groups=self.info.get("fused_groups", 0),
                  unfused_groups=self.info.get("unfused_groups", {}),
+                 kv_cache=self.info.get("kv_cache"),
                  fp8_path=self.fp8_path(), **self.execution)
         return d

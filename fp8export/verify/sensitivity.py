@@ -8,10 +8,10 @@ model) of the next-token distributions is measured against the fp32 reference on
 Layers are ranked by that KL; the whole set is quantized and, while the KL exceeds the budget,
 the most sensitive remaining layer is kept in high precision (greedy, re-measured each step).
 
-Entry points:
-
-* :func:`sensitivity` — the analysis for library users (JSON-serialisable dict).
-* :func:`exclusions_for_budget` — the hook ``convert --accuracy-budget KL`` calls.
+:func:`sensitivity` is an analysis for library users (JSON-serialisable dict). It quantizes
+each layer with its own per-tensor scales, so it is a model convert does not write when scales
+are shared by fused groups, calibrated by another method or per channel; ``convert
+--accuracy-budget`` measures the model it writes instead (``fallback.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fp8export._progress import info, progress
+from fp8export._progress import progress
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.runners.fp8_linear import Fp8Linear
@@ -157,31 +157,3 @@ def sensitivity(checkpoint: str | Path, modules: Sequence[str], *, budget_kl: fl
     return {"ranking": ranking, "kl_all": kl_all, "keep": keep, "kl_after": kl_now,
             "budget_kl": budget_kl, "data": data_info["source"], "steps": steps,
             "static_inputs": static_inputs}
-
-
-def exclusions_for_budget(cfg, modules: Sequence[str],
-                          groups: Mapping[str, Sequence[str]] | None = None
-                          ) -> tuple[list[str], list[str]]:
-    """The ``convert --accuracy-budget KL`` hook: ``(modules to keep in high precision, notes)``.
-
-    ``cfg`` is the ConvertConfig: ``checkpoint``, ``accuracy_budget`` (KL, nats/token),
-    ``calib_data`` (the data measured on; the built-in set when None), ``calib_samples``,
-    ``seq_len``, ``batch_size``, ``device``, ``scales`` ("weights" → dynamic activations).
-    ``groups``: the selection's fused groups (shared scales), when ``cfg.fuse_scales``.
-    """
-    static = str(getattr(cfg, "scales", "auto")) != "weights"
-    res = sensitivity(cfg.checkpoint, modules, budget_kl=float(cfg.accuracy_budget),
-                      data=cfg.calib_data, static_inputs=static, samples=cfg.calib_samples,
-                      seq_len=cfg.seq_len, batch_size=cfg.batch_size or 8,
-                      device=str(cfg.device), groups=groups)
-    top = ", ".join(f"{r['module']} ({r['kl']:.2e})" for r in res["ranking"][:5])
-    notes = [f"sensitivity on {res['data']}: KL of each layer quantized alone, worst first: "
-             f"{top}; all {len(res['ranking'])} quantized: KL {res['kl_all']:.3e}."]
-    if res["keep"]:
-        notes.append(f"--accuracy-budget {cfg.accuracy_budget}: keeping {len(res['keep'])} most "
-                     f"sensitive layer(s) in high precision brings KL to {res['kl_after']:.3e}.")
-    elif res["kl_all"] <= res["budget_kl"]:
-        notes.append(f"--accuracy-budget {cfg.accuracy_budget}: met with every layer in FP8.")
-    for n in notes:
-        info(n)
-    return res["keep"], notes

@@ -140,23 +140,38 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
 
     seen = {}
 
-    def exclusions_for_budget(cfg, modules, groups=None):  # the sensitivity hook's interface
-        seen["budget"], seen["modules"], seen["groups"] = cfg.accuracy_budget, list(modules), groups
-        return ["model.layers.0.self_attn.v_proj"], ["sensitivity ran"]
+    class Search:  # the fallback hook's interface
+        def search(self, budget):
+            seen["budget"] = budget
+            return {"keep": ["model.layers.0.self_attn.v_proj"], "kl_all_fp8": 0.1,
+                    "kl_selected": 0.01, "kept_param_fraction": 0.01, "samples": 2,
+                    "data": "builtin"}
 
-    fake = types.ModuleType("fp8export.verify.sensitivity")
-    fake.exclusions_for_budget = exclusions_for_budget
-    monkeypatch.setitem(sys.modules, "fp8export.verify.sensitivity", fake)
+        def check_written(self, folder):
+            seen["written"] = folder
+            return {"kl": 0.01, "top1_agreement": 1.0}
+
+        def cost(self):
+            return {"total": 1.0}
+
+    def start(cfg, path, layers):
+        seen["layers"] = {la.module: la for la in layers}
+        return Search()
+
+    fake = types.ModuleType("fp8export.verify.fallback")
+    fake.start, fake.FallbackLayer = start, lambda *a: types.SimpleNamespace(module=a[0])
+    monkeypatch.setitem(sys.modules, "fp8export.verify.fallback", fake)
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
                                 accuracy_budget=0.01))
-    assert seen["budget"] == 0.01 and len(seen["modules"]) == 14
-    assert sorted(QKV) in [sorted(ms) for ms in seen["groups"].values()]  # scales shared as here
+    assert seen["budget"] == 0.01 and len(seen["layers"]) == 14
     assert res.quantized == 11  # v_proj took q_proj and k_proj along (vLLM fuses them)
     for m in QKV:
         assert res.excluded[f"{m}.weight"] == "kept in high precision for --accuracy-budget 0.01"
     qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert set(QKV) <= set(qc["ignore"])
-    assert "sensitivity ran" in res.notes
+    man = json.loads((tmp_path / "o" / "fp8export.json").read_text())
+    assert man["accuracy_budget"]["written"]["kl"] == 0.01
+    assert seen["written"].name != "o"  # measured in the temporary folder, before publishing
 
 
 def test_weight_scales_from_history_on_request(tmp_path, monkeypatch, dict_ckpt):

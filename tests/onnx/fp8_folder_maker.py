@@ -32,8 +32,9 @@ def make_source(out: Path, seed: int = 0) -> Path:
     return Path(out)
 
 
-def make_fp8_folder(out: Path, *, scales: str = "calibrate", seed: int = 0) -> Path:
-    """Source + calibration tokens + ``convert`` -> the FP8 folder at ``out``."""
+def make_fp8_folder(out: Path, *, scales: str = "calibrate", seed: int = 0, **options) -> Path:
+    """Source + calibration tokens + ``convert`` -> the FP8 folder at ``out`` (``options``: more
+    ConvertConfig fields, e.g. ``weight_granularity="channel"``)."""
     from fp8export import api
     from fp8export.config import ConvertConfig
 
@@ -44,7 +45,8 @@ def make_fp8_folder(out: Path, *, scales: str = "calibrate", seed: int = 0) -> P
         calib = out.parent / f"{out.name}-calib.npz"
         ids = np.random.RandomState(seed + 1).randint(0, TINY["vocab_size"], (8, 16))
         np.savez(calib, input_ids=ids.astype(np.int64))
-    api.convert(ConvertConfig(checkpoint=src, output=out, scales=scales, calib_data=calib))
+    api.convert(ConvertConfig(checkpoint=src, output=out, scales=scales, calib_data=calib,
+                              **options))
     return out
 
 

@@ -173,7 +173,17 @@ def test_unquantized_gemm_is_counted_not_listed():
 
 def test_per_channel_weight_scale_length_matches_axis(model):
     # weight [in=8, out=6], axis=1: 6 scales are per-channel; 5 are wrong
+    _node(model, "lin/weight_dq").input[2] = "lin.weight_zero_point"
+    model.graph.initializer.append(numpy_helper.from_array(
+        np.zeros((1,), dtype=ml_dtypes.float8_e4m3fn), "lin.weight_zero_point"))
+    zp = _init(model, "lin.weight_zero_point")
     for n, ok in ((6, True), (5, False)):
         _init(model, "lin.weight_scale").CopyFrom(
             numpy_helper.from_array(np.full((n,), 0.01, dtype=np.float32), "lin.weight_scale"))
+        zp.CopyFrom(numpy_helper.from_array(np.zeros((n,), dtype=ml_dtypes.float8_e4m3fn),
+                                            "lin.weight_zero_point"))
         assert check_model(model).ok is ok
+    # the zero point must have the scale's shape (ONNX; onnxruntime refuses the node otherwise)
+    _node(model, "lin/weight_dq").input[2] = "fp8_zero_point"
+    r = check_model(model)
+    assert "zero-point" in _rules(r) and "same shape" in r.to_text()

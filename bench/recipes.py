@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Recipe table: FP8 accuracy of weight granularity x activation scheme x calibrator, measured
+with ``verify`` (torch FP8 runtime, emulated on CPU) against the model's bf16 reference.
+
+    python bench/recipes.py                                   # the shipped sample model
+    python bench/recipes.py --model smollm2=/tmp/smollm2-135m # plus a real decoder
+    python bench/recipes.py --quick                           # 4 recipes, for a smoke run
+
+Each recipe is one ``fp8export convert`` (calibrated ranges are computed once per calibrator
+with ``fp8export calibrate`` and reused through ``--calib-amax``, so the two weight
+granularities see the same activation ranges) followed by one ``fp8export verify`` on the same
+evaluation samples. Recipes:
+
+* weights: ``tensor`` (one scale per tensor, q/k/v and gate/up share the group max) or
+  ``channel`` (one scale per output row);
+* activations: ``static`` (calibrated per-tensor input scales; calibrator ``max``,
+  ``percentile`` or ``mse``), ``dynamic-tensor`` or ``dynamic-token`` (computed at run time).
+
+Writes ``bench/results/recipes.json`` and ``recipes.md``. The best all-FP8 recipe per model is
+the one with the lowest KL among those that pass the ``default`` gate (else the lowest KL);
+"all-FP8" means every selected linear is FP8 with FP8 inputs (no layer left in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench._common import machine_info  # noqa: E402
+
+SAMPLE = REPO / "samples" / "tiny-llama"
+CALIBRATORS = ("max", "percentile", "mse")
+ACTIVATIONS = ("static", "dynamic-tensor", "dynamic-token")
+
+
+def recipes(which: str) -> list[dict]:
+    """``full``: every calibrator; ``core``: static with ``max`` only; ``quick``: core without
+    dynamic per-tensor; ``kv``: the default recipe with and without an FP8 KV cache."""
+    kv = {"weights": "tensor", "activations": "static", "calibrator": "max", "kv_cache": "fp8"}
+    if which == "kv":
+        return [dict(kv, kv_cache="none"), kv]
+    out = []
+    for weights in ("tensor", "channel"):
+        for act in ACTIVATIONS:
+            methods = CALIBRATORS if act == "static" else (None,)
+            for method in methods:
+                if which != "full" and method not in (None, "max"):
+                    continue
+                if which == "quick" and act == "dynamic-tensor":
+                    continue
+                out.append({"weights": weights, "activations": act, "calibrator": method,
+                            "kv_cache": "none"})
+    out.append(kv)  # the cost of an FP8 KV cache, on the default recipe
+    return out
+
+
+def name_of(r: dict) -> str:
+    act = r["activations"] + (f" ({r['calibrator']})" if r["calibrator"] else "")
+    kv = " / KV fp8" if r.get("kv_cache") == "fp8" else ""
+    return f"W {r['weights']} / A {act}{kv}"
+
+
+def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path,
+              which: str) -> dict:
+    from fp8export import api
+    from fp8export.calibration.config import CalibrateConfig
+    from fp8export.config import ConvertConfig
+    from fp8export.errors import VerificationFailed
+    from fp8export.verify.config import VerifyConfig
+
+    samples = args.samples if label == "sample" else args.samples_real
+    rows = []
+    amax_files: dict[str, Path] = {}
+    calib_s: dict[str, float] = {}
+    for r in recipes(which):
+        method = r["calibrator"]
+        if method and method not in amax_files:
+            t0 = time.perf_counter()
+            amax_files[method] = work / f"{label}-amax-{method}.json"
+            api.calibrate(CalibrateConfig(checkpoint=model, calib_data=calib,
+                                          output=amax_files[method], calib_method=method,
+                                          calib_samples=args.calib_samples,
+                                          seq_len=args.seq_len, device="cpu"))
+            calib_s[method] = round(time.perf_counter() - t0, 1)
+        out = work / f"{label}-fp8"
+        static = r["activations"] == "static"
+        t0 = time.perf_counter()
+        api.convert(ConvertConfig(
+            checkpoint=model, output=out, force=True,
+            scales="calibrate" if static else "weights",
+            calib_amax=amax_files.get(method),
+            weight_granularity=r["weights"], kv_cache=r["kv_cache"],
+            calib_data=calib if r["kv_cache"] == "fp8" else None,
+            calib_samples=args.calib_samples,
+            dynamic_activations="token" if r["activations"] == "dynamic-token" else "tensor"))
+        convert_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            res = api.verify(VerifyConfig(reference=model, candidate=out, data=data,
+                                          samples=samples, seq_len=args.seq_len,
+                                          report_dir=work / "report", backend="torch",
+                                          fp8_mode="emulate", device="cpu",
+                                          write_reports=False))
+        except VerificationFailed as failed:  # ran to the end, missed the gate: still a row
+            res = failed.result
+        verify_s = time.perf_counter() - t0
+        m = res.metrics
+        row = {**r, "recipe": name_of(r), "passed_default": bool(res.passed),
+               "failures": [f.get("metric") for f in res.failures],
+               "top1_agreement": m.get("top1_agreement"), "kl_mean": m.get("kl_mean"),
+               "cosine_mean": m.get("cosine_mean"), "cosine_min": m.get("cosine_min"),
+               "ppl_ratio": (m["ppl_candidate"] / m["ppl_reference"]
+                             if m.get("ppl_reference") else None),
+               "convert_s": round(convert_s, 1), "verify_s": round(verify_s, 1)}
+        rows.append(row)
+        print(f"{label:10s} {row['recipe']:42s} top1 {row['top1_agreement']:.4f}  "
+              f"KL {row['kl_mean']:.3e}  cos {row['cosine_mean']:.5f}  "
+              f"{'pass' if row['passed_default'] else 'FAIL'}  ({verify_s:.0f}s)", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    return {"model": label, "path_name": model.name, "samples": samples, "recipes": which,
+            "rows": rows, "calibrate_s": calib_s, **best_of(rows)}
+
+
+def best_of(rows: list[dict]) -> dict:
+    """The all-FP8 recipe (16-bit KV cache) with the lowest KL among those passing `default`,
+    else among all."""
+    plain = [r for r in rows if r.get("kv_cache", "none") == "none"]
+    passing = [r for r in plain if r["passed_default"]]
+    best = min(passing or plain, key=lambda r: r["kl_mean"])
+    return {"best": best["recipe"], "best_passes_default": best["passed_default"]}
+
+
+def markdown(doc: dict) -> str:
+    lines = ["# FP8 recipes (verify against the bf16 reference, torch FP8 runtime, emulated)", ""]
+    for model in doc["models"]:
+        lines += [f"## {model['model']}", "",
+                  "| weights | activations | calibrator | KV cache | top-1 | KL / token | "
+                  "cosine mean | ppl ratio | `default` gate |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in model["rows"]:
+            gate = "pass" if r["passed_default"] else "fail (" + ", ".join(
+                str(f) for f in r["failures"]) + ")"
+            lines.append(f"| {r['weights']} | {r['activations']} | {r['calibrator'] or '–'} | "
+                         f"{r.get('kv_cache', 'none')} | "
+                         f"{r['top1_agreement']:.4f} | {r['kl_mean']:.3e} | "
+                         f"{r['cosine_mean']:.5f} | {r['ppl_ratio']:.4f} | {gate} |")
+        lines += ["", f"Best all-FP8 recipe: **{model['best']}** "
+                      f"({'passes' if model['best_passes_default'] else 'fails'} `default`).", ""]
+    d = doc["setup"]
+    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load "
+                      f"{m.get('setup', {}).get('load_avg_1m_at_start', '?')})"
+                      for m in doc["models"])
+    lines += [f"Data: {d['seq_len']}-token samples of each model's eval text ({sizes} samples); "
+              f"calibration {d['calib_samples']} samples. Machine: {doc['machine']['cores']} "
+              "cores, shared (timings are not comparable across runs).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", default=[], metavar="LABEL=PATH[,CALIB,EVAL]",
+                    help="more models (HF folders); calibration/eval text default to the "
+                         "sample's. Real models run the core recipe set (--recipes-real)")
+    ap.add_argument("--recipes-real", choices=("full", "core", "quick", "kv"), default="core")
+    ap.add_argument("--no-sample", action="store_true", help="skip the shipped sample model")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--samples-real", type=int, default=16,
+                    help="eval samples for --model (a real model's forward is slow on CPU)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="the quick set everywhere")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recipes")
+    args = ap.parse_args()
+
+    calib, data = SAMPLE / "data" / "calib.txt", SAMPLE / "data" / "eval.txt"
+    models = [] if args.no_sample else [("sample", SAMPLE / "model", calib, data, "full")]
+    for spec in args.model:
+        label, _, rest = spec.partition("=")
+        parts = rest.split(",")
+        models.append((label, Path(parts[0]), Path(parts[1]) if len(parts) > 1 else calib,
+                       Path(parts[2]) if len(parts) > 2 else data, args.recipes_real))
+    doc = {"machine": machine_info(REPO),
+           "setup": {"samples": args.samples, "seq_len": args.seq_len,
+                     "calib_samples": args.calib_samples, "runtime": "torch FP8, emulate, cpu",
+                     "thresholds": "default"},
+           "models": []}
+    # Models measured before (another run) are kept: each model's rows are written as soon as
+    # they are measured, replacing that model's earlier rows only.
+    old = args.out.with_suffix(".json")
+    kept = json.loads(old.read_text())["models"] if old.exists() else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fp8-recipes-") as tmp:
+        for label, path, c, e, which in models:
+            which = "quick" if args.quick else which
+            result = run_model(label, path, c, e, args, Path(tmp), which)
+            before = next((m for m in kept if m["model"] == label), None)
+            if before is not None and before.get("samples") == result["samples"]:
+                # rows of other recipes measured earlier on the same data are kept
+                names = {r["recipe"] for r in result["rows"]}
+                result["rows"] = [r for r in before["rows"] if r["recipe"] not in names] + \
+                    result["rows"]
+                result["recipes"] = f"{before.get('recipes')}+{which}"
+                result.update(best_of(result["rows"]))
+            result["setup"] = dict(doc["setup"], load_avg_1m_at_start=doc["machine"][
+                "load_avg_1m_at_start"])
+            kept = [m for m in kept if m["model"] != label] + [result]
+            doc["models"] = kept
+            old.write_text(json.dumps(doc, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""convert --accuracy-budget: the search measures the model convert writes, keeps the fewest
+layers (fused groups whole) and the written folder measures what the search measured."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fp8export import api
+from fp8export.config import ConvertConfig
+from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
+from fp8export.verify.fallback import FallbackLayer, FallbackSearch
+
+
+def _convert(src, out, data, **kw):
+    return api.convert(ConvertConfig(checkpoint=src, output=out, calib_data=data,
+                                     scales="calibrate", calib_samples=8, accuracy_samples=8,
+                                     **kw))
+
+
+def test_budget_is_met_by_the_written_folder(tiny_llama, eval_npz, tmp_path):
+    free = _convert(tiny_llama, tmp_path / "free", eval_npz, accuracy_budget=10.0)
+    b = free.accuracy_budget
+    assert b["keep"] == [] and b["kept_param_fraction"] == 0 and len(b["evaluations"]) == 1
+    kl_all = b["kl_all_fp8"]
+    assert 0 < kl_all < 0.05
+    res = _convert(tiny_llama, tmp_path / "tight", eval_npz, accuracy_budget=kl_all / 3,
+                   weight_granularity="channel")
+    b = res.accuracy_budget
+    assert b["keep"] and b["kl_selected"] <= kl_all / 3 < b["kl_all_fp8"]
+    # what was written measures what the search measured (same bytes, same scales)
+    assert b["written"]["kl"] == pytest.approx(b["kl_selected"], rel=1e-3)
+    assert 0 < b["kept_param_fraction"] < 1 and b["seconds"]["total"] > 0
+    man = json.loads((tmp_path / "tight" / "fp8export.json").read_text())
+    assert man["accuracy_budget"]["keep"] == b["keep"]
+    kept = {k.rsplit(".", 1)[0] for k, why in man["excluded"].items()
+            if "accuracy-budget" in why}
+    assert kept == set(b["keep"])
+    groups: dict[str, set[str]] = {}
+    for m, e in json.loads((tmp_path / "free" / "fp8export.json").read_text())[
+            "quantized"].items():
+        if e["fused_group"]:
+            groups.setdefault(e["fused_group"], set()).add(m)
+    for members in groups.values():  # a fused group is kept whole or not at all
+        assert members <= kept or not members & kept
+
+
+def test_score_finds_the_layer_with_a_bad_scale(tiny_llama, eval_npz):
+    """A layer whose input scale clips hard adds the most error: the score ranks it first."""
+    from fp8export.models import load_model
+
+    model, _ = load_model(tiny_llama, dtype=torch.float32)
+    names = [n for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
+    bad = names[1]
+    layers = []
+    for n in names:
+        w = model.get_submodule(n).weight.detach()
+        ws = amax_to_scale(float(w.abs().max()))
+        s_in = np.float32(1e-4) if n == bad else None  # clips every input to ±0.045
+        layers.append(FallbackLayer(n, quantize_e4m3(w, ws), ws, s_in, None))
+    search = FallbackSearch(tiny_llama, layers, data=eval_npz, samples=8, seq_len=32)
+    scores = search.score()
+    assert max(scores, key=scores.get) == bad
+    assert scores[bad] > 10 * sorted(scores.values())[-2]
+    result = search.search(budget=search.kl(set())["kl"] / 2)
+    assert result["keep"][0] == bad
