@@ -14,7 +14,6 @@ from fp8export.config import AmaxAlgo, ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales.history import (
     amax_from_history,
-    history_vs_calibration,
     ranges_from_history,
     weight_scales_from_history,
 )
@@ -130,12 +129,6 @@ def test_weight_scales_from_history():
     state = _state(_h([2.0, 4.48], role="weight"), _h([1.0], module="n"))
     scales = weight_scales_from_history(state, ["m", "n"])
     assert scales == {"m": pytest.approx(0.01)}
-
-
-def test_history_vs_calibration_ratio():
-    h = {"a": ActivationRange("a", 4.0, ScaleSource.HISTORY)}
-    c = {"a": ActivationRange("a", 2.0, ScaleSource.CALIBRATION)}
-    assert history_vs_calibration(h, c) == {"a": 2.0}
 
 
 def test_bad_margin_is_refused():
