@@ -17,7 +17,6 @@ from fp8export.scales.history import (
     ranges_from_history,
     weight_scales_from_history,
 )
-from fp8export.scales.ranges import ActivationRange
 
 mf = fixtures_module()
 
