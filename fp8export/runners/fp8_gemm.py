@@ -73,7 +73,8 @@ def rowwise_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Ten
     """``fp8_matmul`` with a per-row input scale (``[M, 1]`` or scalar) and/or a per-output-
     channel weight scale (``[N]`` or scalar): ``torch._scaled_mm``'s row-wise scaling, which
     takes ``scale_a [M, 1]`` and ``scale_b [1, N]`` in float32 and a bf16 output (cuBLASLt's
-    row-wise FP8 GEMM needs compute capability 9.0). Not run on a GPU by this project's tests.
+    row-wise FP8 GEMM needs compute capability 9.0); the gpu-marked tests compare it with the
+    emulation.
     """
     m, n = x.shape[0], weight.shape[0]
     a = quantize_input(x, input_scale) if input_scale.dim() == 0 else \

@@ -79,3 +79,26 @@ def test_scaled_mm_matches_emulation(static, tokens):
     y_emu = layer.forward_emulated(x)
     assert y_mm.dtype == torch.bfloat16 and y_mm.shape == (*tokens, 256)
     assert cosine(y_emu, y_mm) >= 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("dynamic", ["tensor", "token"])
+def test_rowwise_scaled_mm_matches_emulation(static, dynamic):
+    """Per-output-channel weight scales (and per-token inputs): _scaled_mm's row-wise GEMM."""
+    from fp8export.runners.fp8_linear import scaled_mm_available
+
+    if not scaled_mm_available("cuda"):
+        pytest.skip("needs compute capability >= 8.9 for FP8 GEMMs")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 512, generator=g) * torch.logspace(-3, -1, 256)[:, None]
+    rows = w.abs().amax(dim=1) / 448.0
+    q = torch.stack([quantize_e4m3(w[i], float(rows[i])) for i in range(256)])
+    s_in = float(amax_to_scale(3.0)) if static else None
+    layer = Fp8Linear(q, rows, s_in, torch.randn(256, generator=g) * 0.1,
+                      dynamic=dynamic).cuda()
+    x = (torch.randn(4, 64, 512) * 1.2).to("cuda", torch.bfloat16)
+    assert layer.uses_scaled_mm(x.device)
+    y_mm, y_emu = layer.forward_scaled_mm(x), layer.forward_emulated(x)
+    assert y_mm.shape == (4, 64, 256)
+    assert cosine(y_emu.float(), y_mm.float()) >= 0.999
