@@ -1,0 +1,199 @@
+"""The Markdown report of ``bench/gpu_fp8.py``: its tables, the targets and the measured cause
+of each gap, from one merged result JSON (``python bench/gpu_fp8.py --report``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREFILL_TARGETS = {"8x2048": 1.5, "32x512": 1.5, "1x128": 1.0}
+EAGER_TARGET, DECODE_TARGET, DECODE_TARGET_BATCHES = 0.9, 1.3, (1, 8, 32)
+
+
+def _classes(prof: dict) -> tuple[float, float, float]:
+    """(GEMM ms, attention ms, everything else ms) of one profiled call."""
+    c = prof["by_class_us"]
+    gemm = sum(v for k, v in c.items() if k.startswith("gemm")) / 1e3
+    attn = c.get("attention", 0.0) / 1e3
+    return gemm, attn, prof["device_us"] / 1e3 - gemm - attn
+
+
+def _top(prof: dict, n: int = 6) -> list[str]:
+    return [f"| {r['us'] / 1e3:.3f} | {r['per_call']:g} | {r['class']} | `{r['kernel'][:80]}` |"
+            for r in prof["top"][:n]]
+
+
+def write_report(results: dict, md: Path, notes: Path | None) -> None:
+    """``md``: the tables and targets of ``results`` (one merged gpu_fp8 JSON), then ``notes``."""
+    r, m = results, results["model"]
+    out = [f"# FP8 runtime vs bf16 — {r['device']} (CC {r['compute_capability']}), torch "
+           f"{r['torch']}, CUDA {r['cuda']}", "",
+           f"Llama-shaped model, {m['params'] / 1e9:.2f} B params (hidden {m['hidden']}, "
+           f"{m['layers']} layers, GQA {m['heads']}/{m['kv_heads']}, intermediate "
+           f"{m['intermediate']}), random weights; {m['fp8_linears']} decoder linears in FP8 as "
+           f"{m['fused_groups']} fused q/k/v and gate/up groups + o/down (static per-tensor "
+           "scales shared per group), lm_head/embeddings bf16; bf16 baseline and FP8 in the same "
+           f"process, same weights. {r['method']}.", "",
+           f"Weights: bf16 {r['memory']['bf16_weights_gib']} GiB → FP8 model "
+           f"{r['memory']['fp8_weights_gib']} GiB. Logits cosine (random weights, 1×256) FP8 vs "
+           f"bf16 {r['logits_cosine_random_weights']['fp8']}, FP8 `_scaled_mm` vs FP8 emulated "
+           f"{r['logits_cosine_fp8_vs_emulated']}.", ""]
+    eager = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_eager", [])}
+    graphs = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_cudagraphs", [])}
+    decode = {x["batch"]: x for x in r.get("decode", [])}
+
+    targets = ["## Targets", "", "| target | measured | met | cause of the gap (measured) |",
+               "|---|---|---|---|"]
+    for shape, want in PREFILL_TARGETS.items():
+        x = graphs.get(shape)
+        if x is None:
+            continue
+        got = x["speedup_fp8g"]
+        bf_g, bf_a, bf_o = _classes(x["bf16g_profile"])
+        f8_g, f8_a, f8_o = _classes(x["fp8g_profile"])
+        bf_dev = x["bf16g_profile"]["device_us"] / 1e3
+        ceiling = bf_dev / (f8_g + bf_a + bf_o)
+        f8_dev = x["fp8g_profile"]["device_us"] / 1e3
+        if got >= want:
+            cause = ""
+        elif ceiling < want:
+            cause = (f"Amdahl: FP8 GEMMs {bf_g / f8_g:.2f}× faster ({bf_g:.1f} → {f8_g:.1f} ms) "
+                     f"but attention {bf_a:.1f} ms + other kernels {bf_o:.1f} ms = "
+                     f"{(bf_a + bf_o) / bf_dev:.0%} of the bf16 device time are not GEMMs (FP8: "
+                     f"{f8_a:.1f} + {f8_o:.1f} ms); ceiling with them unchanged {ceiling:.2f}×")
+        else:
+            cause = (f"device time {bf_dev / f8_dev:.2f}× (bf16 {bf_dev:.1f} → FP8 {f8_dev:.1f} "
+                     "ms) meets it; each timed forward starts on an idle GPU, so the host's "
+                     "work before the CUDA graph launches counts: wall − device "
+                     f"{x['fp8g_ms'] - f8_dev:.1f} ms for FP8 vs {x['bf16g_ms'] - bf_dev:.1f} "
+                     "ms for bf16")
+        targets.append(f"| compiled + CUDA graphs prefill {shape} ≥ {want}× | {got}× | "
+                       f"{'yes' if got >= want else 'no'} | {cause} |")
+    for shape, x in eager.items():
+        got = x["speedup_fp8"]
+        busy = x["fp8_device_ms"] / x["fp8_ms"]
+        cause = "" if got >= EAGER_TARGET else (
+            f"host-bound: the device is busy {busy:.0%} of the FP8 forward and its device time "
+            f"is {x['fp8_device_ms']:.2f} ms vs bf16 {x['bf16_device_ms']:.2f} ms; the gap is "
+            f"host time per forward (spread of the round medians: bf16 "
+            f"{x['bf16_spread']:.0%}, FP8 {x['fp8_spread']:.0%})")
+        targets.append(f"| eager prefill {shape} ≥ {EAGER_TARGET}× | {got}× | "
+                       f"{'yes' if got >= EAGER_TARGET else 'no'} | {cause} |")
+    for batch in DECODE_TARGET_BATCHES:
+        x = decode.get(batch)
+        if x is None or "speedup_graphs_ms" not in x:
+            continue
+        got = x["speedup_graphs_ms"]
+        dev = x["speedup_graphs_device_ms"]
+        gemm = (f"GEMMs {x['bf16_graphs_gemm_ms']:.3f} → {x['fp8_graphs_gemm_ms']:.3f} ms of a "
+                f"{x['bf16_graphs_device_ms']:.3f} ms bf16 step "
+                f"({x['bf16_graphs_gemm_ms'] / x['bf16_graphs_device_ms']:.0%})")
+        if got >= DECODE_TARGET:
+            cause = ""
+        elif x["gemm_only_bound"] < DECODE_TARGET:
+            cause = (f"Amdahl: {gemm}; with everything else unchanged the bound is "
+                     f"{x['gemm_only_bound']}×; device-time ratio {dev}×")
+        elif dev >= DECODE_TARGET and x["fp8_graphs_host_ms"] >= x["fp8_graphs_device_ms"]:
+            cause = (f"device time {dev}× meets it ({gemm}); in this run the FP8 loop was "
+                     f"host-bound: {x['fp8_graphs_host_ms']:.3f} ms of host time per step vs "
+                     f"{x['fp8_graphs_device_ms']:.3f} ms of device time")
+        else:
+            cause = (f"device time {dev}×; {gemm}; GEMM-only bound {x['gemm_only_bound']}×; "
+                     f"host {x['bf16_graphs_host_ms']:.3f} / {x['fp8_graphs_host_ms']:.3f} ms "
+                     "per step")
+        targets.append(f"| decode batch {batch} (compiled + CUDA graphs) ≥ {DECODE_TARGET}× | "
+                       f"{got}× | {'yes' if got >= DECODE_TARGET else 'no'} | {cause} |")
+    out += targets + [""]
+
+    if eager:
+        labels = [k[:-3] for k in next(iter(eager.values())) if k.endswith("_ms")
+                  and not k.endswith(("device_ms",)) and k[:-3] not in ("bf16",)]
+        head = "| batch×seq | bf16 ms | " + " | ".join(f"{lb} ms | ×" for lb in labels) + \
+            " | device ms bf16 / FP8 | FP8 device busy | round spread bf16 / FP8 |"
+        out += ["## Prefill, eager (ms per forward, logits for the last position)", "", head,
+                "|" + "---|" * (head.count("|") - 1)]
+        for shape, x in eager.items():
+            cols = " | ".join(f"{x[f'{lb}_ms']:.2f} | {x[f'speedup_{lb}']}" for lb in labels)
+            out.append(f"| {shape} | {x['bf16_ms']:.2f} | {cols} | {x['bf16_device_ms']:.2f} / "
+                       f"{x['fp8_device_ms']:.2f} | {x['fp8_device_ms'] / x['fp8_ms']:.0%} | "
+                       f"{x['bf16_spread']:.0%} / {x['fp8_spread']:.0%} |")
+        out.append("")
+    if graphs:
+        out += ["## Prefill, `torch.compile(mode=\"reduce-overhead\")` (Inductor + CUDA graphs)",
+                "", "| batch×seq | bf16 ms | FP8 ms | × | device ms bf16 / FP8 | device × | GEMM "
+                "ms bf16 / FP8 | attention ms bf16 / FP8 | other kernels ms bf16 / FP8 | "
+                "ceiling (only GEMMs change) | compile s bf16 / FP8 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for shape, x in graphs.items():
+            bf, f8 = _classes(x["bf16g_profile"]), _classes(x["fp8g_profile"])
+            bf_dev = x["bf16g_profile"]["device_us"] / 1e3
+            f8_dev = x["fp8g_profile"]["device_us"] / 1e3
+            out.append(f"| {shape} | {x['bf16g_ms']:.3f} | {x['fp8g_ms']:.3f} | "
+                       f"{x['speedup_fp8g']} | {bf_dev:.2f} / {f8_dev:.2f} | "
+                       f"{bf_dev / f8_dev:.3f} | {bf[0]:.2f} / {f8[0]:.2f} | {bf[1]:.2f} / "
+                       f"{f8[1]:.2f} | {bf[2]:.2f} / {f8[2]:.2f} | "
+                       f"{bf_dev / (f8[0] + bf[1] + bf[2]):.2f}× | {x['bf16g_first_call_s']} / "
+                       f"{x['fp8g_first_call_s']} |")
+        out.append("")
+    if decode:
+        out += ["## Decode (one greedy step with a StaticCache after a "
+                f"{next(iter(decode.values()))['prompt']}-token prompt)", "",
+                "ms per step, steps back to back (the loop never waits for the host); "
+                "\"waited\": each step waited for (host time before the launch adds); device: "
+                "sum of the step's kernels.", "",
+                "| batch | eager bf16 / FP8 | × | graphs bf16 / FP8 | × | waited bf16 / FP8 | × "
+                "| device bf16 / FP8 | × | GEMMs bf16 / FP8 | GEMM-only bound | host per step "
+                "bf16 / FP8 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for batch, x in decode.items():
+            g = "speedup_graphs_ms" in x
+            cells = [f"{x['bf16_eager_ms']:.3f} / {x['fp8_eager_ms']:.3f}", f"{x['speedup_eager']}"]
+            if g:
+                cells += [f"{x['bf16_graphs_ms']:.3f} / {x['fp8_graphs_ms']:.3f}",
+                          f"{x['speedup_graphs_ms']}",
+                          f"{x['bf16_graphs_synced_ms']:.3f} / {x['fp8_graphs_synced_ms']:.3f}",
+                          f"{x['speedup_graphs_synced_ms']}",
+                          f"{x['bf16_graphs_device_ms']:.3f} / {x['fp8_graphs_device_ms']:.3f}",
+                          f"{x['speedup_graphs_device_ms']}",
+                          f"{x['bf16_graphs_gemm_ms']:.3f} / {x['fp8_graphs_gemm_ms']:.3f}",
+                          f"{x['gemm_only_bound']}×",
+                          f"{x['bf16_graphs_host_ms']:.3f} / {x['fp8_graphs_host_ms']:.3f}"]
+            else:
+                cells += [""] * 9
+            out.append(f"| {batch} | " + " | ".join(cells) + " |")
+        out.append("")
+    kt = ["## Kernel tables (torch.profiler; ms per call, calls per call, class, kernel)", ""]
+    picks = [("eager prefill", eager, "1x2048", ("bf16", "fp8")),
+             ("compiled prefill", graphs, "8x2048", ("bf16g", "fp8g"))]
+    for title, rows, shape, labels in picks:
+        if shape in rows:
+            for lb in labels:
+                p = rows[shape][f"{lb}_profile"]
+                kt += [f"**{title} {shape}, {lb}**: device {p['device_us'] / 1e3:.3f} ms, "
+                       f"{p['kernels']:g} kernels; by class (ms): " + ", ".join(
+                           f"{k} {v / 1e3:.3f}" for k, v in p["by_class_us"].items()), "",
+                       "| ms | calls | class | kernel |", "|---|---|---|---|", *_top(p), ""]
+    if 32 in decode and "bf16_graphs_profile" in decode[32]:
+        for lb in ("bf16", "fp8"):
+            p = decode[32][f"{lb}_graphs_profile"]
+            kt += [f"**decode batch 32, compiled + CUDA graphs, {lb}**: device "
+                   f"{p['device_us'] / 1e3:.3f} ms, {p['kernels']:g} kernels; by class (ms): " +
+                   ", ".join(f"{k} {v / 1e3:.3f}" for k, v in p["by_class_us"].items()), "",
+                   "| ms | calls | class | kernel |", "|---|---|---|---|", *_top(p), ""]
+    out += kt
+    if r.get("gemms"):
+        out += ["## Bare GEMMs (device time, CUDA-graph replay): bf16 `x @ w.T` vs quantize + "
+                "`_scaled_mm` vs the eager one-launch Triton kernel", "",
+                "| GEMM | M | K | N | bf16 ms | quantize + `_scaled_mm` ms | × | Triton "
+                "one-launch ms | × |", "|---|---|---|---|---|---|---|---|---|"]
+        for x in r["gemms"]:
+            out.append(f"| {x['gemm']} | {x['M']} | {x['K']} | {x['N']} | {x['bf16_ms']:.4f} | "
+                       f"{x['scaled_mm_with_quant_ms']:.4f} | {x['speedup_scaled_mm']} | "
+                       f"{x.get('triton_small_m_ms', '')} | {x.get('speedup_triton', '')} |")
+        out.append("")
+    if r.get("overhead"):
+        out += ["## Host cost per call (µs, 2000 calls; tiny tensors unless the op names a "
+                "shape)", "", "| op | µs |",
+                "|---|---|"] + [f"| {x['op']} | {x['host_us_per_call']} |" for x in r["overhead"]]
+        out.append("")
+    if notes is not None and notes.is_file():
+        out += [notes.read_text().rstrip(), ""]
+    md.write_text("\n".join(out))
