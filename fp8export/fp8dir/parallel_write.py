@@ -45,6 +45,7 @@ from fp8export.checkpoint.safetensors_reader import (
     read_header_spans,
 )
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
 from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json, scale_tensor
 from fp8export.io.safetensors_dtypes import ST_TO_TORCH
@@ -438,13 +439,5 @@ def spot_verify(out_dir: Path, plans: list[ShardPlan], where: dict[str, Safetens
             problems.append(f"{INDEX_NAME}: does not match the shards written")
     elif index.exists():
         problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
-    if problems:
-        shown = "; ".join(problems[:10])
-        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise Fp8ExportError(
-            f"read-back verification of the FP8 output failed, so nothing was written: {shown}"
-            f"{more}. A weight with low SQNR has outliers FP8 cannot hold per-tensor: leave it "
-            "in high precision with --exclude (or, for a q/k/v or gate/up member whose siblings "
-            "are much larger, give it its own scale with --no-fuse-scales); any other failure "
-            "is a bug or a failing disk.")
+    raise_problems(problems)
     return dict(record.sqnr)

@@ -74,16 +74,22 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         problems.extend(_check_index(index, plans))
     elif index.exists():
         problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
-    if problems:
-        shown = "; ".join(problems[:_MAX_LISTED])
-        more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
-        raise Fp8ExportError(
-            f"read-back verification of the FP8 output failed, so nothing was written: {shown}"
-            f"{more}. A weight with low SQNR has outliers FP8 cannot hold per-tensor: leave it "
-            "in high precision with --exclude (or, for a q/k/v or gate/up member whose siblings "
-            "are much larger, give it its own scale with --no-fuse-scales); any other failure "
-            "is a bug or a failing disk.")
+    raise_problems(problems)
     return sqnr
+
+
+def raise_problems(problems: list[str]) -> None:
+    """The one read-back failure: every defect found (the first few named), and the fix."""
+    if not problems:
+        return
+    shown = "; ".join(problems[:_MAX_LISTED])
+    more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+    raise Fp8ExportError(
+        f"read-back verification of the FP8 output failed, so nothing was written: {shown}"
+        f"{more}. A weight with low SQNR has outliers FP8 cannot hold per-tensor: leave it "
+        "in high precision with --exclude (or, for a q/k/v or gate/up member whose siblings "
+        "are much larger, give it its own scale with --no-fuse-scales); any other failure "
+        "is a bug or a failing disk.")
 
 
 def verify_shard(out_dir: Path, plan: ShardPlan, ckpt: Checkpoint,
