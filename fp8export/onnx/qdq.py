@@ -21,6 +21,15 @@ For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)
 * layers without a static ``input_scale`` (dynamic activations) get the weight DQ only: the
   GEMM then runs in 16-bit in TensorRT, and the checker says so.
 
+Two shapes keep onnxruntime's graph optimizations from changing the answer (docs/onnx.md,
+"onnxruntime optimization levels"):
+
+* an activation Q that reads a Relu (directly, or through ops onnxruntime moves Q/DQ across)
+  names FP8 by ``output_dtype`` and has no zero point: onnxruntime's Relu->QuantizeLinear fusion
+  drops a Relu before any Q whose zero point is not int8/uint8, FP8 included;
+* a quantized Gemm's bias is stored as ``[1, N]``: onnxruntime re-quantizes a 1-D bias of a
+  Q/DQ Gemm to int32 at ``input_scale * weight_scale``, which overflows (fp16 at once).
+
 Binding a manifest layer to its GEMM: by provenance first (the dynamo exporter records the module
 path in the node's ``pkg.torch.onnx.name_scopes``), confirmed by content; else by content alone
 (the dequantized weight equals an initializer up to transpose) — the path the Keras export uses.
@@ -37,6 +46,9 @@ import numpy as np
 from fp8export.errors import Fp8ExportError
 
 ZERO_POINT = "fp8_zero_point"
+_E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN
+# onnxruntime's QDQPropagationTransformer moves a Q backwards across these (qdq_propagation.cc)
+_Q_PROPAGATES = frozenset({"MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"})
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 _WRAPPER_PREFIX = "model."
 
@@ -196,6 +208,37 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
     return bindings
 
 
+def reads_relu(x: str, producers: Mapping) -> bool:
+    """True when tensor ``x`` is a Relu's output, directly or through ops Q/DQ propagate across."""
+    node = producers.get(x)
+    while node is not None and node.op_type in _Q_PROPAGATES and node.input:
+        node = producers.get(node.input[0])
+    return node is not None and node.op_type == "Relu"
+
+
+def _bias_as_row(gemm, inits: Mapping, consumers: dict, name: str, new_inits: list) -> str | None:
+    """Store a quantized Gemm's 1-D bias initializer as ``[1, N]`` (same values, same result).
+
+    onnxruntime's WeightBiasQuantization rewrites the 1-D bias ``C`` of a Gemm fed by a DQ into
+    ``DQ(int32(round(C / (input_scale * weight_scale))))``, which overflows int32 (or, in a
+    float16 graph, the float16 division) for ordinary FP8 scales; it leaves a 2-D ``C`` alone.
+    Returns the 1-D initializer's name when it was replaced.
+    """
+    from onnx import numpy_helper
+
+    if gemm.op_type != "Gemm" or len(gemm.input) < 3 or not gemm.input[2]:
+        return None
+    old = gemm.input[2]
+    bias = inits.get(old)
+    if bias is None or len(bias.dims) != 1:
+        return None
+    row = numpy_helper.from_array(numpy_helper.to_array(bias).reshape(1, -1), f"{name}.bias")
+    new_inits.append(row)
+    consumers[old] -= 1
+    gemm.input[2] = row.name
+    return old
+
+
 def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResult):
     """A scalar scale, or a 1-D per-channel one (a float32 tensor of the output channels)."""
     from onnx import numpy_helper
@@ -233,6 +276,8 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         for i in n.input:
             consumers[i] = consumers.get(i, 0) + 1
     outputs = {o.name for o in graph.output}
+    producers = {o: n for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
 
     zp = numpy_helper.from_array(np.zeros((), dtype=ml_dtypes.float8_e4m3fn), ZERO_POINT)
     new_inits = [zp]
@@ -275,9 +320,12 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
             else:
                 i_name = f"{name}.input_scale"
                 new_inits.append(_scale_tensor(i_name, layer.input_scale, sdtype, name, result))
+                q_inputs, q_type = [x, i_name, ZERO_POINT], {}
+                if opset >= 21 and reads_relu(x, producers):  # output_dtype exists from 21
+                    q_inputs, q_type = [x, i_name], {"output_dtype": _E4M3FN}
                 nodes.append(helper.make_node(
-                    "QuantizeLinear", [x, i_name, ZERO_POINT], [f"{name}.input_q"],
-                    name=f"{name}/input_q", axis=1, saturate=1))
+                    "QuantizeLinear", q_inputs, [f"{name}.input_q"],
+                    name=f"{name}/input_q", axis=1, saturate=1, **q_type))
                 nodes.append(helper.make_node(
                     "DequantizeLinear", [f"{name}.input_q", i_name, ZERO_POINT],
                     [f"{name}.input_dq"], name=f"{name}/input_dq", axis=1, **out_dtype_attr))
@@ -286,6 +334,7 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
             result.static.append(name)
         else:
             result.dynamic.append(name)
+        old_bias = _bias_as_row(gemm, inits, consumers, name, new_inits)
         # weight
         old = gemm.input[1]
         gemm.input[1] = f"{name}.weight_dq"
@@ -293,8 +342,9 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         if b.transpose_node is not None and consumers[old] == 0 and old not in outputs:
             remove_nodes.add(id(b.transpose_node))
             consumers[b.initializer] -= 1
-        if consumers.get(b.initializer, 0) == 0 and b.initializer not in outputs:
-            remove_inits.add(b.initializer)
+        for init in (b.initializer, old_bias):  # old_bias: replaced by its [1, N] row
+            if init and consumers.get(init, 0) == 0 and init not in outputs:
+                remove_inits.add(init)
         gemm.name = f"{name}/{gemm.op_type}"  # readable TensorRT layer names
         insert_before.setdefault(position[id(gemm)], []).extend(nodes)
         result.bound[name] = b.how
