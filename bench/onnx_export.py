@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         dtype = OnnxDtype(dt)
         opset = 23 if dtype is OnnxDtype.BF16 else 21
         t0 = time.perf_counter()
-        proto, _ = torch_export(folder, dtype, opset)
+        proto, _, _ = torch_export(folder, dtype, opset)
         strip_metadata(proto)
         plain_path, _ = write_model(proto, WORK / f"plain_{dt}.onnx", force=True)
         plain_s = time.perf_counter() - t0

@@ -303,6 +303,8 @@ def _inspect_onnx(p: Path) -> InspectResult:
         raise Fp8ExportError(f"{p}: no such file. Give the path of an ONNX model.")
     from fp8export._progress import stage
     from fp8export.onnx.check import check_model
+    from fp8export.onnx.levels import read_metadata
+    from fp8export.onnx.load import load_onnx
 
     with stage(f"checking {p} (onnx.checker, TensorRT FP8 rules)"):
         report = check_model(p)
@@ -310,7 +312,28 @@ def _inspect_onnx(p: Path) -> InspectResult:
                            report_text=report.to_text())
     to_dict = getattr(report, "to_dict", None)
     result.report = to_dict() if callable(to_dict) else None
+    levels = read_metadata(load_onnx(p))  # what export-onnx found when it ran each level
+    if levels is not None:
+        result.summary["onnxruntime_levels"] = levels
+        result.notes.append(_levels_text(levels))
     return result
+
+
+def _levels_text(levels: dict[str, Any]) -> str:
+    """One line on export-onnx's run of the graph at each onnxruntime optimization level."""
+    version = levels.get("onnxruntime", "?")
+    if levels.get("skipped"):
+        return f"onnxruntime levels: not compared at export ({levels['skipped']})"
+    wrong = levels.get("wrong") or []
+    if not wrong:
+        ran = ", ".join(levels.get("levels") or {})
+        return f"onnxruntime levels: {ran} give the same outputs (onnxruntime {version}, " \
+               "checked at export)"
+    use = levels.get("use")
+    fix = f"; use SessionOptions.graph_optimization_level = {use}" if use else \
+        "; no level runs it correctly"
+    return (f"onnxruntime levels: WRONG at {', '.join(wrong)} (onnxruntime {version} computes "
+            f"it differently than ORT_DISABLE_ALL){fix}")
 
 
 # --------------------------------------------------------------------------------- helpers

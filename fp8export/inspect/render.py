@@ -49,7 +49,8 @@ def table(rows: list[TensorRow]) -> list[str]:
 def render_text(result: InspectResult) -> str:
     if result.kind == "onnx":
         status = "OK" if result.ok else "FAILED"
-        return f"{result.path}: ONNX graph — checks {status}\n{result.report_text or ''}".rstrip()
+        text = f"{result.path}: ONNX graph — checks {status}\n{result.report_text or ''}".rstrip()
+        return "\n".join([text, *(f"  {note}" for note in result.notes)])
     s = result.summary
     what = "FP8 folder" if result.kind == "fp8-folder" else "checkpoint"
     model = f", {s['model_type']}" if s.get("model_type") else ""

@@ -46,6 +46,9 @@ DEFAULT_OPSET = 21
 BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale type decoupled)
 MIN_OPSET, MAX_OPSET = 21, 23
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; leave headroom
+# The written graph runs once per onnxruntime optimization level (onnx/levels.py); above this
+# much weight data four sessions cost more time and memory than the export, so it is skipped.
+LEVEL_CHECK_BYTES = 1 << 30
 INPUT_NAMES = ("input_ids", "attention_mask")
 
 
@@ -119,6 +122,7 @@ class ExportResult:
     output_name: str
     check: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    ort_levels: dict[str, Any] = field(default_factory=dict)  # LevelCheck.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,6 +132,7 @@ class ExportResult:
             "file_bytes": self.file_bytes, "seconds": round(self.seconds, 3),
             "fp8_gemms": list(self.fp8_gemms), "sixteen_bit": dict(self.sixteen_bit),
             "output_name": self.output_name, "check": self.check, "notes": list(self.notes),
+            "ort_levels": dict(self.ort_levels),
         }
 
 
@@ -201,6 +206,11 @@ def _hf_traceable(folder, dtype: OnnxDtype):
     return _wrapper(model), (ids, mask), list(INPUT_NAMES), dynamic, output_name
 
 
+def probe_feed(input_names: list[str], args) -> dict:
+    """The trace's example inputs as an onnxruntime feed (numpy), to check the written graph."""
+    return {name: arg.numpy() for name, arg in zip(input_names, args)}
+
+
 def _keras_traceable(folder, dtype: OnnxDtype):
     """The same for a folder converted from Keras: the model rebuilt from its config, no Keras.
 
@@ -222,7 +232,10 @@ def _keras_traceable(folder, dtype: OnnxDtype):
             return self.model(input_ids)
 
     longest = model.max_positions
-    ids = torch.zeros((2, min(8, longest or 8)), dtype=torch.int64)
+    # random tokens, not padding: the same ids feed the check of the written graph (levels.py)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(int(model.vocab_size or 2), 2), (2, min(8, longest or 8)),
+                        generator=gen, dtype=torch.int64)
     seq = torch.export.Dim("sequence", max=longest) if longest else torch.export.Dim("sequence")
     dynamic = {"input_ids": {0: torch.export.Dim("batch"), 1: seq}}
     output_name = "probabilities" if model.output_activation in ("sigmoid", "softmax") \
@@ -233,8 +246,9 @@ def _keras_traceable(folder, dtype: OnnxDtype):
 def torch_export(folder, dtype: OnnxDtype, opset: int):
     """Trace the model of ``folder`` to an ``onnx.ModelProto`` (dequantized weights, no Q/DQ).
 
-    Returns ``(model_proto, output_name)``. The ``model.`` prefix of the node name scopes is the
-    wrapper's; :func:`fp8export.onnx.qdq.module_of` strips it.
+    Returns ``(model_proto, output_name, feed)``; ``feed``: the example inputs it traced with
+    (numpy). The ``model.`` prefix of the node name scopes is the wrapper's;
+    :func:`fp8export.onnx.qdq.module_of` strips it.
     """
     import torch
 
@@ -267,7 +281,7 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     proto = program.model_proto
     if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
         proto.graph.output[0].name = output_name
-    return proto, output_name
+    return proto, output_name, probe_feed(input_names, args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +349,30 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     return output, (data_path if external else None)
 
 
+def check_levels(proto, feed: dict, dtype: OnnxDtype):
+    """Run the finished graph at every onnxruntime level (:mod:`fp8export.onnx.levels`) and
+    record the verdict in its ``metadata_props``. Returns the LevelCheck."""
+    import onnxruntime as ort
+
+    from fp8export.onnx.levels import METADATA_KEY, LevelCheck, compare_levels
+
+    weights = _initializer_bytes(proto)
+    if dtype is OnnxDtype.BF16:
+        check = LevelCheck(onnxruntime=ort.__version__, dtype=dtype.value, tolerance=0.0,
+                           skipped="bf16 graph: onnxruntime has no bf16 Q/DQ kernels")
+    elif weights > LEVEL_CHECK_BYTES:
+        check = LevelCheck(onnxruntime=ort.__version__, dtype=dtype.value, tolerance=0.0,
+                           skipped=f"{weights / 2**30:.1f} GiB of weights (checked up to "
+                                   f"{LEVEL_CHECK_BYTES / 2**30:.0f} GiB)")
+    else:
+        check = compare_levels(proto.SerializeToString(), feed, dtype=dtype.value)
+    kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.add(key=METADATA_KEY, value=check.metadata_value())
+    return check
+
+
 # --------------------------------------------------------------------------------------------
 
 def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
@@ -364,13 +402,15 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         arch = (folder.config.get("architectures")
                 or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
         with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
-            proto, output_name = torch_export(folder, dtype, opset)
+            proto, output_name, feed = torch_export(folder, dtype, opset)
         with stage("rewriting quantized linears into FP8 Q/DQ"):
             rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11
     proto.doc_string = f"fp8export: FP8 E4M3 Q/DQ graph of {folder.path.name} ({dtype})"
+    with stage("running the graph at each onnxruntime optimization level"):
+        levels = check_levels(proto, feed, dtype)
 
     report_box: dict[str, Any] = {}
 
@@ -400,7 +440,13 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     if sixteen:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
+    if levels.note():
+        notes.append(levels.note())
+    elif levels.skipped and dtype is not OnnxDtype.BF16:
+        notes.append(f"onnxruntime's optimization levels were not compared ({levels.skipped}); "
+                     "`fp8export verify --ort-opt-level` runs the graph at any level")
     return ExportResult(output=out, external_data=data, dtype=dtype.value, opset=opset,
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
-                        output_name=output_name, check=report.to_dict(), notes=notes)
+                        output_name=output_name, check=report.to_dict(), notes=notes,
+                        ort_levels=levels.to_dict())

@@ -1,12 +1,17 @@
 """onnxruntime runner.
 
-DESIGN.md "ONNX profile": onnxruntime's CPU provider runs FP8 Q/DQ graphs only in float/float16
-and only at ``ORT_ENABLE_BASIC`` — at the extended level it fuses fp32 Q/DQ+MatMul into
-``MatMulIntegerToFloat``, which has no float8 kernel (reference §5.2, onnxruntime #22269). The
-CPU and CUDA providers have no bf16 QuantizeLinear/DequantizeLinear kernels (reference §5.1), so
-a bf16 graph is refused up front with a message naming ``--dtype`` rather than failing inside
-session creation. The CUDA provider is used when onnxruntime-gpu is installed and a GPU is
-visible; pass ``providers=["CPUExecutionProvider"]`` to force the CPU.
+The session is created as a user creates it, ``InferenceSession(path)``: at onnxruntime's
+default graph optimization level (``ORT_ENABLE_ALL``), so that verify checks what users run.
+``graph_optimization_level`` (a ``GraphOptimizationLevel`` member name; ``verify
+--ort-opt-level``) picks another. export-onnx emits graphs that every level computes alike and
+records in the model's metadata any level that does not (:mod:`fp8export.onnx.levels`); running
+at such a level adds a warning to ``describe()``.
+
+onnxruntime runs FP8 Q/DQ only in float/float16: the CPU and CUDA providers have no bf16
+QuantizeLinear/DequantizeLinear kernels (reference §5.1), so a bf16 graph is refused up front
+with a message naming ``--dtype`` rather than failing inside session creation. The CUDA
+provider is used when onnxruntime-gpu is installed and a GPU is visible; pass
+``providers=["CPUExecutionProvider"]`` to force the CPU.
 """
 
 from __future__ import annotations
@@ -63,10 +68,15 @@ class OrtRunner(Runner):
     backend = "onnxruntime"
 
     def __init__(self, path: str | Path, providers: list[str] | None = None,
-                 name: str | None = None):
+                 name: str | None = None, graph_optimization_level: str | None = None):
+        from fp8export.onnx.levels import level_name
+
         super().__init__(name)
         self.path = Path(path)
         self.requested = list(providers) if providers else None
+        self.requested_level = level_name(graph_optimization_level)  # None: onnxruntime's
+        self.level: str | None = None  # the level the session runs at (after activate)
+        self.level_warning: str | None = None
         self.session = None
         self.providers: list[str] = []
 
@@ -103,10 +113,18 @@ class OrtRunner(Runner):
                 "QuantizeLinear/DequantizeLinear kernels. Re-export with `export-onnx --dtype "
                 "fp16` (or fp32) to run it in onnxruntime, or build a TensorRT engine from the "
                 "bf16 graph (`fp8export build-engine`).")
-        opts = ort.SessionOptions()
-        # ORT_ENABLE_BASIC: the extended fusions turn fp32 FP8 Q/DQ+MatMul into
-        # MatMulIntegerToFloat, which has no float8 kernel (DESIGN.md).
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        from fp8export.onnx.levels import choice_of, read_metadata, session_options
+
+        opts = session_options(self.requested_level)  # None: as InferenceSession(path) does
+        self.level = opts.graph_optimization_level.name
+        recorded = read_metadata(header) or {}
+        if self.level in (recorded.get("wrong") or []):
+            use = recorded.get("use")
+            self.level_warning = (
+                f"export-onnx found that onnxruntime {recorded.get('onnxruntime')} computes "
+                f"this graph differently at {self.level} than as written"
+                + (f"; it runs correctly at {use} (verify --ort-opt-level "
+                   f"{choice_of(use)})" if use else ""))
         opts.log_severity_level = 3
         try:
             self.session = ort.InferenceSession(str(self.path), sess_options=opts,
@@ -154,6 +172,14 @@ class OrtRunner(Runner):
         self.session = None
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": str(self.path), "providers": self.providers,
-                "graph_optimization_level": "ORT_ENABLE_BASIC"}
+        from fp8export.onnx.levels import default_level
+
+        out = {**super().describe(), "path": str(self.path), "providers": self.providers,
+               "graph_optimization_level": self.level,
+               "level_source": "requested" if self.requested_level else "onnxruntime default"}
+        if self.level is None:  # not activated yet: what it will run at
+            out["graph_optimization_level"] = self.requested_level or default_level()
+        if self.level_warning:
+            out["level_warning"] = self.level_warning
+        return out
 

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from fp8_folder_maker import make_fp8_folder, token_feed
+from fp8_folder_maker import token_feed
 from onnx import numpy_helper
 
 from fp8export.numerics.metrics import cosine, rel_l2
@@ -17,14 +17,9 @@ from fp8export.runners.ort_runner import OrtRunner
 
 
 @pytest.fixture(scope="module")
-def channel_export(tmp_path_factory):
-    from fp8export.onnx.export import ExportOnnxConfig, export_onnx
-
-    root = tmp_path_factory.mktemp("channel")
-    folder = make_fp8_folder(root / "fp8", scales="calibrate", weight_granularity="channel")
-    out = root / "model.onnx"
-    result = export_onnx(ExportOnnxConfig(fp8_dir=folder, output=out, dtype="fp32"))
-    return folder, out, result
+def channel_export(channel_fp8, onnx_channel_fp32):
+    result, out = onnx_channel_fp32
+    return channel_fp8, out, result
 
 
 def test_weight_dq_is_per_axis_and_passes_the_checkers(channel_export):

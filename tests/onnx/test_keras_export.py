@@ -19,13 +19,8 @@ SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8"
 
 
 @pytest.fixture(scope="module")
-def exported(keras_float8_folder, tmp_path_factory):
-    from fp8export.api import export_onnx
-    from fp8export.onnx.export import ExportOnnxConfig
-
-    out = tmp_path_factory.mktemp("keras-onnx") / "model.onnx"
-    return export_onnx(ExportOnnxConfig(fp8_dir=keras_float8_folder, output=out)), \
-        keras_float8_folder
+def exported(keras_float8_folder, onnx_keras_float8):
+    return onnx_keras_float8[0], keras_float8_folder
 
 
 def _eval(n: int = 256):
@@ -36,9 +31,7 @@ def _eval(n: int = 256):
 def _session(path):
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(str(path), so)
+    return ort.InferenceSession(str(path))  # as users run it: onnxruntime's default level
 
 
 def test_every_float8_layer_is_an_fp8_gemm(exported):

@@ -72,7 +72,7 @@ def _plain(folder_path: Path, out: Path, opset: int = 21) -> Path:
     from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.onnx.export import OnnxDtype, strip_metadata, torch_export
 
-    proto, _ = torch_export(read_fp8_folder(folder_path), OnnxDtype.FP32, opset)
+    proto, _, _ = torch_export(read_fp8_folder(folder_path), OnnxDtype.FP32, opset)
     strip_metadata(proto)
     onnx.save(proto, str(out))
     return out

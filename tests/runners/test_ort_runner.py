@@ -54,10 +54,35 @@ def test_fp32_graph_matches_emulation(tmp_path):
     path = _save(tmp_path)
     with OrtRunner(path, providers=["CPUExecutionProvider"]) as r:
         y = r.infer({"x": X})["y"]
-        assert r.describe()["graph_optimization_level"] == "ORT_ENABLE_BASIC"
+        # as InferenceSession(path) runs it: onnxruntime's own default level
+        assert r.describe()["graph_optimization_level"] == "ORT_ENABLE_ALL"
+        assert r.describe()["level_source"] == "onnxruntime default"
         assert r.providers == ["CPUExecutionProvider"]
     assert y.shape == (2, 5, 24)
     assert _rel(_emulate(X), y) <= 1e-6
+
+
+@pytest.mark.parametrize("choice,level", [("disable", "ORT_DISABLE_ALL"),
+                                          ("basic", "ORT_ENABLE_BASIC"),
+                                          ("extended", "ORT_ENABLE_EXTENDED"),
+                                          ("all", "ORT_ENABLE_ALL")])
+def test_requested_level_runs_and_is_described(tmp_path, choice, level):
+    path = _save(tmp_path)
+    runner = OrtRunner(path, providers=["CPUExecutionProvider"], graph_optimization_level=choice)
+    assert runner.describe()["graph_optimization_level"] == level  # before activate too
+    with runner as r:
+        y = r.infer({"x": X})["y"]
+        assert r.session.get_session_options().graph_optimization_level.name == level
+        assert r.describe()["level_source"] == "requested"
+        assert "level_warning" not in r.describe()
+    assert _rel(_emulate(X), y) <= 1e-6
+
+
+def test_unknown_level_is_a_usage_error(tmp_path):
+    from fp8export.errors import UsageError
+
+    with pytest.raises(UsageError, match="disable, basic, extended, all"):
+        OrtRunner(_save(tmp_path), graph_optimization_level="fast")
 
 
 def test_fp16_graph_and_dynamic_layer(tmp_path):
