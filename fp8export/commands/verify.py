@@ -48,9 +48,14 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
+@click.option("--ort-opt-level", type=click.Choice(["disable", "basic", "extended", "all"]),
+              default=None, help="onnxruntime graph optimization level for an .onnx candidate "
+                                 "(ORT_DISABLE_ALL .. ORT_ENABLE_ALL). Default: onnxruntime's "
+                                 "own default (ORT_ENABLE_ALL), as InferenceSession(path) runs "
+                                 "it; the report says which level ran.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
-            timeout, fp8_mode):
+            timeout, fp8_mode, ort_opt_level):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
@@ -65,7 +70,8 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
                        seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
                        device=device, max_memory=max_memory, fp8_mode=fp8_mode,
-                       timeout=timeout, command_line=_command_line(click.get_current_context()))
+                       ort_opt_level=ort_opt_level, timeout=timeout,
+                       command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
     except VerificationFailed as exc:
@@ -100,8 +106,11 @@ def _summary(result) -> None:
     m = result.metrics
     parts = [f"{k}={m[k]:.4g}" for k in ("cosine_min", "top1_agreement", "neighbor_agreement",
                                           "kl_mean", "ppl_ratio") if k in m]
+    level = (result.candidate or {}).get("graph_optimization_level")
+    runs_at = f" at {level} ({result.candidate.get('level_source')})" if level else ""
     click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
-               f"backend {result.backend}, judged by {result.family}; " + ", ".join(parts))
+               f"backend {result.backend}{runs_at}, judged by {result.family}; "
+               + ", ".join(parts))
     floor = result.noise_floor
     if floor:
         f = floor["metrics"]

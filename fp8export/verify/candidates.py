@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8export.checkpoint.model_config import read_model_config
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.fp8dir.reader import is_fp8_folder
 from fp8export.runners.base import Runner
 
@@ -50,15 +50,20 @@ _BACKEND_OF = {"fp8-folder": "torch", "hf-folder": "torch", "onnx": "onnxruntime
 
 def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
                    dtype: str = "bf16", fp8_mode: str = "auto",
-                   max_memory: dict[int | str, int] | None = None) -> Runner:
+                   max_memory: dict[int | str, int] | None = None,
+                   ort_opt_level: str | None = None) -> Runner:
     """The runner for ``path`` (not yet activated); ``backend`` must fit the kind when given.
-    ``max_memory``: spread a torch candidate over these devices (``fp8export.placement``)."""
+    ``max_memory``: spread a torch candidate over these devices (``fp8export.placement``).
+    ``ort_opt_level``: an ONNX candidate's onnxruntime level (None: onnxruntime's default)."""
     kind = candidate_kind(path)
     natural = _BACKEND_OF[kind]
     backend = str(backend)
     if backend not in ("auto", natural):
         raise Fp8ExportError(f"{path}: --backend {backend} cannot run a {kind} candidate; it "
                              f"runs with --backend {natural} (or auto).")
+    if ort_opt_level is not None and kind != "onnx":
+        raise UsageError(f"--ort-opt-level sets onnxruntime's optimization level of an .onnx "
+                         f"candidate; {path} is a {kind}. Drop the option.")
     if kind == "fp8-folder":
         from fp8export.runners.torch_fp8_runner import TorchFp8Runner
 
@@ -77,7 +82,7 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
                 raise Fp8ExportError("this fp8export build has no onnxruntime runner yet; "
                                      "verify the FP8 folder instead.") from exc
             raise
-        return OrtRunner(path)
+        return OrtRunner(path, graph_optimization_level=ort_opt_level)
     # TensorRT: the runner imports tensorrt lazily and checks the GPU in activate().
     import importlib.util
 

@@ -36,7 +36,9 @@ class VerifyConfig:
 
     ``samples``/``seq_len`` bound the data; ``fp8_mode`` picks the torch FP8 path
     ("auto": ``torch._scaled_mm`` on compute capability >= 8.9, emulation elsewhere).
-    ``noise_floor`` also runs the reference in fp32 (noise_floor.py).
+    ``noise_floor`` also runs the reference in fp32 (noise_floor.py). ``ort_opt_level`` runs an
+    ``.onnx`` candidate at that onnxruntime graph optimization level (disable, basic, extended,
+    all); None: onnxruntime's own default, as ``InferenceSession(path)`` runs it.
     ``command_line`` is what the report shows as the command (the CLI fills it in).
     """
 
@@ -59,6 +61,7 @@ class VerifyConfig:
     # "0=70GiB,1=70GiB,cpu=100GiB": the reference and the candidate together (placement.py)
     max_memory: str | None = None
     fp8_mode: str = "auto"
+    ort_opt_level: str | None = None  # None: onnxruntime's default (what users run)
     timeout: float | None = DEFAULT_TIMEOUT_S  # wall-clock limit of the run; None or 0: none
     write_reports: bool = True
     command_line: str | None = field(default=None, compare=False)  # as typed, for the report
@@ -81,6 +84,10 @@ class VerifyConfig:
             raise UsageError(f"--timeout must be >= 0 seconds (0: no limit), got "
                              f"{self.timeout}.")
         parse_max_memory(self.max_memory)  # a usage error before any model is loaded
+        if self.ort_opt_level is not None:
+            from fp8export.onnx.levels import level_name
+
+            object.__setattr__(self, "ort_opt_level", level_name(self.ort_opt_level))
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
             raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
                              "or scaled_mm.")

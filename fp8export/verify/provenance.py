@@ -104,6 +104,11 @@ def _device_name(device: str | None) -> str | None:
         return None
 
 
+def _ort_level_text(candidate: dict[str, Any]) -> str | None:
+    level = candidate.get("graph_optimization_level")
+    return f"graph optimization {level}, {candidate.get('level_source')}" if level else None
+
+
 def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: str,
            data: dict[str, Any], backend: str) -> dict[str, Any]:
     """The report header of one verification (plain data; see the module docstring).
@@ -147,7 +152,8 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
                       **cand_hash},
         "data": data_entry,
         "backend": backend,
-        "runtime": candidate.get("fp8_path"),  # which FP8 GEMM path ran (torch FP8 runner)
+        # which FP8 GEMM path ran (torch FP8 runner), or onnxruntime's optimization level
+        "runtime": candidate.get("fp8_path") or _ort_level_text(candidate),
         "device": str(device) if device else None,
         "device_name": _device_name(device),
         "dtype": {"reference": reference.get("dtype"), "candidate": candidate.get("dtype")},

@@ -146,7 +146,8 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         if measure_floor else None
     cand_runner = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
                                  dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
-                                 fp8_mode=cfg.fp8_mode, max_memory=max_memory)
+                                 fp8_mode=cfg.fp8_mode, max_memory=max_memory,
+                                 ort_opt_level=cfg.ort_opt_level)
     notes: list[str] = []
     if cfg.noise_floor and cfg.max_memory:
         notes.append("No noise floor: --max-memory spreads the model over devices, leaving no "
@@ -281,6 +282,11 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         ref_desc, cand_desc = ref_runner.describe(), cand_runner.describe()
     for name, reason in (cand_desc.get("fallbacks") or {}).items():
         notes.append(f"{name}: ran in emulation, not torch._scaled_mm ({reason}).")
+    if cand_desc.get("graph_optimization_level"):
+        notes.append(f"onnxruntime ran the graph at {cand_desc['graph_optimization_level']} "
+                     f"({cand_desc.get('level_source')}).")
+    if cand_desc.get("level_warning"):
+        notes.append(cand_desc["level_warning"] + ".")
     family_note = f"Judged by {DESCRIPTIONS[family]}"
     if family is MetricFamily.EMBEDDINGS:
         family_note += f": {cmp.pooling.describe()}"
