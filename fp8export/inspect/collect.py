@@ -304,7 +304,6 @@ def _inspect_onnx(p: Path) -> InspectResult:
     from fp8export._progress import stage
     from fp8export.onnx.check import check_model
     from fp8export.onnx.levels import read_metadata
-    from fp8export.onnx.load import load_onnx
 
     with stage(f"checking {p} (onnx.checker, TensorRT FP8 rules)"):
         report = check_model(p)
@@ -312,7 +311,8 @@ def _inspect_onnx(p: Path) -> InspectResult:
                            report_text=report.to_text())
     to_dict = getattr(report, "to_dict", None)
     result.report = to_dict() if callable(to_dict) else None
-    levels = read_metadata(load_onnx(p))  # what export-onnx found when it ran each level
+    # what export-onnx found when it ran the graph at each onnxruntime level
+    levels = read_metadata(getattr(report, "metadata", None) or {})
     if levels is not None:
         result.summary["onnxruntime_levels"] = levels
         result.notes.append(_levels_text(levels))

@@ -103,6 +103,7 @@ class CheckReport:
     issues: list[Issue] = field(default_factory=list)
     gemms: list[GemmInfo] = field(default_factory=list)  # GEMMs with at least one DQ input
     float_gemms: int = 0  # GEMMs with no DQ input at all (attention BMMs, lm_head, ...)
+    metadata: dict[str, str] = field(default_factory=dict)  # the model's metadata_props
 
     @property
     def ok(self) -> bool:
@@ -366,7 +367,8 @@ def check_model(path_or_model, *, source: str | None = None) -> CheckReport:
         source = source or (model.graph.name or "model")
     g = _Graph(model, base_dir)
     opset = next((o.version for o in model.opset_import if o.domain in _STANDARD_DOMAINS), 0)
-    report = CheckReport(source=source, opset=int(opset), ir_version=int(model.ir_version))
+    report = CheckReport(source=source, opset=int(opset), ir_version=int(model.ir_version),
+                         metadata={p.key: p.value for p in model.metadata_props})
     issues = report.issues
     if opset < 19:
         issues.append(Issue("error", "opset", "model", f"opset {opset}: FP8 Q/DQ needs >= 19 "

@@ -168,12 +168,11 @@ def compare_levels(model: bytes | str, feed: dict[str, np.ndarray], *, dtype: st
 
 
 def read_metadata(model) -> dict[str, Any] | None:
-    """The :data:`METADATA_KEY` verdict an export wrote into ``model`` (a ModelProto), or None."""
-    for prop in model.metadata_props:
-        if prop.key == METADATA_KEY:
-            try:
-                value = json.loads(prop.value)
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
+    """The :data:`METADATA_KEY` verdict an export wrote: ``model`` is a ModelProto or its
+    ``metadata_props`` as a mapping. None when absent or unreadable."""
+    props = model if isinstance(model, dict) else {p.key: p.value for p in model.metadata_props}
+    try:
+        value = json.loads(props[METADATA_KEY])
+    except (KeyError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
