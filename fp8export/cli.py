@@ -151,8 +151,8 @@ def cli():
     \b
     convert       checkpoint -> E4M3 safetensors folder with per-tensor scales
     calibrate     sample data -> activation amax (amax.json)
-    export-onnx   FP8 folder -> standard ONNX Q/DQ graph
-    build-engine  ONNX -> TensorRT FP8 engine
+    export-onnx   FP8 folder -> ONNX Q/DQ graph (checked against TensorRT's documented rules)
+    build-engine  ONNX -> TensorRT FP8 engine (written to TensorRT 10/11; not run here)
     verify        FP8 outputs vs bf16 reference logits -> report (exit 3 on fail)
     inspect       tables and plots of checkpoints, FP8 folders, ONNX graphs
 

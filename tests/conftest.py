@@ -1,8 +1,9 @@
 """Shared fixtures and marker handling.
 
 Markers (pyproject, --strict-markers): ``gpu`` skips without CUDA, ``tensorrt`` skips without
-the tensorrt package (and a GPU), ``slow`` runs only with ``--run-slow`` or FP8EXPORT_SLOW=1,
-``nightly`` only with ``--run-nightly`` or FP8EXPORT_NIGHTLY=1 (.github/workflows/nightly.yml).
+the tensorrt package (the reason names TensorRT) and then without a GPU, ``slow`` runs only with
+``--run-slow`` or FP8EXPORT_SLOW=1, ``nightly`` only with ``--run-nightly`` or
+FP8EXPORT_NIGHTLY=1 (.github/workflows/nightly.yml).
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ def pytest_collection_modifyitems(config, items):
         if "nightly" in item.keywords and not run_nightly:
             item.add_marker(pytest.mark.skip(
                 reason="nightly: use --run-nightly or FP8EXPORT_NIGHTLY=1"))
-        if "gpu" in item.keywords or "tensorrt" in item.keywords:
+        if "tensorrt" in item.keywords and not has_trt:  # the reason a reader needs first
+            item.add_marker(pytest.mark.skip(
+                reason="needs TensorRT (the tensorrt Python package, 10.x/11.x) and an FP8 GPU; "
+                       "TensorRT is not installed here"))
+        elif "gpu" in item.keywords or "tensorrt" in item.keywords:
             if has_cuda is None:
                 has_cuda = _has_cuda()
             if not has_cuda:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "tensorrt" in item.keywords and not has_trt:
-            item.add_marker(pytest.mark.skip(reason="needs the tensorrt package"))
+                what = "TensorRT needs" if "tensorrt" in item.keywords else "needs"
+                item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""``fp8export build-engine``: ONNX Q/DQ graph -> TensorRT FP8 engine (needs TensorRT + GPU)."""
+"""``fp8export build-engine``: ONNX Q/DQ graph -> TensorRT FP8 engine (needs TensorRT + GPU).
+
+Written to TensorRT 10.x/11.x's Python API and trtexec; not yet run against TensorRT."""
 
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ def command(model, output, shapes, workspace_gib, optimization_level, timing_cac
     Writes the engine and MODEL.engine.build.json (TensorRT version, GPU, build time, per-layer
     precision, and which quantized GEMMs really run in FP8). Fallbacks are reported loudly:
     TensorRT itself does not. Needs TensorRT 10.x/11.x (the Python package, or trtexec) and a
-    GPU of compute capability >= 8.9.
+    GPU of compute capability >= 8.9. Written to TensorRT's Python API and trtexec's options
+    but not yet run against TensorRT (it is not installable on fp8export's machines); the
+    trtexec path is the tested one, with a stand-in trtexec (docs/tensorrt.md).
     """
     import shlex
 

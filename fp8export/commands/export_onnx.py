@@ -23,8 +23,10 @@ def command(fp8_dir, output, dtype, opset, force, as_json):
 
     Every quantized linear gets a FLOAT8E4M3FN weight -> DequantizeLinear and, when its input
     scale is static, QuantizeLinear -> DequantizeLinear on its input, with nothing between the
-    DQs and the MatMul. The graph is checked with onnx.checker and against TensorRT's FP8 rules
-    before it is written; a failing graph is never written.
+    DQs and the MatMul. Before it is written the graph is checked with onnx.checker and with
+    fp8export's implementation of TensorRT's documented FP8 rules (no TensorRT runs: a failing
+    graph is never written), and run in onnxruntime at each graph optimization level; a level
+    that computes it differently is named in a note and in the model's metadata.
     """
     from fp8export import api
     from fp8export.onnx.export import ExportOnnxConfig
