@@ -4,8 +4,9 @@ Both graphs come from the same FP8 folder in one run: "plain" is the transformer
 the dequantized weights, traced by the same exporter with no Q/DQ rewrite (what a 16-bit
 deployment would ship); "fp8" is ``fp8export export-onnx``. The FP8 file should be close to
 half the fp16 one (only the quantized linears shrink: embeddings and lm_head stay 16-bit).
-onnxruntime (CPU, ORT_ENABLE_BASIC) runs both once as a sanity check; the CPU latency shown is
-informational only — CPU onnxruntime emulates Q/DQ in float, FP8 speed needs TensorRT on a GPU.
+onnxruntime (CPU, its default optimization level) runs both once as a sanity check; the CPU
+latency is informational only — CPU onnxruntime emulates Q/DQ in float, FP8 speed needs TensorRT
+on a GPU.
 
     .venv/bin/python bench/onnx_export.py                       # the sample LM (converted here)
     .venv/bin/python bench/onnx_export.py --fp8-dir path/to/fp8  # an existing FP8 folder
