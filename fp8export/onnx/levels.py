@@ -26,10 +26,11 @@ LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENA
 CHOICES = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 METADATA_KEY = "fp8export.onnxruntime_levels"
-# Levels that agree differ only by float rounding in fused kernels: measured on the exported
-# test models, at most ~1e-7 (fp32) and ~2e-3 (fp16, where one flipped FP8 code moves an
-# output by a few fp16 ulps) relative L2. A broken rewrite moves outputs by 1e-2 and more.
-REL_L2_TOL = {"fp32": 1e-5, "fp16": 1e-2}
+# Levels that agree differ only by float rounding in fused kernels: on the test suite's exports
+# 0, and 2.7e-7 relative L2 for a tiny BERT in fp32 (fused LayerNorm/attention). fp16 leaves
+# room for one FP8 code flipped by a fused fp16 kernel. The two broken rewrites documented in
+# docs/onnx.md moved outputs by 1.2e-4 (the Keras sample's fp16 bias) to 0.7 (dropped Relu).
+REL_L2_TOL = {"fp32": 1e-5, "fp16": 1e-3}
 
 
 def level_name(choice: str | None) -> str | None:
