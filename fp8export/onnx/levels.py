@@ -96,6 +96,10 @@ class LevelCheck:
         """One line for a user when a level computes the graph wrongly, else None."""
         if not self.wrong:
             return None
+        if LEVELS[0] in self.wrong:  # not even the graph as written runs
+            error = self.levels[LEVELS[0]].get("error", "")
+            return (f"onnxruntime {self.onnxruntime} cannot run this graph at any optimization "
+                    f"level ({error}); check it with `fp8export inspect`.")
         bad = ", ".join(self.wrong)
         default = " (onnxruntime's default)" if "ORT_ENABLE_ALL" in self.wrong else ""
         fix = (f"create the session with SessionOptions.graph_optimization_level = "

@@ -141,6 +141,22 @@ def test_compare_levels_finds_the_wrong_levels():
     assert [good.levels[lv]["status"] for lv in LEVELS] == ["same"] * 4
 
 
+def test_a_graph_no_level_runs_is_said_plainly():
+    """bf16 Q/DQ: onnxruntime has no kernel for it at any level."""
+    x = helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2])
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"]),
+         helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"])], "bf16", [x], [y],
+        [numpy_helper.from_array(np.array(1.0, ml_dtypes.bfloat16), "s"),
+         numpy_helper.from_array(np.zeros((), ml_dtypes.float8_e4m3fn), "zp")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    check = compare_levels(model.SerializeToString(), {"x": np.ones(2, ml_dtypes.bfloat16)},
+                           dtype="bf16")
+    assert check.wrong == list(LEVELS) and check.use is None
+    assert check.note().startswith(f"onnxruntime {ort.__version__} cannot run this graph")
+
+
 def test_rewrite_writes_the_shapes_every_level_computes_alike():
     """rewrite_qdq on a plain Gemm(bias) -> Relu -> Reshape -> MatMul graph."""
     import torch
