@@ -79,6 +79,7 @@ from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
 from fp8export.fp8dir.readback import verify_output, verify_shard
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
+    OUTPUT_MODE,
     AtomicDir,
     check_output_target,
     fsync_dir,
@@ -274,7 +275,7 @@ def _hash_sources(ckpt: Checkpoint, stop: threading.Event) -> dict[Path, str]:
 def _copy_file(src: Path, dst: Path, root: Path) -> None:
     # Through the guarded reader: a loader file that is a FIFO, a device or a link out of the
     # checkpoint is refused, not copied.
-    copy_input(src, dst, TOKENIZER, root=root)
+    copy_input(src, dst, TOKENIZER, root=root, mode=OUTPUT_MODE)
     with open(dst, "rb") as f:
         os.fsync(f.fileno())
 
