@@ -52,7 +52,8 @@ def _choice(*values: str) -> click.Choice:
               default="compressed-tensors", show_default=True,
               help="quantization_config dialect: compressed-tensors (vLLM and transformers), "
                    "vllm (quant_method fp8; vLLM ONLY: transformers misreads it as block-wise "
-                   "FP8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
+                   "FP8), modelopt (hf_quant_config.json; TensorRT-LLM and vLLM ONLY: "
+                   "transformers runs it without its scales; static only).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Keep modules matching GLOB (fnmatch on module names, e.g. "
                    "'model.layers.0.*') in high precision. Wins over everything. Repeatable. "
@@ -151,7 +152,8 @@ def render(result) -> None:
     stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
              if sqnr else "")
     loaders = " and ".join(result.loaded_by)
-    only = " only" if len(result.loaded_by) == 1 else ""
+    # "only" wherever transformers, the most common loader, would not load it right
+    only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
     click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
     click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     click.echo(_activation_line(result))

@@ -64,6 +64,16 @@ VLLM_ONLY = ("format vllm (quant_method fp8) is for vLLM only: transformers read
              "quant_method fp8 as its block-wise FP8 scheme and ignores these per-tensor scales, "
              "so the model it builds is wrong. For transformers (and vLLM) use the default "
              "--format compressed-tensors.")
+# transformers (5.24) has no ModelOpt loader: an unknown quant_method is skipped with a warning
+# and the E4M3 codes are loaded as if they were the weights. It raises only for a
+# quantization_config without quant_method, and vLLM routes this layout by quant_method
+# "modelopt" (config.json), so nothing in the folder can make transformers refuse it without
+# hiding it from vLLM too: the folder says so instead.
+MODELOPT_NOT_TRANSFORMERS = (
+    "format modelopt (quant_method modelopt, hf_quant_config.json) is for TensorRT-LLM and vLLM "
+    "only: transformers has no ModelOpt loader, skips the quantization_config with a warning and "
+    "runs the E4M3 weights without their scales, so the model it builds is wrong. For "
+    "transformers (and vLLM) use the default --format compressed-tensors.")
 
 
 def dialect_of(quantization_config: Any) -> str | None:
@@ -81,8 +91,10 @@ def dialect_of(quantization_config: Any) -> str | None:
 
 
 def format_notes(fmt: OutputFormat) -> list[str]:
-    """What a user must know about the dialect they wrote (said by convert and the manifest)."""
-    return [VLLM_ONLY] if fmt is OutputFormat.VLLM else []
+    """What a user must know about the dialect they wrote (said by convert and the manifest,
+    inspect and verify): which runtime would load it wrongly."""
+    return {OutputFormat.VLLM: [VLLM_ONLY],
+            OutputFormat.MODELOPT: [MODELOPT_NOT_TRANSFORMERS]}.get(fmt, [])
 
 
 def scale_shape(fmt: OutputFormat) -> tuple[int, ...]:

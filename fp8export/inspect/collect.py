@@ -263,7 +263,7 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     """The folder's quantization_config dialect (config.json decides what a loader will do)."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import LOADED_BY, VLLM_ONLY, dialect_of
+    from fp8export.fp8dir.formats import LOADED_BY, dialect_of, format_notes
 
     dialect = dialect_of((config or {}).get("quantization_config"))
     s = result.summary
@@ -273,8 +273,9 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     s["output_format"] = dialect or s.get("output_format")
     known = {str(f): f for f in OutputFormat}
     s["loaded_by"] = list(LOADED_BY[known[dialect]]) if dialect in known else None
-    if dialect == str(OutputFormat.VLLM) and VLLM_ONLY not in result.notes:
-        result.notes.insert(0, VLLM_ONLY)
+    for note in format_notes(known[dialect]) if dialect in known else []:
+        if note not in result.notes:
+            result.notes.insert(0, note)
 
 
 def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:

@@ -66,8 +66,8 @@ def render_text(result: InspectResult) -> str:
                      f"({s['static_input_scales']} static input scales)")
         if s.get("output_format"):
             loaders = s.get("loaded_by")
-            where = f" (loads in {' and '.join(loaders)}{' only' if len(loaders) == 1 else ''})" \
-                if loaders else ""
+            only = "" if any(n.startswith("transformers") for n in loaders or ()) else " only"
+            where = f" (loads in {' and '.join(loaders)}{only})" if loaders else ""
             lines.append(f"  format        {s['output_format']}{where}")
     else:
         lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized "

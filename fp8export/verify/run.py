@@ -93,12 +93,13 @@ def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
 
     from fp8export.checkpoint.model_config import read_model_config
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import VLLM_ONLY, dialect_of
+    from fp8export.fp8dir.formats import dialect_of, format_notes
 
     config = read_model_config(Path(folder))
     dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
-    if dialect == str(OutputFormat.VLLM):
-        notes.append(f"{VLLM_ONLY} verify ran it with fp8export's torch FP8 runtime, which reads "
+    known = {str(f): f for f in OutputFormat}
+    for note in format_notes(known[dialect]) if dialect in known else []:
+        notes.append(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
                      "its per-tensor scales as vLLM does.")
     return dialect
 
