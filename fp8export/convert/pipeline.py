@@ -58,12 +58,12 @@ from fp8export.convert.source_scan import (
 )
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
-    LOADED_BY,
     activation_scheme,
     check_supported,
     extra_files,
     format_notes,
     kv_scale_names,
+    loaded_by,
     quantization_config,
     scale_shape,
 )
@@ -87,6 +87,7 @@ from fp8export.io.atomic import (
 )
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
+from fp8export.keras_model.config import is_keras_config
 from fp8export.numerics.fp8 import amax_to_scale
 from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
@@ -472,7 +473,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
         notes.append("dynamic activations are verified per tensor here, while vLLM runs "
                      "compressed-tensors dynamic inputs per token; --dynamic-activations token "
                      "verifies what it runs")
-    notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
+    # first: it decides who can load the folder
+    notes[:0] = format_notes(cfg.format, keras=is_keras_config(ckpt.config))
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
     if ckpt.config and "quantization_config" in ckpt.config:
@@ -543,7 +545,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=list(LOADED_BY[cfg.format]), accuracy_budget=budget)
+        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, is_keras_config(ckpt.config)),
+        accuracy_budget=budget)
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
@@ -614,7 +617,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
-        "loaded_by": list(LOADED_BY[cfg.format]),
+        "loaded_by": loaded_by(cfg.format, is_keras_config(ckpt.config)),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
         "weight_granularity": str(cfg.weight_granularity),
         "dynamic_activations": str(cfg.dynamic_activations),

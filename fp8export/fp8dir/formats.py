@@ -90,9 +90,27 @@ def dialect_of(quantization_config: Any) -> str | None:
     return str(known[method]) if method in known else f"other ({method or 'no quant_method'})"
 
 
-def format_notes(fmt: OutputFormat) -> list[str]:
+# A folder converted from Keras keeps the Keras model's config.json (no model_type): only
+# fp8export's own runtimes rebuild that model, whatever the quantization_config dialect says.
+KERAS_LOADERS = ("fp8export (verify, export-onnx)",)
+KERAS_SOURCE = (
+    "converted from Keras: config.json is the Keras model's config (no model_type), which "
+    "transformers, vLLM and TensorRT-LLM cannot read; deploy it as an ONNX Q/DQ graph "
+    "(fp8export export-onnx, for onnxruntime and TensorRT) and check the folder or the graph "
+    "with fp8export verify against the .keras reference.")
+
+
+def loaded_by(fmt: OutputFormat, keras: bool = False) -> list[str]:
+    """The runtimes that load a folder of dialect ``fmt`` as what it is (``keras``: its
+    config.json is a Keras model config)."""
+    return list(KERAS_LOADERS if keras else LOADED_BY[fmt])
+
+
+def format_notes(fmt: OutputFormat, keras: bool = False) -> list[str]:
     """What a user must know about the dialect they wrote (said by convert and the manifest,
-    inspect and verify): which runtime would load it wrongly."""
+    inspect and verify): which runtime would load it wrongly, or not at all."""
+    if keras:
+        return [KERAS_SOURCE]
     return {OutputFormat.VLLM: [VLLM_ONLY],
             OutputFormat.MODELOPT: [MODELOPT_NOT_TRANSFORMERS]}.get(fmt, [])
 

@@ -263,7 +263,8 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     """The folder's quantization_config dialect (config.json decides what a loader will do)."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import LOADED_BY, dialect_of, format_notes
+    from fp8export.fp8dir.formats import dialect_of, format_notes, loaded_by
+    from fp8export.keras_model.config import is_keras_config
 
     dialect = dialect_of((config or {}).get("quantization_config"))
     s = result.summary
@@ -272,8 +273,9 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
                             f"{s['output_format']}: config.json was edited; loaders follow it")
     s["output_format"] = dialect or s.get("output_format")
     known = {str(f): f for f in OutputFormat}
-    s["loaded_by"] = list(LOADED_BY[known[dialect]]) if dialect in known else None
-    for note in format_notes(known[dialect]) if dialect in known else []:
+    keras = is_keras_config(config)
+    s["loaded_by"] = loaded_by(known[dialect], keras) if dialect in known else None
+    for note in format_notes(known[dialect], keras) if dialect in known else []:
         if note not in result.notes:
             result.notes.insert(0, note)
 

@@ -94,13 +94,14 @@ def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
     from fp8export.checkpoint.model_config import read_model_config
     from fp8export.config import OutputFormat
     from fp8export.fp8dir.formats import dialect_of, format_notes
+    from fp8export.keras_model.config import is_keras_config
 
     config = read_model_config(Path(folder))
     dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
     known = {str(f): f for f in OutputFormat}
-    for note in format_notes(known[dialect]) if dialect in known else []:
-        notes.append(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
-                     "its per-tensor scales as vLLM does.")
+    if dialect in known and not is_keras_config(config):
+        notes.extend(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
+                     "its per-tensor scales as vLLM does." for note in format_notes(known[dialect]))
     return dialect
 
 
