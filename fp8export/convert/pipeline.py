@@ -468,6 +468,12 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
                                   kv_cache=scales.kv_entry is not None)
+    if dynamic:
+        which = "this folder has no static input scales" if not static else \
+            f"{len(dynamic)} layer(s) have no static input scale"
+        notes.append(f"{which}: vLLM quantizes activations at run time, but TensorRT needs static "
+                     "input scales for FP8 GEMMs, so export-onnx gives those GEMMs 16-bit "
+                     "(weight-only FP8); for TensorRT convert with --calib-data FILE")
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
             and cfg.format is OutputFormat.COMPRESSED_TENSORS:
         notes.append("dynamic activations are verified per tensor here, while vLLM runs "

@@ -47,6 +47,13 @@ BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale t
 MIN_OPSET, MAX_OPSET = 21, 23
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; leave headroom
 INPUT_NAMES = ("input_ids", "attention_mask")
+# A folder without any static input scale gives a graph whose GEMMs all run in 16-bit: said once,
+# with the way to FP8 GEMMs, instead of once per layer.
+WEIGHT_ONLY = ("no FP8 GEMMs: the folder has no static input scales (converted without "
+               "calibration data or FP8 training history), so this graph is weight-only FP8 and "
+               "TensorRT and onnxruntime run all {n} quantized GEMMs in 16-bit with dequantized "
+               "weights. For FP8 GEMMs, convert with static input scales: fp8export convert CKPT "
+               "--calib-data FILE (or from a checkpoint with FP8 training history).")
 
 
 class OnnxDtype(StrEnum):
@@ -119,10 +126,11 @@ class ExportResult:
     output_name: str
     check: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    weight_only: bool = False  # no layer has a static input scale: no FP8 GEMM at all
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "output": str(self.output),
+            "output": str(self.output), "weight_only": self.weight_only,
             "external_data": str(self.external_data) if self.external_data else None,
             "dtype": self.dtype, "opset": self.opset, "ir_version": self.ir_version,
             "file_bytes": self.file_bytes, "seconds": round(self.seconds, 3),
@@ -394,13 +402,19 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     size = out.stat().st_size + (data.stat().st_size if data else 0)
     fp8 = [g.layer for g in report.gemms if g.fp8 and g.layer]
     sixteen = {g.layer: g.reason for g in report.gemms if not g.fp8 and g.layer}
-    notes = list(rewrite.notes)
+    weight_only = bool(rewrite.dynamic) and not fp8 and set(sixteen) <= set(rewrite.dynamic)
+    if weight_only:  # one sentence instead of the per-layer list
+        notes = [n for n in rewrite.notes if not n.startswith(f"{len(rewrite.dynamic)} layer(s) ")]
+        notes.insert(0, WEIGHT_ONLY.format(n=len(sixteen)))
+    else:
+        notes = list(rewrite.notes)
     if keras:
         notes.insert(0, "Keras model rebuilt in torch from config.json (Keras not needed)")
-    if sixteen:
+    if sixteen and not weight_only:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
     return ExportResult(output=out, external_data=data, dtype=dtype.value, opset=opset,
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
-                        output_name=output_name, check=report.to_dict(), notes=notes)
+                        output_name=output_name, check=report.to_dict(), notes=notes,
+                        weight_only=weight_only)

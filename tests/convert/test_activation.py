@@ -121,6 +121,26 @@ def test_mixed_ranges_give_two_groups_and_refuse_vllm(tiny_llama, tmp_path, llam
     assert not (tmp_path / "v").exists()
 
 
+def test_dynamic_layers_are_said_to_need_static_scales_for_tensorrt(tiny_llama, tmp_path,
+                                                                    llama_modules):
+    weights_only = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "w"))
+    said = [n for n in weights_only.notes if "TensorRT needs static input scales" in n]
+    assert len(said) == 1 and said[0].startswith("this folder has no static input scales")
+    assert "--calib-data" in said[0]
+    manifest = json.loads((tmp_path / "w" / "fp8export.json").read_text())
+    assert said[0] in manifest["notes"]
+    layer0 = [m for m in llama_modules if ".layers.0." in m]
+    mixed = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "m",
+                                  calib_amax=_amax_file(tmp_path / "a.json",
+                                                        {m: 2.0 for m in layer0})))
+    said = [n for n in mixed.notes if "TensorRT needs static input scales" in n]
+    assert len(said) == 1 and said[0].startswith(f"{len(mixed.dynamic_layers)} layer(s) have no")
+    static = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "s",
+                                   calib_amax=_amax_file(tmp_path / "b.json",
+                                                         dict.fromkeys(llama_modules, 2.0))))
+    assert not any("TensorRT needs" in n for n in static.notes)
+
+
 def test_modelopt_static(tiny_llama, tmp_path, llama_modules):
     f = _amax_file(tmp_path / "amax.json", {m: 3.0 for m in llama_modules})
     out = tmp_path / "o"
