@@ -59,7 +59,6 @@ from fp8export.convert.source_scan import (
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
     activation_scheme,
-    check_supported,
     extra_files,
     format_notes,
     kv_scale_names,
@@ -321,10 +320,6 @@ class _Run:
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     out = cfg.resolved_output
     check_output_target(out, cfg.force)  # fail before any heavy work
-    check_supported(cfg.format, [], [], per_channel=_per_channel(cfg))
-    if _per_channel(cfg) and cfg.weight_scales_from_history:
-        raise Fp8ExportError("--weight-scales-from-history gives one scale per tensor (training "
-                             "histories are per tensor); use it with --weight-granularity tensor.")
     refuse_inside_input(out, cfg.checkpoint)
     timings = Timings()
     t0 = time.perf_counter()
