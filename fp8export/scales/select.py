@@ -120,6 +120,7 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
     excluded: dict[str, str] = {}
     ignore: set[str] = set()
     bad: list[str] = []
+    already_fp8: list[TensorInfo] = []
     used_include: set[str] = set()
     used_exclude: set[str] = set()
 
@@ -145,8 +146,7 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
             ignore.add(module)
             continue
         if info.dtype in FP8_DTYPES:
-            bad.append(f"{info.name} ({info.file.name}) is already {info.dtype}: this checkpoint "
-                       "looks quantized; convert its bf16/fp16/fp32 original instead")
+            already_fp8.append(info)
             continue
         if info.dtype not in FLOAT_DTYPES:
             bad.append(f"{info.name} ({info.file.name}) has dtype {info.dtype} where a floating "
@@ -163,11 +163,24 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
                               dtype=info.dtype, layout="in_out" if transposed else "out_in",
                               file=info.file.name, fused_group=group[0] if group else None))
 
+    if already_fp8:  # said once: the input is an FP8 checkpoint, not a broken one
+        first = already_fp8[0]
+        dtypes = "/".join(sorted({i.dtype for i in already_fp8}))
+        fp8 = (f"{len(already_fp8)} linear weight(s) are already {dtypes} (e.g. {first.name} "
+               f"in {first.file.name})")
+        if not bad:
+            raise Fp8ExportError(
+                f"{fp8}: this checkpoint is already quantized to FP8, so there is nothing to "
+                "convert. To check it, verify it as the candidate: fp8export verify ORIGINAL "
+                "THIS; to convert again, give convert the bf16/fp16/fp32 original.")
+        bad.append(f"{fp8}: this checkpoint looks quantized; convert its bf16/fp16/fp32 "
+                   "original instead")
     if bad:
+        count = len(bad) + max(len(already_fp8) - 1, 0)
         shown = "; ".join(bad[:_MAX_LISTED])
         more = f" (and {len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
         raise Fp8ExportError(
-            f"{len(bad)} tensor(s) cannot become FP8: {shown}{more}. Fix the checkpoint, or "
+            f"{count} tensor(s) cannot become FP8: {shown}{more}. Fix the checkpoint, or "
             "leave these modules out with --exclude GLOB.")
 
     groups = _groups(targets)
