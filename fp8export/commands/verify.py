@@ -45,12 +45,14 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
 @click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True,
               help="Wall-clock limit of the run in seconds (0: none); a graph that never ends "
                    "is stopped with an error.")
+@click.option("--force", is_flag=True,
+              help="Replace the report files an existing --report-dir already holds.")
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
-            timeout, fp8_mode):
+            timeout, force, fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
@@ -65,7 +67,8 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
                        seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
                        device=device, max_memory=max_memory, fp8_mode=fp8_mode,
-                       timeout=timeout, command_line=_command_line(click.get_current_context()))
+                       timeout=timeout, force=force,
+                       command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
     except VerificationFailed as exc:

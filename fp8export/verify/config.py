@@ -61,6 +61,7 @@ class VerifyConfig:
     fp8_mode: str = "auto"
     timeout: float | None = DEFAULT_TIMEOUT_S  # wall-clock limit of the run; None or 0: none
     write_reports: bool = True
+    force: bool = False  # replace the report files an existing --report-dir already holds
     command_line: str | None = field(default=None, compare=False)  # as typed, for the report
     extra: dict = field(default_factory=dict, compare=False)
 

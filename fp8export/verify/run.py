@@ -123,9 +123,11 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.write_reports:
         from fp8export.io.atomic import probe_writable, refuse_inside_input
+        from fp8export.verify.report import check_report_dir
 
         for source in (cfg.reference, cfg.candidate):
             refuse_inside_input(cfg.report_dir, source, "--report-dir")
+        check_report_dir(cfg.report_dir, cfg.force)
         probe_writable(cfg.report_dir, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
