@@ -157,6 +157,8 @@ def render(result) -> None:
     click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
     click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     click.echo(_activation_line(result))
+    if result.kv_cache:
+        click.echo(f"kv cache: {result.kv_cache}")
     kept = result.excluded_by_reason()
     click.echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
     by_reason: dict[str, list[str]] = {}

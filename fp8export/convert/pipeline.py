@@ -70,6 +70,7 @@ from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     finite_or_none,
+    kv_cache_line,
     options_entry,
     source_files_entry,
     write_json,
@@ -113,6 +114,7 @@ class ConvertResult:
     bytes_out: int = 0
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
     accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
+    kv_cache: str | None = None  # the FP8 KV cache the folder declares, in words; None: 16-bit
     # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -547,7 +549,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
         bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, is_keras_config(ckpt.config)),
-        accuracy_budget=budget)
+        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks

@@ -256,8 +256,20 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                                ("output_format", "activation_scheme", "format_version")})
         result.summary["source"] = (manifest.get("source") or {}).get("name")
         result.notes.extend(str(n) for n in manifest.get("notes") or [])
+    result.summary["kv_cache"] = _kv_cache(manifest, names)
     _dialect(result, ck.config)
     return result
+
+
+def _kv_cache(manifest: dict[str, Any] | None, names: set[str]) -> str | None:
+    """The FP8 KV cache the folder declares (the manifest's entry, else its k_scale tensors)."""
+    from fp8export.fp8dir.manifest import kv_cache_line
+
+    line = kv_cache_line((manifest or {}).get("kv_cache"))
+    k_scales = [n for n in names if n.endswith(".k_scale")]
+    if line is None and k_scales:
+        line = f"FP8: k_scale/v_scale tensors for {len(k_scales)} attention layer(s)"
+    return line
 
 
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:

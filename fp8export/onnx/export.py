@@ -349,6 +349,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
+    from fp8export.fp8dir.manifest import kv_cache_line
     from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.io.atomic import probe_writable, refuse_inside_input
     from fp8export.keras_model.config import is_keras_config
@@ -367,6 +368,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         folder = read_fp8_folder(cfg.fp8_dir)
     with folder:  # its tensors are read while tracing and rewriting
         keras = is_keras_config(folder.config)
+        kv = kv_cache_line(folder.manifest.get("kv_cache"))
         dtype = cfg.resolved_dtype(keras)
         opset = cfg.resolved_opset(dtype)
         arch = (folder.config.get("architectures")
@@ -410,6 +412,11 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         notes = list(rewrite.notes)
     if keras:
         notes.insert(0, "Keras model rebuilt in torch from config.json (Keras not needed)")
+    if kv:
+        notes.append(f"KV cache: the folder declares {kv}; this graph has no KV cache (each "
+                     "call recomputes attention over the whole sequence), so its KV scales are "
+                     f"not in it and attention runs in {dtype}. Serve the folder (vLLM, "
+                     "TensorRT-LLM) for an FP8 KV cache.")
     if sixteen and not weight_only:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
