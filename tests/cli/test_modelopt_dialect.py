@@ -47,7 +47,8 @@ def test_plain_transformers_builds_a_wrong_model_from_it(modelopt_dir):
 
     ref = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     fp8 = AutoModelForCausalLM.from_pretrained(modelopt_dir, dtype=torch.float32)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 32), generator=gen)
     with torch.no_grad():
         a, b = ref(ids).logits, fp8(ids).logits
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
