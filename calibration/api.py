@@ -79,6 +79,12 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
 
 def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
                ) -> CalibrationResult:
+    from fp8export.checkpoint.source import check_checkpoint_path
+    from fp8export.inputs.samples import check_data_file
+
+    # every path before torch loads: a typo costs milliseconds, not a model load
+    check_checkpoint_path(cfg.checkpoint)
+    check_data_file(cfg.calib_data)
     import torch
 
     from fp8export.calibration.amax_file import check_output

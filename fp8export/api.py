@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 def convert(config: ConvertConfig) -> Any:
     """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
+    from fp8export.convert.checks import check_inputs
     from fp8export.convert.source_scan import start_early_scan
 
+    check_inputs(config)  # every path, before the source is read or torch imported
     # Reading the source needs no torch: it starts now and overlaps torch's import.
     early = start_early_scan(config.checkpoint, config.workers)
     try:

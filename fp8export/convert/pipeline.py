@@ -50,6 +50,7 @@ from fp8export.config import (
     WeightGranularity,
 )
 from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.checks import check_inputs
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,
@@ -81,9 +82,7 @@ from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shard
 from fp8export.io.atomic import (
     OUTPUT_MODE,
     AtomicDir,
-    check_output_target,
     fsync_dir,
-    refuse_inside_input,
 )
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
@@ -321,8 +320,7 @@ class _Run:
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     out = cfg.resolved_output
-    check_output_target(out, cfg.force)  # fail before any heavy work
-    refuse_inside_input(out, cfg.checkpoint)
+    check_inputs(cfg)  # fail before any heavy work (api.convert ran it before torch loaded)
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:

@@ -121,6 +121,10 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.verify.thresholds import load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
+    if cfg.data is not None:  # a typo'd data file fails before any model loads
+        from fp8export.inputs.samples import check_data_file
+
+        check_data_file(cfg.data)
     if cfg.write_reports:
         from fp8export.io.atomic import probe_writable, refuse_inside_input
         from fp8export.verify.report import check_report_dir

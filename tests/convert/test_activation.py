@@ -205,6 +205,7 @@ def test_weight_scales_from_history_on_request(tmp_path, monkeypatch, dict_ckpt)
         for m, a in zip(QKV, (0.5, 0.75, 0.25))])
     ckpt = dict_ckpt(tensors, config={"model_type": "llama"}, state=state)
     monkeypatch.setattr(conv, "open_checkpoint", lambda path: ckpt)  # reader stand-in only
+    (tmp_path / "src").mkdir()  # convert checks the path exists before opening it
     res = convert(ConvertConfig(checkpoint=tmp_path / "src", output=tmp_path / "o",
                                 scales="weights", weight_scales_from_history=True))
     rows = {r["module"]: r for r in res.layers}
