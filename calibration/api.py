@@ -87,6 +87,10 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     check_data_file(cfg.calib_data)
     import torch
 
+    from fp8export._threads import fit_torch
+
+    fit_torch()
+
     from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.models import load_model_placed

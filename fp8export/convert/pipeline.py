@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# libgomp (torch's OpenMP runtime) reads this once, when torch loads. Its default lets idle
-# worker threads spin after every parallel region; convert alternates single-threaded
-# elementwise work with multi-threaded dot products while other threads hash and write, and
-# the spinning took the core those threads need (measured: 2-thread torch.dot on 16 MiB, 8x
-# slower and 3 s of extra CPU per GiB converted). A user's own setting wins.
+# OMP_WAIT_POLICY=PASSIVE before torch loads (fp8export/_threads.py). convert alternates
+# single-threaded elementwise work with multi-threaded dot products while other threads hash
+# and write, and libgomp's spinning workers took the core those threads need (measured: 2-thread
+# torch.dot on 16 MiB, 8x slower and 3 s of extra CPU per GiB converted).
 if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from fp8export._threads import prepare
+
+    prepare()
 
 from fp8export import __version__
 from fp8export._progress import progress

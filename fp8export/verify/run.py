@@ -148,6 +148,9 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             "drop the floor bounds.")
     kind = candidate_kind(cfg.candidate)
     max_memory = parse_max_memory(cfg.max_memory) or None
+    from fp8export._threads import fit_torch
+
+    fit_torch()
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
                                 device=str(cfg.device), max_memory=max_memory)
     floor_runner = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \
