@@ -19,8 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 # later stage is listed separately.
 STAGES: list[tuple[str, set[str]]] = [
     ("foundation", {"fp8export", "errors", "config", "_lazy", "_progress", "_timings", "_threads",
-                    "numerics",
-                    "io", "placement"}),
+                    "numerics", "io", "placement"}),
     ("read", {"checkpoint"}),
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),
