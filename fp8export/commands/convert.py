@@ -11,7 +11,7 @@ def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
 
 
-@click.command("convert")
+@click.command("convert", short_help="checkpoint -> E4M3 safetensors folder with per-tensor scales")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
@@ -104,7 +104,9 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
             kv_cache, device, accuracy_samples, accuracy_budget, workers, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
-    CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
+    CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
+    (Transformer Engine and torchao state included) or a Keras 3 .keras / .weights.h5 file or a
+    folder holding one (pip install 'fp8export[keras]'; Keras itself is not needed). Linear
     weights become F8_E4M3 with an F32 weight_scale (scale = amax / 448); embeddings, norms,
     output heads and MoE routers stay in their source precision. The folder also holds
     config.json with the quantization_config, the tokenizer files, and fp8export.json (per

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 
-@click.command("export-onnx")
+@click.command("export-onnx", short_help="FP8 folder -> standard ONNX Q/DQ graph")
 @click.argument("fp8_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output .onnx file (default: sibling FP8DIR.onnx).")

@@ -10,7 +10,7 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                   "(e.g. {preset: default, kl_mean: 0.01}).")
 
 
-@click.command("verify")
+@click.command("verify", short_help="FP8 outputs vs bf16 reference -> report (exit 3 on fail)")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("candidate", type=click.Path(path_type=str))
 @click.option("--data", type=click.Path(path_type=str), default=None,
@@ -54,6 +54,10 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
             timeout, force, fp8_mode):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
+
+    REFERENCE is the model the candidate was converted from: a Hugging Face folder, or a Keras
+    3 .keras / .weights.h5 file (pip install 'fp8export[keras]'; run without Keras). For
+    classifiers with labels in --data the task accuracy of both is reported.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
     failed; 130: interrupted.
@@ -103,6 +107,9 @@ def _summary(result) -> None:
     m = result.metrics
     parts = [f"{k}={m[k]:.4g}" for k in ("cosine_min", "top1_agreement", "neighbor_agreement",
                                           "kl_mean", "ppl_ratio") if k in m]
+    if "accuracy_candidate" in m:  # a classifier scored against the data's labels
+        parts.append(f"accuracy={m['accuracy_candidate']:.4g} (reference "
+                     f"{m['accuracy_reference']:.4g})")
     click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
                f"backend {result.backend}, judged by {result.family}; " + ", ".join(parts))
     floor = result.noise_floor
