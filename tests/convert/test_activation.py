@@ -81,6 +81,9 @@ def test_static_scales_from_amax_file(tiny_llama, tmp_path, llama_modules):
     out = tmp_path / "o"
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_amax=f))
     assert res.activation_scheme == "static"
+    # nothing is calibrated: the notes say where the ranges came from
+    assert "--scales auto: no training history; activation ranges from amax.json" in res.notes
+    assert not any("calibrating" in n for n in res.notes)
     raw = (out / "fp8export.json").read_text()
     assert str(tmp_path) not in raw and "amax.json" in raw  # basenames only
     man = json.loads(raw)
