@@ -15,6 +15,7 @@ need the data and happen in :mod:`fp8export.scales.weights`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
@@ -22,7 +23,13 @@ from typing import Any
 
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
-from fp8export.scales.families import Family, family_of, fused_group_of, role_of
+from fp8export.scales.families import (
+    Family,
+    default_exclusion,
+    family_of,
+    fused_group_of,
+    role_of,
+)
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
@@ -79,7 +86,15 @@ def _matching(patterns: Sequence[str], module: str) -> str | None:
     return None
 
 
+# Keras variables that are not kernels keep their own names (``<layer>.vars.<i>``,
+# ``<layer>.embeddings``, ``<layer>.gamma``): the layer's name says what they are.
+_KERAS_VARIABLE = re.compile(r"\.(vars\.\d+|embeddings|gamma|beta)$")
+
+
 def _non_weight_reason(info: TensorInfo) -> str:
+    layer = _KERAS_VARIABLE.sub("", info.name)
+    if layer != info.name and (reason := default_exclusion(layer)) is not None:
+        return reason
     if info.name.endswith(".bias"):
         return "bias (copied unchanged)"
     if info.name.endswith(".weight"):

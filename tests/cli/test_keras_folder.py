@@ -52,3 +52,14 @@ def test_transformers_really_cannot_load_it(keras_run):
     out, _ = keras_run
     with pytest.raises((ValueError, KeyError, OSError)):
         AutoModel.from_pretrained(out)
+
+
+def test_keras_embeddings_and_norms_are_named_by_their_layer(keras_run):
+    out, stdout = keras_run
+    excluded = json.loads((out / "fp8export.json").read_text())["excluded"]
+    embeddings = [n for n in excluded if "embedding" in n]
+    norms = [n for n in excluded if "layer_norm" in n]
+    assert len(embeddings) == 2 and len(norms) == 4
+    assert {excluded[n] for n in embeddings} == {"embedding (kept in high precision by default)"}
+    assert {excluded[n] for n in norms} == {"normalization (kept in high precision)"}
+    assert "not a weight" not in stdout
