@@ -47,6 +47,9 @@ BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale t
 MIN_OPSET, MAX_OPSET = 21, 23
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; leave headroom
 INPUT_NAMES = ("input_ids", "attention_mask")
+# Graph metadata (ModelProto.metadata_props): the longest sequence the model's positions allow,
+# so build-engine's default profile stays within it.
+MAX_POSITIONS_KEY = "fp8export.max_positions"
 # A folder without any static input scale gives a graph whose GEMMs all run in 16-bit: said once,
 # with the way to FP8 GEMMs, instead of once per layer.
 WEIGHT_ONLY = ("no FP8 GEMMs: the folder has no static input scales (converted without "
@@ -275,6 +278,12 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     proto = program.model_proto
     if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
         proto.graph.output[0].name = output_name
+    from fp8export.models import max_positions
+
+    longest = wrapped.model.max_positions if keras else max_positions(folder.config)
+    if longest:
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = MAX_POSITIONS_KEY, str(int(longest))
     return proto, output_name
 
 

@@ -151,6 +151,19 @@ def test_fp16_dynamic_activations_via_cli(run_cli, fp8_dynamic, tmp_path):
             assert rel_l2(ref, _t(got)) <= 5e-2  # fp16 activations vs fp32 emulation
 
 
+def test_build_engines_default_profile_keeps_to_the_models_positions(onnx_fp32, run_cli,
+                                                                    tmp_path, monkeypatch):
+    _, path = onnx_fp32
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False)
+             .metadata_props}
+    assert props["fp8export.max_positions"] == "128"  # the folder's max_position_embeddings
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # printing needs no TensorRT
+    r = run_cli("build-engine", path, "-o", tmp_path / "m.engine", "--print-command")
+    assert r.exit_code == 0, r.output
+    for name in ("input_ids", "attention_mask"):
+        assert f"{name}:8x128" in r.stdout and f"{name}:8x512" not in r.stdout
+
+
 def test_existing_output_needs_force(onnx_fp32, fp8_static, run_cli):
     _, path = onnx_fp32
     before = path.read_bytes()
