@@ -250,6 +250,7 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     import torch
 
     from fp8export.keras_model.config import is_keras_config
+    from fp8export.models import max_positions
 
     keras = is_keras_config(folder.config)
     wrapped, args, input_names, dynamic, output_name = (
@@ -278,8 +279,6 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     proto = program.model_proto
     if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
         proto.graph.output[0].name = output_name
-    from fp8export.models import max_positions
-
     longest = wrapped.model.max_positions if keras else max_positions(folder.config)
     if longest:
         entry = proto.metadata_props.add()

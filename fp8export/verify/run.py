@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fp8export._progress import info, progress, stage
+from fp8export._threads import fit_torch
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.runners.base import TimeLimitExceeded
 from fp8export.verify.config import VerifyConfig
@@ -148,9 +149,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             "drop the floor bounds.")
     kind = candidate_kind(cfg.candidate)
     max_memory = parse_max_memory(cfg.max_memory) or None
-    from fp8export._threads import fit_torch
-
-    fit_torch()
+    fit_torch()  # the CPU threads fitted to this machine, before any model runs
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
                                 device=str(cfg.device), max_memory=max_memory)
     floor_runner = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \
