@@ -1,5 +1,6 @@
 """Options that cannot work together are usage errors (exit 2) before any file is read: the
-checkpoint given here does not even exist, so any work before the check would end in exit 1."""
+checkpoint given here does not even exist, so any work before the check would end in exit 1.
+(``fp8export/config.py``, ``fp8export/verify/config.py``.)"""
 
 from __future__ import annotations
 
@@ -52,3 +53,11 @@ def test_library_users_get_the_same_usage_error(tmp_path):
 ])
 def test_combinations_that_work_are_accepted(tmp_path, options):
     ConvertConfig(checkpoint=tmp_path, **options)
+
+
+def test_scaled_mm_on_the_cpu_is_a_usage_error_before_any_work(tmp_path, run_cli):
+    r = run_cli("verify", tmp_path / "no-ref", tmp_path / "no-cand", "--fp8-mode", "scaled_mm",
+                "--device", "cpu", "--report-dir", tmp_path / "r")
+    assert r.exit_code == EXIT_USAGE, r.output
+    assert "--fp8-mode scaled_mm runs torch._scaled_mm on a CUDA GPU" in r.stderr
+    assert list(tmp_path.iterdir()) == []

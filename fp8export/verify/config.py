@@ -85,6 +85,9 @@ class VerifyConfig:
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
             raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
                              "or scaled_mm.")
+        if self.fp8_mode == "scaled_mm" and self.device is Device.CPU:
+            raise UsageError("--fp8-mode scaled_mm runs torch._scaled_mm on a CUDA GPU; with "
+                             "--device cpu use --fp8-mode emulate (or auto).")
         if not isinstance(self.thresholds, dict):
             check_spec(str(self.thresholds))  # a usage error before any model is loaded
 
