@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fp8export._progress import info, stage
+from fp8export._threads import fit_torch
 from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
@@ -79,7 +80,15 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
 
 def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
                ) -> CalibrationResult:
+    from fp8export.checkpoint.source import check_checkpoint_path
+    from fp8export.inputs.samples import check_data_file
+
+    # every path before torch loads: a typo costs milliseconds, not a model load
+    check_checkpoint_path(cfg.checkpoint)
+    check_data_file(cfg.calib_data)
     import torch
+
+    fit_torch()  # the CPU threads fitted to this machine, before the model loads
 
     from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator

@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 def convert(config: ConvertConfig) -> Any:
     """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
+    from fp8export.convert.checks import check_inputs
     from fp8export.convert.source_scan import start_early_scan
 
+    check_inputs(config)  # every path, before the source is read or torch imported
     # Reading the source needs no torch: it starts now and overlaps torch's import.
     early = start_early_scan(config.checkpoint, config.workers)
     try:
@@ -29,13 +31,18 @@ def convert(config: ConvertConfig) -> Any:
 
 def calibrate(config: Any) -> Any:
     """Sample data → activation ranges. See :func:`fp8export.calibration.api.calibrate`."""
+    from fp8export._threads import prepare
     from fp8export.calibration.api import calibrate as _calibrate
 
+    prepare()  # before torch loads: see fp8export/_threads.py
     return _calibrate(config)
 
 
 def export_onnx(config: Any) -> Any:
     """FP8 folder → ONNX Q/DQ graph. See :func:`fp8export.onnx.export.export_onnx`."""
+    from fp8export._threads import prepare
+
+    prepare()
     from fp8export.onnx.export import export_onnx as _export
 
     return _export(config)
@@ -50,8 +57,10 @@ def build_engine(config: Any) -> Any:
 
 def verify(config: Any) -> Any:
     """Reference vs candidate → verification result and report. See :mod:`fp8export.verify`."""
+    from fp8export._threads import prepare
     from fp8export.verify.run import verify as _verify
 
+    prepare()
     return _verify(config)
 
 

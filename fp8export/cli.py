@@ -148,15 +148,9 @@ class LazyGroup(click.Group):
 def cli():
     """Take a trained transformer to a verified FP8 (E4M3) deployment.
 
-    \b
-    convert       checkpoint -> E4M3 safetensors folder with per-tensor scales
-    calibrate     sample data -> activation amax (amax.json)
-    export-onnx   FP8 folder -> ONNX Q/DQ graph (checked against TensorRT's documented rules)
-    build-engine  ONNX -> TensorRT FP8 engine (written to TensorRT 10/11; not run here)
-    verify        FP8 outputs vs bf16 reference logits -> report (exit 3 on fail)
-    inspect       tables and plots of checkpoints, FP8 folders, ONNX graphs
-
-    Scale convention everywhere: scale = amax / 448 (a dequantization factor).
+    Inputs: Hugging Face folders, .safetensors, .pt/.pth/.bin state dicts, Transformer Engine
+    and torchao checkpoints, Keras 3 .keras / .weights.h5 files. Scale convention everywhere:
+    scale = amax / 448 (a dequantization factor).
     """
 
 

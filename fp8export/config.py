@@ -170,6 +170,42 @@ class ConvertConfig:
                              f"{self.accuracy_budget}.")
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"--workers must be >= 1, got {self.workers}.")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Options that cannot work together: a usage error before any file is read."""
+        channel = self.weight_granularity is WeightGranularity.CHANNEL
+        if channel and self.format is not OutputFormat.COMPRESSED_TENSORS:
+            why = ("its quant_method fp8 loader reads one weight scale per shard or a block grid"
+                   if self.format is OutputFormat.VLLM else
+                   "ModelOpt's quant_algo FP8 is per-tensor (0-dim scales)")
+            raise UsageError(f"--format {self.format} cannot hold per-channel weight scales "
+                             f"({why}). Use --format compressed-tensors (strategy: channel) or "
+                             "--weight-granularity tensor.")
+        if channel and self.weight_scales_from_history:
+            raise UsageError("--weight-scales-from-history gives one scale per tensor (training "
+                             "histories are per tensor); use it with --weight-granularity tensor.")
+        if self.format is OutputFormat.MODELOPT and self.scales is ScalesMode.WEIGHTS:
+            raise UsageError("--format modelopt needs a static input scale for every layer "
+                             "(ModelOpt FP8 is static-only), but --scales weights gives none. "
+                             "Use --scales auto/calibrate with --calib-data PATH, or --format "
+                             "compressed-tensors.")
+        if self.scales is ScalesMode.WEIGHTS and self.calib_amax is not None:
+            raise UsageError("--scales weights takes no activation ranges, so --calib-amax would "
+                             "be ignored. Drop one of them.")
+        if self.scales is ScalesMode.WEIGHTS and self.calib_data is not None \
+                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None:
+            raise UsageError("--scales weights calibrates nothing, so --calib-data would be "
+                             "ignored. Drop --calib-data, or use --scales calibrate.")
+        if self.percentile is not None:
+            if not 0.0 < float(self.percentile) <= 100.0:
+                raise UsageError(f"--percentile must be in (0, 100], got {self.percentile}.")
+            if self.calib_method is not CalibMethod.PERCENTILE:
+                raise UsageError(f"--percentile applies to --calib-method percentile, not "
+                                 f"{self.calib_method}. Drop --percentile or choose percentile.")
+        if self.accuracy_samples is not None and self.accuracy_budget is None:
+            raise UsageError("--accuracy-samples sets how many samples --accuracy-budget "
+                             "measures on; give --accuracy-budget KL too, or drop it.")
 
     @property
     def resolved_output(self) -> Path:

@@ -66,11 +66,11 @@ step "Export ONNX (fp16 Q/DQ graph, runs in onnxruntime)" \
   fp8export export-onnx "$OUT/model-fp8" -o "$OUT/model-fp8.onnx" --dtype fp16 --force
 step "Verify the FP8 folder (torch FP8 runtime, per-layer attribution)" \
   fp8export verify "$MODEL" "$OUT/model-fp8" --data "$EVAL_DATA" --thresholds "$THRESHOLDS" \
-  --per-layer --report-dir "$REPORTS/folder" "${SAMPLES[@]}"
+  --per-layer --report-dir "$REPORTS/folder" --force "${SAMPLES[@]}"
 if [ -f "$OUT/model-fp8.onnx" ]; then
   step "Verify the ONNX graph (onnxruntime)" \
     fp8export verify "$MODEL" "$OUT/model-fp8.onnx" --data "$EVAL_DATA" \
-    --thresholds "$THRESHOLDS" --report-dir "$REPORTS/onnx" "${SAMPLES[@]}"
+    --thresholds "$THRESHOLDS" --report-dir "$REPORTS/onnx" --force "${SAMPLES[@]}"
 fi
 if [ "$status" -eq 0 ]; then echo "gate: PASSED"; else echo "gate: FAILED (exit $status)"; fi
 exit "$status"

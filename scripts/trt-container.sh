@@ -41,7 +41,7 @@ mkdir -p /tmp/fp8export
 tar -C /src --exclude=./.venv --exclude=./bench/_work --exclude=./demo-out -cf - . | tar -C /tmp/fp8export -xf -
 python3 -m pip install -q /tmp/fp8export
 fp8export build-engine /in/$(basename "$onnx") -o /out/$name.engine --timing-cache /out/timing.cache --force ${BUILD_ARGS:-}
-fp8export verify /ref /out/$name.engine --data /data/$(basename "$data") --report-dir /out/report ${VERIFY_ARGS:-}
+fp8export verify /ref /out/$name.engine --data /data/$(basename "$data") --report-dir /out/report --force ${VERIFY_ARGS:-}
 EOF
 )
 

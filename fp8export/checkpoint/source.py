@@ -123,12 +123,18 @@ def _load_builtin_readers() -> None:
     from fp8export.checkpoint.training import te_reader  # noqa: F401
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Open ``path`` with the first reader that accepts it, or explain what was expected."""
+def check_checkpoint_path(path: str | Path) -> Path:
+    """Refuse a checkpoint path that does not exist (cheap: commands call it before any work)."""
     p = Path(path)
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such file or folder. Give a Hugging Face folder, a "
                              ".safetensors file, a .pt/.pth/.bin state dict or a .keras file.")
+    return p
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open ``path`` with the first reader that accepts it, or explain what was expected."""
+    p = check_checkpoint_path(path)
     _load_builtin_readers()
     for _name, can_open, open_fn in _READERS:
         if can_open(p):

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 
-@click.command("build-engine")
+@click.command("build-engine",
+               short_help="ONNX -> TensorRT FP8 engine (written to TensorRT 10/11; not run here)")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Engine path (default: MODEL with .engine).")

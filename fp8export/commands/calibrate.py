@@ -11,7 +11,7 @@ from fp8export.placement import MAX_MEMORY_HELP
 _CHOICES = {"case_sensitive": False}
 
 
-@click.command("calibrate")
+@click.command("calibrate", short_help="sample data -> activation amax (amax.json)")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--calib-data", type=click.Path(path_type=Path), required=True,
               help="Calibration samples: .txt (one per line), .jsonl (text field), or "

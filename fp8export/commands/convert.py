@@ -11,7 +11,7 @@ def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
 
 
-@click.command("convert")
+@click.command("convert", short_help="checkpoint -> E4M3 safetensors folder with per-tensor scales")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
@@ -52,7 +52,8 @@ def _choice(*values: str) -> click.Choice:
               default="compressed-tensors", show_default=True,
               help="quantization_config dialect: compressed-tensors (vLLM and transformers), "
                    "vllm (quant_method fp8; vLLM ONLY: transformers misreads it as block-wise "
-                   "FP8), modelopt (hf_quant_config.json, TensorRT-LLM; static only).")
+                   "FP8), modelopt (hf_quant_config.json; TensorRT-LLM and vLLM ONLY: "
+                   "transformers runs it without its scales; static only).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Keep modules matching GLOB (fnmatch on module names, e.g. "
                    "'model.layers.0.*') in high precision. Wins over everything. Repeatable. "
@@ -103,7 +104,9 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
             kv_cache, device, accuracy_samples, accuracy_budget, workers, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
-    CHECKPOINT is a Hugging Face folder, a .safetensors file or a .pt/.pth state dict. Linear
+    CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
+    (Transformer Engine and torchao state included) or a Keras 3 .keras / .weights.h5 file or a
+    folder holding one (pip install 'fp8export[keras]'; Keras itself is not needed). Linear
     weights become F8_E4M3 with an F32 weight_scale (scale = amax / 448); embeddings, norms,
     output heads and MoE routers stay in their source precision. The folder also holds
     config.json with the quantization_config, the tokenizer files, and fp8export.json (per
@@ -151,10 +154,13 @@ def render(result) -> None:
     stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
              if sqnr else "")
     loaders = " and ".join(result.loaded_by)
-    only = " only" if len(result.loaded_by) == 1 else ""
+    # "only" wherever transformers, the most common loader, would not load it right
+    only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
     click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
     click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     click.echo(_activation_line(result))
+    if result.kv_cache:
+        click.echo(f"kv cache: {result.kv_cache}")
     kept = result.excluded_by_reason()
     click.echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
     by_reason: dict[str, list[str]] = {}

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 
-@click.command("export-onnx")
+@click.command("export-onnx",
+               short_help="FP8 folder -> ONNX Q/DQ graph (checked against TensorRT's FP8 rules)")
 @click.argument("fp8_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output .onnx file (default: sibling FP8DIR.onnx).")
@@ -45,7 +46,7 @@ def command(fp8_dir, output, dtype, opset, force, as_json):
         click.echo(f"external data: {result.external_data}")
     total = len(result.fp8_gemms) + len(result.sixteen_bit)
     click.echo(f"FP8-eligible GEMMs (TensorRT): {len(result.fp8_gemms)} of {total} quantized")
-    if result.sixteen_bit:
+    if result.sixteen_bit and not result.weight_only:  # weight-only: one note says why
         click.secho(f"16-bit GEMMs: {len(result.sixteen_bit)} (TensorRT will run these in 16-bit)",
                     fg="yellow", err=True)
         for layer, reason in result.sixteen_bit.items():

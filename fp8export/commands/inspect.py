@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 
-@click.command("inspect")
+@click.command("inspect", short_help="tables and plots of checkpoints, FP8 folders, ONNX graphs")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write a plot of per-layer weight scale, input scale and SQNR: FILE.svg "
@@ -17,7 +17,8 @@ import click
 def command(path: str, plot: str | None, force: bool, as_json: bool) -> None:
     """Table of every tensor of PATH: dtype, shape, amax, scale (amax/448), SQNR.
 
-    PATH is a checkpoint (Hugging Face folder, .safetensors, .pt/.pth/.bin), an FP8 folder
+    PATH is a checkpoint (Hugging Face folder, .safetensors, .pt/.pth/.bin, Keras 3 .keras /
+    .weights.h5 with the keras extra), an FP8 folder
     written by convert (scales and SQNR from fp8export.json), or a .onnx graph (structural
     checks). Exits 1 if PATH cannot be read, or if an ONNX graph fails its checks.
     """

@@ -10,7 +10,7 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                   "(e.g. {preset: default, kl_mean: 0.01}).")
 
 
-@click.command("verify")
+@click.command("verify", short_help="FP8 outputs vs bf16 reference -> report (exit 3 on fail)")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("candidate", type=click.Path(path_type=str))
 @click.option("--data", type=click.Path(path_type=str), default=None,
@@ -45,6 +45,8 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
 @click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True,
               help="Wall-clock limit of the run in seconds (0: none); a graph that never ends "
                    "is stopped with an error.")
+@click.option("--force", is_flag=True,
+              help="Replace the report files an existing --report-dir already holds.")
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
               show_default=True, help="Torch FP8 path: torch._scaled_mm on compute capability "
                                       ">= 8.9 (auto), or exact emulation.")
@@ -55,8 +57,12 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                                  "it; the report says which level ran.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
-            timeout, fp8_mode, ort_opt_level):
+            timeout, force, fp8_mode, ort_opt_level):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
+
+    REFERENCE is the model the candidate was converted from: a Hugging Face folder, or a Keras
+    3 .keras / .weights.h5 file (pip install 'fp8export[keras]'; run without Keras). For
+    classifiers with labels in --data the task accuracy of both is reported.
 
     Exit 0: passed; 1: bad input or environment; 2: usage error; 3: ran, and thresholds
     failed; 130: interrupted.
@@ -70,7 +76,7 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
                        seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
                        device=device, max_memory=max_memory, fp8_mode=fp8_mode,
-                       ort_opt_level=ort_opt_level, timeout=timeout,
+                       ort_opt_level=ort_opt_level, timeout=timeout, force=force,
                        command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
@@ -108,6 +114,9 @@ def _summary(result) -> None:
                                           "kl_mean", "ppl_ratio") if k in m]
     level = (result.candidate or {}).get("graph_optimization_level")
     runs_at = f" at {level} ({result.candidate.get('level_source')})" if level else ""
+    if "accuracy_candidate" in m:  # a classifier scored against the data's labels
+        parts.append(f"accuracy={m['accuracy_candidate']:.4g} (reference "
+                     f"{m['accuracy_reference']:.4g})")
     click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
                f"backend {result.backend}{runs_at}, judged by {result.family}; "
                + ", ".join(parts))

@@ -92,7 +92,9 @@ def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: lis
             notes.append("--scales auto: using the checkpoint's FP8 training history")
         elif cfg.calib_data is not None or cfg.calib_amax is not None:
             mode = ScalesMode.CALIBRATE
-            notes.append("--scales auto: no training history; calibrating on the given data")
+            notes.append("--scales auto: no training history; " + (
+                f"activation ranges from {cfg.calib_amax.name}" if cfg.calib_amax is not None
+                else "calibrating on the given data"))
         else:
             notes.append("weights only: activations are dynamic (no training history or "
                          "calibration data)")

@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# libgomp (torch's OpenMP runtime) reads this once, when torch loads. Its default lets idle
-# worker threads spin after every parallel region; convert alternates single-threaded
-# elementwise work with multi-threaded dot products while other threads hash and write, and
-# the spinning took the core those threads need (measured: 2-thread torch.dot on 16 MiB, 8x
-# slower and 3 s of extra CPU per GiB converted). A user's own setting wins.
+# OMP_WAIT_POLICY=PASSIVE before torch loads (fp8export/_threads.py). convert alternates
+# single-threaded elementwise work with multi-threaded dot products while other threads hash
+# and write, and libgomp's spinning workers took the core those threads need (measured: 2-thread
+# torch.dot on 16 MiB, 8x slower and 3 s of extra CPU per GiB converted).
 if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from fp8export._threads import prepare
+
+    prepare()
 
 from fp8export import __version__
 from fp8export._progress import progress
@@ -50,6 +51,7 @@ from fp8export.config import (
     WeightGranularity,
 )
 from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.checks import check_inputs
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,
@@ -58,12 +60,11 @@ from fp8export.convert.source_scan import (
 )
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
-    LOADED_BY,
     activation_scheme,
-    check_supported,
     extra_files,
     format_notes,
     kv_scale_names,
+    loaded_by,
     quantization_config,
     scale_shape,
 )
@@ -71,6 +72,7 @@ from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     finite_or_none,
+    kv_cache_line,
     options_entry,
     source_files_entry,
     write_json,
@@ -79,13 +81,13 @@ from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
 from fp8export.fp8dir.readback import verify_output, verify_shard
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
+    OUTPUT_MODE,
     AtomicDir,
-    check_output_target,
     fsync_dir,
-    refuse_inside_input,
 )
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
+from fp8export.keras_model.config import is_keras_config
 from fp8export.numerics.fp8 import amax_to_scale
 from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
@@ -112,6 +114,7 @@ class ConvertResult:
     bytes_out: int = 0
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
     accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
+    kv_cache: str | None = None  # the FP8 KV cache the folder declares, in words; None: 16-bit
     # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -274,7 +277,7 @@ def _hash_sources(ckpt: Checkpoint, stop: threading.Event) -> dict[Path, str]:
 def _copy_file(src: Path, dst: Path, root: Path) -> None:
     # Through the guarded reader: a loader file that is a FIFO, a device or a link out of the
     # checkpoint is refused, not copied.
-    copy_input(src, dst, TOKENIZER, root=root)
+    copy_input(src, dst, TOKENIZER, root=root, mode=OUTPUT_MODE)
     with open(dst, "rb") as f:
         os.fsync(f.fileno())
 
@@ -318,12 +321,7 @@ class _Run:
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     out = cfg.resolved_output
-    check_output_target(out, cfg.force)  # fail before any heavy work
-    check_supported(cfg.format, [], [], per_channel=_per_channel(cfg))
-    if _per_channel(cfg) and cfg.weight_scales_from_history:
-        raise Fp8ExportError("--weight-scales-from-history gives one scale per tensor (training "
-                             "histories are per tensor); use it with --weight-granularity tensor.")
-    refuse_inside_input(out, cfg.checkpoint)
+    check_inputs(cfg)  # fail before any heavy work (api.convert ran it before torch loaded)
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
@@ -466,12 +464,19 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
                                   kv_cache=scales.kv_entry is not None)
+    if dynamic:
+        which = "this folder has no static input scales" if not static else \
+            f"{len(dynamic)} layer(s) have no static input scale"
+        notes.append(f"{which}: vLLM quantizes activations at run time, but TensorRT needs static "
+                     "input scales for FP8 GEMMs, so export-onnx gives those GEMMs 16-bit "
+                     "(weight-only FP8); for TensorRT convert with --calib-data FILE")
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
             and cfg.format is OutputFormat.COMPRESSED_TENSORS:
         notes.append("dynamic activations are verified per tensor here, while vLLM runs "
                      "compressed-tensors dynamic inputs per token; --dynamic-activations token "
                      "verifies what it runs")
-    notes[:0] = format_notes(cfg.format)  # first: it decides who can load the folder
+    # first: it decides who can load the folder
+    notes[:0] = format_notes(cfg.format, keras=is_keras_config(ckpt.config))
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
     if ckpt.config and "quantization_config" in ckpt.config:
@@ -542,7 +547,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=list(LOADED_BY[cfg.format]), accuracy_budget=budget)
+        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, is_keras_config(ckpt.config)),
+        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
@@ -613,7 +619,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
-        "loaded_by": list(LOADED_BY[cfg.format]),
+        "loaded_by": loaded_by(cfg.format, is_keras_config(ckpt.config)),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
         "weight_granularity": str(cfg.weight_granularity),
         "dynamic_activations": str(cfg.dynamic_activations),

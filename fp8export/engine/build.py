@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8export._progress import stage
-from fp8export.engine.shapes import ShapeRange, default_profile, graph_inputs
+from fp8export.engine.shapes import ShapeRange, default_profile, read_graph
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
 from fp8export.io.guarded import TIMING_CACHE, read_input
@@ -151,8 +151,8 @@ def _plan(cfg: BuildEngineConfig, *, for_print: bool = False) -> _Plan:
     if out.exists() and not cfg.force and not for_print:
         raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
     probe_writable(out)
-    inputs = graph_inputs(cfg.onnx)
-    profile = default_profile(inputs, list(cfg.shapes))
+    inputs, longest = read_graph(cfg.onnx)
+    profile = default_profile(inputs, list(cfg.shapes), max_positions=longest)
     return _Plan(out, profile, _structural_check(cfg.onnx))
 
 

@@ -71,9 +71,18 @@ class GraphInput:
 
 def graph_inputs(onnx_path: Path) -> list[GraphInput]:
     """Inputs of the graph (initializers excluded), without loading external weights."""
+    return read_graph(onnx_path)[0]
+
+
+def read_graph(onnx_path: Path) -> tuple[list[GraphInput], int | None]:
+    """The graph's inputs and the longest sequence its model allows (recorded by export-onnx
+    in the metadata; None for graphs from elsewhere), without loading external weights."""
+    from fp8export.onnx.export import MAX_POSITIONS_KEY
     from fp8export.onnx.load import load_onnx
 
     model = load_onnx(onnx_path)
+    longest = next((p.value for p in model.metadata_props if p.key == MAX_POSITIONS_KEY), None)
+    longest = int(longest) if longest is not None and longest.isdigit() and int(longest) else None
     inits = {i.name for i in model.graph.initializer}
     out = []
     for inp in model.graph.input:
@@ -88,15 +97,26 @@ def graph_inputs(onnx_path: Path) -> list[GraphInput]:
             else:
                 dims.append(None)
         out.append(GraphInput(inp.name, tuple(dims)))
-    return out
+    return out, longest
 
 
-def default_profile(inputs: list[GraphInput], given: list[ShapeRange] = ()) -> list[ShapeRange]:
+def _sequence_range(max_positions: int | None) -> tuple[int, int, int]:
+    """(1, 128, 512), capped at the model's maximum positions."""
+    lo, mid, hi = DEFAULT_SEQ
+    if max_positions:
+        hi = min(hi, max_positions)
+        mid = min(mid, hi)
+    return lo, mid, hi
+
+
+def default_profile(inputs: list[GraphInput], given: list[ShapeRange] = (),
+                    max_positions: int | None = None) -> list[ShapeRange]:
     """Complete ``given`` with defaults for every dynamic input of the graph.
 
-    First dynamic axis = batch (1, 1, 8), second = sequence (1, 128, 512); static axes fixed.
-    An input named in ``given`` that the graph lacks is an error (a typo would silently be
-    ignored by TensorRT otherwise).
+    First dynamic axis = batch (1, 1, 8), second = sequence (1, 128, 512), the sequence capped
+    at ``max_positions`` (the model's longest input); static axes fixed. An input named in
+    ``given`` that the graph lacks is an error (a typo would silently be ignored by TensorRT
+    otherwise), and so is a given sequence longer than ``max_positions``.
     """
     names = {i.name for i in inputs}
     unknown = [g.name for g in given if g.name not in names]
@@ -114,6 +134,10 @@ def default_profile(inputs: list[GraphInput], given: list[ShapeRange] = ()) -> l
                     f"--shapes {inp.name}: rank {len(g.min)} but the graph input has rank "
                     f"{len(inp.dims)} ({inp.dims})."
                 )
+            if max_positions and len(g.max) >= 2 and g.max[1] > max_positions:
+                raise Fp8ExportError(
+                    f"--shapes {g.name}: a sequence of {g.max[1]} tokens, but the model's "
+                    f"positions end at {max_positions}. Give a max of at most {max_positions}.")
             profile.append(g)
             continue
         dynamic_seen = 0
@@ -122,7 +146,7 @@ def default_profile(inputs: list[GraphInput], given: list[ShapeRange] = ()) -> l
             if isinstance(d, int) and d > 0:
                 lo.append(d), mid.append(d), hi.append(d)
                 continue
-            rng = DEFAULT_BATCH if dynamic_seen == 0 else DEFAULT_SEQ
+            rng = DEFAULT_BATCH if dynamic_seen == 0 else _sequence_range(max_positions)
             dynamic_seen += 1
             lo.append(rng[0]), mid.append(rng[1]), hi.append(rng[2])
         if dynamic_seen:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from fp8export.engine.shapes import ShapeRange
 from fp8export.errors import Fp8ExportError
+from fp8export.io.atomic import OUTPUT_MODE
 
 TRTEXEC = "trtexec"
 _VERSION = re.compile(r"\[TensorRT v(\d+)\]")
@@ -166,7 +167,7 @@ def run_trtexec(cmd: list[str], log: Path) -> float:
     start = time.perf_counter()
     try:  # never through a symlink planted at the (predictable) log name
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                     0o644)
+                     OUTPUT_MODE)
     except OSError as exc:
         raise Fp8ExportError(f"{log}: cannot write the trtexec log ({exc.strerror or exc}). "
                              "Remove it, or choose another -o.") from exc
@@ -244,7 +245,7 @@ def build_with_trtexec(argv: Callable[[Path, Path, Path | None], list[str]], eng
     if timing_cache is not None:
         tmp_cache = timing_cache.with_name(f".{timing_cache.name}{tag}")
         if timing_cache.is_file():
-            copy_input(timing_cache, tmp_cache, TIMING_CACHE)
+            copy_input(timing_cache, tmp_cache, TIMING_CACHE, mode=OUTPUT_MODE)
     try:
         seconds = run_trtexec(argv(tmp_engine, tmp_info, tmp_cache), log)
         facts = parse_log(log.read_text(errors="replace"))

@@ -64,6 +64,16 @@ VLLM_ONLY = ("format vllm (quant_method fp8) is for vLLM only: transformers read
              "quant_method fp8 as its block-wise FP8 scheme and ignores these per-tensor scales, "
              "so the model it builds is wrong. For transformers (and vLLM) use the default "
              "--format compressed-tensors.")
+# transformers (5.24) has no ModelOpt loader: an unknown quant_method is skipped with a warning
+# and the E4M3 codes are loaded as if they were the weights. It raises only for a
+# quantization_config without quant_method, and vLLM routes this layout by quant_method
+# "modelopt" (config.json), so nothing in the folder can make transformers refuse it without
+# hiding it from vLLM too: the folder says so instead.
+MODELOPT_NOT_TRANSFORMERS = (
+    "format modelopt (quant_method modelopt, hf_quant_config.json) is for TensorRT-LLM and vLLM "
+    "only: transformers has no ModelOpt loader, skips the quantization_config with a warning and "
+    "runs the E4M3 weights without their scales, so the model it builds is wrong. For "
+    "transformers (and vLLM) use the default --format compressed-tensors.")
 
 
 def dialect_of(quantization_config: Any) -> str | None:
@@ -80,9 +90,29 @@ def dialect_of(quantization_config: Any) -> str | None:
     return str(known[method]) if method in known else f"other ({method or 'no quant_method'})"
 
 
-def format_notes(fmt: OutputFormat) -> list[str]:
-    """What a user must know about the dialect they wrote (said by convert and the manifest)."""
-    return [VLLM_ONLY] if fmt is OutputFormat.VLLM else []
+# A folder converted from Keras keeps the Keras model's config.json (no model_type): only
+# fp8export's own runtimes rebuild that model, whatever the quantization_config dialect says.
+KERAS_LOADERS = ("fp8export (verify, export-onnx)",)
+KERAS_SOURCE = (
+    "converted from Keras: config.json is the Keras model's config (no model_type), which "
+    "transformers, vLLM and TensorRT-LLM cannot read; deploy it as an ONNX Q/DQ graph "
+    "(fp8export export-onnx, for onnxruntime and TensorRT) and check the folder or the graph "
+    "with fp8export verify against the .keras reference.")
+
+
+def loaded_by(fmt: OutputFormat, keras: bool = False) -> list[str]:
+    """The runtimes that load a folder of dialect ``fmt`` as what it is (``keras``: its
+    config.json is a Keras model config)."""
+    return list(KERAS_LOADERS if keras else LOADED_BY[fmt])
+
+
+def format_notes(fmt: OutputFormat, keras: bool = False) -> list[str]:
+    """What a user must know about the dialect they wrote (said by convert and the manifest,
+    inspect and verify): which runtime would load it wrongly, or not at all."""
+    if keras:
+        return [KERAS_SOURCE]
+    return {OutputFormat.VLLM: [VLLM_ONLY],
+            OutputFormat.MODELOPT: [MODELOPT_NOT_TRANSFORMERS]}.get(fmt, [])
 
 
 def scale_shape(fmt: OutputFormat) -> tuple[int, ...]:

@@ -44,6 +44,18 @@ def write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def kv_cache_line(entry: Any) -> str | None:
+    """What the manifest's ``kv_cache`` entry declares, in one line; None without an FP8 KV
+    cache (convert, inspect and export-onnx all say it the same way)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
+        return None
+    line = (f"FP8 E4M3 keys and values, k_scale/v_scale for {len(entry['layers'])} attention "
+            "layer(s)")
+    if entry.get("samples") and entry.get("data"):
+        line += f", calibrated on {entry['samples']} samples of {entry['data']}"
+    return line
+
+
 def finite_or_none(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None

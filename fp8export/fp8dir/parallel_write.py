@@ -48,6 +48,7 @@ from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
 from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json, scale_tensor
+from fp8export.io.atomic import OUTPUT_MODE
 from fp8export.io.safetensors_dtypes import ST_TO_TORCH
 from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, quantize_weight_sqnr
 
@@ -145,7 +146,7 @@ class _Writer:
             head = header_bytes([e.tensor for e in plan.entries])
             size = len(head) + sum(e.tensor.nbytes for e in plan.entries)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(self.out_dir / plan.file_name, flags, 0o644)
+            fd = os.open(self.out_dir / plan.file_name, flags, OUTPUT_MODE)
             self.fds.append(fd)
             if hasattr(os, "posix_fallocate") and size:
                 try:  # allocated extents: cheaper writes, and a full disk fails here, early

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.io.atomic import OUTPUT_MODE
 from fp8export.io.hashing import digest
 from fp8export.io.safetensors_dtypes import ST_BYTES, TORCH_TO_ST
 
@@ -89,9 +90,9 @@ class _BlockWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         direct = getattr(os, "O_DIRECT", 0)
         try:
-            self.fd = os.open(path, flags | direct, 0o644)
+            self.fd = os.open(path, flags | direct, OUTPUT_MODE)
         except OSError:  # EINVAL: no O_DIRECT here
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, flags, OUTPUT_MODE)
         self._stage = mmap.mmap(-1, _STAGE)  # page-aligned, as O_DIRECT needs
         self._np = np.frombuffer(self._stage, dtype=np.uint8)
         self._fill = 0

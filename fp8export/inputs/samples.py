@@ -94,6 +94,23 @@ class Batch:
         return int(self.input_ids.shape[0])
 
 
+def check_data_file(path: str | Path) -> Path:
+    """Refuse a data file for what can be seen without reading it: missing, a folder, an
+    unknown format, not a regular file, over the size cap, or empty. Commands call this before
+    any hashing or model loading, so a typo costs nothing; :func:`load_samples` calls it too."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise Fp8ExportError(f"{p}: no such data file. {_FORMATS_HINT}")
+    if p.is_dir():
+        raise Fp8ExportError(f"{p}: is a folder, not a data file. {_FORMATS_HINT}")
+    if p.suffix.lower() not in SUFFIXES:
+        raise Fp8ExportError(f"{p}: unknown data format {p.suffix!r}. {_FORMATS_HINT}")
+    with open_input(p, DATA) as f:  # a regular file within the size cap (no FIFO, no device)
+        if os.fstat(f.fileno()).st_size == 0:
+            raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
+    return p
+
+
 def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: int | None = None,
                  seq_len: int | None = None, max_positions: int | None = None,
                  vocab_size: int | None = None, num_labels: int | None = None) -> Samples:
@@ -120,13 +137,8 @@ def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: i
     for name, value in (("--calib-samples", max_samples), ("--seq-len", seq_len)):
         if value is not None and int(value) < 1:
             raise Fp8ExportError(f"{name} must be >= 1, got {value}.")
-    if not p.exists() and not p.is_symlink():
-        raise Fp8ExportError(f"{p}: no such data file. {_FORMATS_HINT}")
-    if p.is_dir():
-        raise Fp8ExportError(f"{p}: is a folder, not a data file. {_FORMATS_HINT}")
+    check_data_file(p)
     suffix = p.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise Fp8ExportError(f"{p}: unknown data format {p.suffix!r}. {_FORMATS_HINT}")
 
     limits = [v for v in (seq_len, max_positions) if v is not None and v > 0]
     max_len = min(limits) if limits else None

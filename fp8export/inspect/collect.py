@@ -256,14 +256,27 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                                ("output_format", "activation_scheme", "format_version")})
         result.summary["source"] = (manifest.get("source") or {}).get("name")
         result.notes.extend(str(n) for n in manifest.get("notes") or [])
+    result.summary["kv_cache"] = _kv_cache(manifest, names)
     _dialect(result, ck.config)
     return result
+
+
+def _kv_cache(manifest: dict[str, Any] | None, names: set[str]) -> str | None:
+    """The FP8 KV cache the folder declares (the manifest's entry, else its k_scale tensors)."""
+    from fp8export.fp8dir.manifest import kv_cache_line
+
+    line = kv_cache_line((manifest or {}).get("kv_cache"))
+    k_scales = [n for n in names if n.endswith(".k_scale")]
+    if line is None and k_scales:
+        line = f"FP8: k_scale/v_scale tensors for {len(k_scales)} attention layer(s)"
+    return line
 
 
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     """The folder's quantization_config dialect (config.json decides what a loader will do)."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import LOADED_BY, VLLM_ONLY, dialect_of
+    from fp8export.fp8dir.formats import dialect_of, format_notes, loaded_by
+    from fp8export.keras_model.config import is_keras_config
 
     dialect = dialect_of((config or {}).get("quantization_config"))
     s = result.summary
@@ -272,9 +285,11 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
                             f"{s['output_format']}: config.json was edited; loaders follow it")
     s["output_format"] = dialect or s.get("output_format")
     known = {str(f): f for f in OutputFormat}
-    s["loaded_by"] = list(LOADED_BY[known[dialect]]) if dialect in known else None
-    if dialect == str(OutputFormat.VLLM) and VLLM_ONLY not in result.notes:
-        result.notes.insert(0, VLLM_ONLY)
+    keras = is_keras_config(config)
+    s["loaded_by"] = loaded_by(known[dialect], keras) if dialect in known else None
+    for note in format_notes(known[dialect], keras) if dialect in known else []:
+        if note not in result.notes:
+            result.notes.insert(0, note)
 
 
 def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:

@@ -65,10 +65,12 @@ def render_text(result: InspectResult) -> str:
                      f"{s['high_precision_weights']} 2-D weights kept in high precision")
         lines.append(f"  activations   {s.get('activation_scheme') or 'unknown'} "
                      f"({s['static_input_scales']} static input scales)")
+        if s.get("kv_cache"):
+            lines.append(f"  kv cache      {s['kv_cache']}")
         if s.get("output_format"):
             loaders = s.get("loaded_by")
-            where = f" (loads in {' and '.join(loaders)}{' only' if len(loaders) == 1 else ''})" \
-                if loaders else ""
+            only = "" if any(n.startswith("transformers") for n in loaders or ()) else " only"
+            where = f" (loads in {' and '.join(loaders)}{only})" if loaders else ""
             lines.append(f"  format        {s['output_format']}{where}")
     else:
         lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized "

@@ -30,11 +30,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# The mode every output file is created with: what ``open(path, "w")`` asks for, so the user's
+# umask decides (0644 under the usual 022), the same for weights, configs and copied tokenizer
+# files; a server running as another user must be able to read all of them.
+OUTPUT_MODE = 0o666
+
+
 def _create_private(path: Path) -> int:
     """Create ``path`` exclusively: never an existing file, never through a symlink."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
         | getattr(os, "O_CLOEXEC", 0)
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, OUTPUT_MODE)
 
 
 def write_file_atomic(path: Path, data: bytes, what: str = "the file") -> None:

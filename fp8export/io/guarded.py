@@ -137,10 +137,14 @@ def read_input(path: str | Path, kind: FileKind, *, root: str | Path | None = No
 
 
 def copy_input(path: str | Path, dest: Path, kind: FileKind, *,
-               root: str | Path | None = None) -> Path:
-    """Copy ``path`` (opened as :func:`open_input` does) to ``dest``, a path the caller owns."""
+               root: str | Path | None = None, mode: int = 0o600) -> Path:
+    """Copy ``path`` (opened as :func:`open_input` does) to ``dest``, a path the caller owns.
+
+    ``mode`` (less the umask): 0o600 for a private working copy; a copy that is part of an
+    output passes :data:`fp8export.io.atomic.OUTPUT_MODE` so it is as readable as the rest.
+    """
     data = read_input(path, kind, root=root)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return dest

@@ -50,6 +50,16 @@ EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's hard limit is 2 GiB; leave hea
 # much weight data four sessions cost more time and memory than the export, so it is skipped.
 LEVEL_CHECK_BYTES = 1 << 30
 INPUT_NAMES = ("input_ids", "attention_mask")
+# Graph metadata (ModelProto.metadata_props): the longest sequence the model's positions allow,
+# so build-engine's default profile stays within it.
+MAX_POSITIONS_KEY = "fp8export.max_positions"
+# A folder without any static input scale gives a graph whose GEMMs all run in 16-bit: said once,
+# with the way to FP8 GEMMs, instead of once per layer.
+WEIGHT_ONLY = ("no FP8 GEMMs: the folder has no static input scales (converted without "
+               "calibration data or FP8 training history), so this graph is weight-only FP8 and "
+               "TensorRT and onnxruntime run all {n} quantized GEMMs in 16-bit with dequantized "
+               "weights. For FP8 GEMMs, convert with static input scales: fp8export convert CKPT "
+               "--calib-data FILE (or from a checkpoint with FP8 training history).")
 
 
 class OnnxDtype(StrEnum):
@@ -123,10 +133,11 @@ class ExportResult:
     check: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     ort_levels: dict[str, Any] = field(default_factory=dict)  # LevelCheck.to_dict()
+    weight_only: bool = False  # no layer has a static input scale: no FP8 GEMM at all
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "output": str(self.output),
+            "output": str(self.output), "weight_only": self.weight_only,
             "external_data": str(self.external_data) if self.external_data else None,
             "dtype": self.dtype, "opset": self.opset, "ir_version": self.ir_version,
             "file_bytes": self.file_bytes, "seconds": round(self.seconds, 3),
@@ -253,6 +264,7 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     import torch
 
     from fp8export.keras_model.config import is_keras_config
+    from fp8export.models import max_positions
 
     keras = is_keras_config(folder.config)
     wrapped, args, input_names, dynamic, output_name = (
@@ -281,6 +293,10 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
     proto = program.model_proto
     if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
         proto.graph.output[0].name = output_name
+    longest = wrapped.model.max_positions if keras else max_positions(folder.config)
+    if longest:
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = MAX_POSITIONS_KEY, str(int(longest))
     return proto, output_name, probe_feed(input_names, args)
 
 
@@ -379,6 +395,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
 
+    from fp8export.fp8dir.manifest import kv_cache_line
     from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.io.atomic import probe_writable, refuse_inside_input
     from fp8export.keras_model.config import is_keras_config
@@ -397,6 +414,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         folder = read_fp8_folder(cfg.fp8_dir)
     with folder:  # its tensors are read while tracing and rewriting
         keras = is_keras_config(folder.config)
+        kv = kv_cache_line(folder.manifest.get("kv_cache"))
         dtype = cfg.resolved_dtype(keras)
         opset = cfg.resolved_opset(dtype)
         arch = (folder.config.get("architectures")
@@ -434,10 +452,20 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     size = out.stat().st_size + (data.stat().st_size if data else 0)
     fp8 = [g.layer for g in report.gemms if g.fp8 and g.layer]
     sixteen = {g.layer: g.reason for g in report.gemms if not g.fp8 and g.layer}
-    notes = list(rewrite.notes)
+    weight_only = bool(rewrite.dynamic) and not fp8 and set(sixteen) <= set(rewrite.dynamic)
+    if weight_only:  # one sentence instead of the per-layer list
+        notes = [n for n in rewrite.notes if not n.startswith(f"{len(rewrite.dynamic)} layer(s) ")]
+        notes.insert(0, WEIGHT_ONLY.format(n=len(sixteen)))
+    else:
+        notes = list(rewrite.notes)
     if keras:
         notes.insert(0, "Keras model rebuilt in torch from config.json (Keras not needed)")
-    if sixteen:
+    if kv:
+        notes.append(f"KV cache: the folder declares {kv}; this graph has no KV cache (each "
+                     "call recomputes attention over the whole sequence), so its KV scales are "
+                     f"not in it and attention runs in {dtype}. Serve the folder (vLLM, "
+                     "TensorRT-LLM) for an FP8 KV cache.")
+    if sixteen and not weight_only:
         notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
                      + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
     if levels.note():
@@ -449,4 +477,4 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
                         output_name=output_name, check=report.to_dict(), notes=notes,
-                        ort_levels=levels.to_dict())
+                        ort_levels=levels.to_dict(), weight_only=weight_only)

@@ -15,6 +15,7 @@ need the data and happen in :mod:`fp8export.scales.weights`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
@@ -22,7 +23,13 @@ from typing import Any
 
 from fp8export.checkpoint.source import TensorInfo
 from fp8export.errors import Fp8ExportError
-from fp8export.scales.families import Family, family_of, fused_group_of, role_of
+from fp8export.scales.families import (
+    Family,
+    default_exclusion,
+    family_of,
+    fused_group_of,
+    role_of,
+)
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
@@ -79,7 +86,15 @@ def _matching(patterns: Sequence[str], module: str) -> str | None:
     return None
 
 
+# Keras variables that are not kernels keep their own names (``<layer>.vars.<i>``,
+# ``<layer>.embeddings``, ``<layer>.gamma``): the layer's name says what they are.
+_KERAS_VARIABLE = re.compile(r"\.(vars\.\d+|embeddings|gamma|beta)$")
+
+
 def _non_weight_reason(info: TensorInfo) -> str:
+    layer = _KERAS_VARIABLE.sub("", info.name)
+    if layer != info.name and (reason := default_exclusion(layer)) is not None:
+        return reason
     if info.name.endswith(".bias"):
         return "bias (copied unchanged)"
     if info.name.endswith(".weight"):
@@ -120,6 +135,7 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
     excluded: dict[str, str] = {}
     ignore: set[str] = set()
     bad: list[str] = []
+    already_fp8: list[TensorInfo] = []
     used_include: set[str] = set()
     used_exclude: set[str] = set()
 
@@ -145,8 +161,7 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
             ignore.add(module)
             continue
         if info.dtype in FP8_DTYPES:
-            bad.append(f"{info.name} ({info.file.name}) is already {info.dtype}: this checkpoint "
-                       "looks quantized; convert its bf16/fp16/fp32 original instead")
+            already_fp8.append(info)
             continue
         if info.dtype not in FLOAT_DTYPES:
             bad.append(f"{info.name} ({info.file.name}) has dtype {info.dtype} where a floating "
@@ -163,11 +178,24 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
                               dtype=info.dtype, layout="in_out" if transposed else "out_in",
                               file=info.file.name, fused_group=group[0] if group else None))
 
+    if already_fp8:  # said once: the input is an FP8 checkpoint, not a broken one
+        first = already_fp8[0]
+        dtypes = "/".join(sorted({i.dtype for i in already_fp8}))
+        fp8 = (f"{len(already_fp8)} linear weight(s) are already {dtypes} (e.g. {first.name} "
+               f"in {first.file.name})")
+        if not bad:
+            raise Fp8ExportError(
+                f"{fp8}: this checkpoint is already quantized to FP8, so there is nothing to "
+                "convert. To check it, verify it as the candidate: fp8export verify ORIGINAL "
+                "THIS; to convert again, give convert the bf16/fp16/fp32 original.")
+        bad.append(f"{fp8}: this checkpoint looks quantized; convert its bf16/fp16/fp32 "
+                   "original instead")
     if bad:
+        count = len(bad) + max(len(already_fp8) - 1, 0)
         shown = "; ".join(bad[:_MAX_LISTED])
         more = f" (and {len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
         raise Fp8ExportError(
-            f"{len(bad)} tensor(s) cannot become FP8: {shown}{more}. Fix the checkpoint, or "
+            f"{count} tensor(s) cannot become FP8: {shown}{more}. Fix the checkpoint, or "
             "leave these modules out with --exclude GLOB.")
 
     groups = _groups(targets)

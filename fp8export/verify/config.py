@@ -64,6 +64,7 @@ class VerifyConfig:
     ort_opt_level: str | None = None  # None: onnxruntime's default (what users run)
     timeout: float | None = DEFAULT_TIMEOUT_S  # wall-clock limit of the run; None or 0: none
     write_reports: bool = True
+    force: bool = False  # replace the report files an existing --report-dir already holds
     command_line: str | None = field(default=None, compare=False)  # as typed, for the report
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -91,6 +92,9 @@ class VerifyConfig:
         if self.fp8_mode not in ("auto", "emulate", "scaled_mm"):
             raise UsageError(f"--fp8-mode {self.fp8_mode!r} is unknown; use auto, emulate "
                              "or scaled_mm.")
+        if self.fp8_mode == "scaled_mm" and self.device is Device.CPU:
+            raise UsageError("--fp8-mode scaled_mm runs torch._scaled_mm on a CUDA GPU; with "
+                             "--device cpu use --fp8-mode emulate (or auto).")
         if not isinstance(self.thresholds, dict):
             check_spec(str(self.thresholds))  # a usage error before any model is loaded
 

@@ -293,6 +293,22 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     return "\n".join(lines).rstrip() + "\n"
 
 
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+
+
+def check_report_dir(report_dir: Path, force: bool) -> None:
+    """Refuse, before any work, a ``--report-dir`` whose report files would be replaced without
+    ``--force`` (as every command refuses an existing output), or that is not a folder."""
+    report_dir = Path(report_dir)
+    if report_dir.exists() and not report_dir.is_dir():
+        raise Fp8ExportError(f"{report_dir}: exists and is not a folder; --report-dir names the "
+                             "folder the reports go into. Choose another --report-dir.")
+    present = [n for n in REPORT_FILES if (report_dir / n).exists()]
+    if present and not force:
+        raise Fp8ExportError(f"{report_dir}: already holds a verify report ({', '.join(present)})."
+                             " Pass --force to replace it, or choose another --report-dir.")
+
+
 def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     """Write report.json, report.md, report.html and junit.xml; return their paths.
 
@@ -310,8 +326,7 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     except OSError as exc:
         raise Fp8ExportError(f"{report_dir}: cannot create the report folder "
                              f"({exc.strerror or exc}). Choose another --report-dir.") from exc
-    paths = {name: report_dir / name for name in
-             ("report.json", "report.md", "report.html", "junit.xml")}
+    paths = {name: report_dir / name for name in REPORT_FILES}
     result = dict(result)
     result["reports"] = {k: str(v) for k, v in paths.items()}
     contents = {

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fp8export._progress import info, progress, stage
+from fp8export._threads import fit_torch
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.runners.base import TimeLimitExceeded
 from fp8export.verify.config import VerifyConfig
@@ -93,13 +94,15 @@ def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
 
     from fp8export.checkpoint.model_config import read_model_config
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import VLLM_ONLY, dialect_of
+    from fp8export.fp8dir.formats import dialect_of, format_notes
+    from fp8export.keras_model.config import is_keras_config
 
     config = read_model_config(Path(folder))
     dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
-    if dialect == str(OutputFormat.VLLM):
-        notes.append(f"{VLLM_ONLY} verify ran it with fp8export's torch FP8 runtime, which reads "
-                     "its per-tensor scales as vLLM does.")
+    known = {str(f): f for f in OutputFormat}
+    if dialect in known and not is_keras_config(config):
+        notes.extend(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
+                     "its per-tensor scales as vLLM does." for note in format_notes(known[dialect]))
     return dialect
 
 
@@ -119,11 +122,17 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.verify.thresholds import load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
+    if cfg.data is not None:  # a typo'd data file fails before any model loads
+        from fp8export.inputs.samples import check_data_file
+
+        check_data_file(cfg.data)
     if cfg.write_reports:
         from fp8export.io.atomic import probe_writable, refuse_inside_input
+        from fp8export.verify.report import check_report_dir
 
         for source in (cfg.reference, cfg.candidate):
             refuse_inside_input(cfg.report_dir, source, "--report-dir")
+        check_report_dir(cfg.report_dir, cfg.force)
         probe_writable(cfg.report_dir, "--report-dir")
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
@@ -140,6 +149,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             "drop the floor bounds.")
     kind = candidate_kind(cfg.candidate)
     max_memory = parse_max_memory(cfg.max_memory) or None
+    fit_torch()  # the CPU threads fitted to this machine, before any model runs
     ref_runner = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
                                 device=str(cfg.device), max_memory=max_memory)
     floor_runner = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \

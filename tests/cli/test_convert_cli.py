@@ -95,3 +95,15 @@ def test_exclude_and_no_fuse_flags(tmp_path, run_cli):
     assert "excluded by --exclude '*.v_proj'" in result.output
     man = json.loads((tmp_path / "ckpt-fp8" / "fp8export.json").read_text())
     assert man["options"]["fuse_scales"] is False and man["options"]["exclude"] == ["*.v_proj"]
+
+
+def test_converting_an_fp8_folder_again_is_one_short_error(tmp_path, run_cli):
+    first = run_cli("convert", _ckpt(tmp_path), "-o", tmp_path / "fp8")
+    assert first.exit_code == 0, first.output
+    again = run_cli("convert", tmp_path / "fp8", "-o", tmp_path / "again")
+    assert again.exit_code == 1, again.output
+    errors = [line for line in again.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and len(errors[0]) < 400, errors
+    assert "already quantized to FP8" in errors[0] and "fp8export verify" in errors[0]
+    assert errors[0].count("already F8_E4M3") == 1 and "--exclude" not in errors[0]
+    assert not (tmp_path / "again").exists()

@@ -137,13 +137,27 @@ def test_ctrl_c_is_130_and_failed(run_cli, tmp_path, monkeypatch, name):
     assert "Interrupted" in r.stderr and "Traceback" not in r.output
 
 
-def test_real_sigint_during_convert_leaves_nothing(tmp_path):
+def default_sigint() -> None:
+    """preexec_fn: the child starts with SIGINT's default disposition, as from a terminal. A
+    test run from a script's background job (``pytest … &``) inherits SIGINT *ignored*, and
+    Python (like every Unix program) keeps it ignored; the CLI rightly respects that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("parent", ["default", "ignored"])
+def test_real_sigint_during_convert_leaves_nothing(tmp_path, parent):
     out = tmp_path / "fp8"
     env = {**os.environ, "CI": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fp8export.cli", "convert", str(MODEL), "-o", str(out),
-         "--calib-data", str(CALIB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env)
+    # "ignored": what the test process inherits as a background job of a script
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if parent == "ignored" else None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fp8export.cli", "convert", str(MODEL), "-o", str(out),
+             "--calib-data", str(CALIB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, preexec_fn=default_sigint)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     seen = []
     try:
         for line in proc.stderr:  # stage lines come as each stage starts

@@ -37,6 +37,18 @@ def test_every_command_help_imports_nothing_heavy():
         assert _imported_after([name, "--help"]) == set(), name
 
 
+def test_top_level_help_lists_each_command_once(run_cli):
+    out = run_cli("--help").output
+    for name in COMMANDS:
+        assert len(re.findall(rf"^  {re.escape(name)} ", out, re.M)) == 1, (name, out)
+
+
+@pytest.mark.parametrize("name", ["convert", "inspect", "verify"])
+def test_commands_that_read_checkpoints_name_keras_inputs(run_cli, name):
+    text = " ".join(run_cli(name, "--help").output.split())  # click wraps lines
+    assert ".keras / .weights.h5" in text, text
+
+
 def test_version(run_cli):
     result = run_cli("--version")
     assert result.exit_code == 0

@@ -81,6 +81,9 @@ def test_static_scales_from_amax_file(tiny_llama, tmp_path, llama_modules):
     out = tmp_path / "o"
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_amax=f))
     assert res.activation_scheme == "static"
+    # nothing is calibrated: the notes say where the ranges came from
+    assert "--scales auto: no training history; activation ranges from amax.json" in res.notes
+    assert not any("calibrating" in n for n in res.notes)
     raw = (out / "fp8export.json").read_text()
     assert str(tmp_path) not in raw and "amax.json" in raw  # basenames only
     man = json.loads(raw)
@@ -119,6 +122,26 @@ def test_mixed_ranges_give_two_groups_and_refuse_vllm(tiny_llama, tmp_path, llam
         convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "v", calib_amax=f,
                               format="vllm"))
     assert not (tmp_path / "v").exists()
+
+
+def test_dynamic_layers_are_said_to_need_static_scales_for_tensorrt(tiny_llama, tmp_path,
+                                                                    llama_modules):
+    weights_only = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "w"))
+    said = [n for n in weights_only.notes if "TensorRT needs static input scales" in n]
+    assert len(said) == 1 and said[0].startswith("this folder has no static input scales")
+    assert "--calib-data" in said[0]
+    manifest = json.loads((tmp_path / "w" / "fp8export.json").read_text())
+    assert said[0] in manifest["notes"]
+    layer0 = [m for m in llama_modules if ".layers.0." in m]
+    mixed = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "m",
+                                  calib_amax=_amax_file(tmp_path / "a.json",
+                                                        {m: 2.0 for m in layer0})))
+    said = [n for n in mixed.notes if "TensorRT needs static input scales" in n]
+    assert len(said) == 1 and said[0].startswith(f"{len(mixed.dynamic_layers)} layer(s) have no")
+    static = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "s",
+                                   calib_amax=_amax_file(tmp_path / "b.json",
+                                                         dict.fromkeys(llama_modules, 2.0))))
+    assert not any("TensorRT needs" in n for n in static.notes)
 
 
 def test_modelopt_static(tiny_llama, tmp_path, llama_modules):
@@ -185,6 +208,7 @@ def test_weight_scales_from_history_on_request(tmp_path, monkeypatch, dict_ckpt)
         for m, a in zip(QKV, (0.5, 0.75, 0.25))])
     ckpt = dict_ckpt(tensors, config={"model_type": "llama"}, state=state)
     monkeypatch.setattr(conv, "open_checkpoint", lambda path: ckpt)  # reader stand-in only
+    (tmp_path / "src").mkdir()  # convert checks the path exists before opening it
     res = convert(ConvertConfig(checkpoint=tmp_path / "src", output=tmp_path / "o",
                                 scales="weights", weight_scales_from_history=True))
     rows = {r["module"]: r for r in res.layers}

@@ -117,3 +117,23 @@ def test_needs_data_and_k_v_projections(tiny_llama, tiny_gpt2, calib, tmp_path):
         convert(ConvertConfig(checkpoint=tiny_gpt2, output=tmp_path / "g", calib_data=calib,
                               kv_cache="fp8"))
     assert not (tmp_path / "g").exists()
+
+
+def test_the_fp8_kv_cache_is_said_by_convert_inspect_and_export(tiny_llama, calib, tmp_path,
+                                                                 run_cli):
+    said = "FP8 E4M3 keys and values, k_scale/v_scale for 2 attention layer(s)"
+    kv, plain = tmp_path / "kv", tmp_path / "plain"
+    r = run_cli("convert", tiny_llama, "-o", kv, "--calib-data", calib, "--kv-cache", "fp8")
+    assert r.exit_code == 0, r.output
+    assert f"kv cache: {said}, calibrated on 8 samples of calib.npz" in r.stdout
+    r = run_cli("convert", tiny_llama, "-o", plain, "--calib-data", calib)
+    assert r.exit_code == 0 and "kv cache" not in r.stdout
+    shown = run_cli("inspect", kv)
+    assert f"  kv cache      {said}" in shown.stdout
+    assert json.loads(run_cli("inspect", kv, "--json").stdout)["summary"]["kv_cache"] \
+        .startswith(said)
+    assert json.loads(run_cli("inspect", plain, "--json").stdout)["summary"]["kv_cache"] is None
+    r = run_cli("export-onnx", kv, "-o", tmp_path / "kv.onnx", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: KV cache: ")]
+    assert len(notes) == 1 and said in notes[0] and "not in it" in notes[0]

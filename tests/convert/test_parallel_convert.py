@@ -188,9 +188,12 @@ def test_a_signal_mid_convert_leaves_no_output_and_the_input_untouched(sig, tmp_
     before = _digests(ckpt)
     out = tmp_path / "out"
     env = dict(os.environ, CI="1", PYTHONPATH=str(REPO))
+    # SIGINT's default disposition in the child even when this test runs as a background job
+    # (which inherits SIGINT ignored, and a Python child keeps it ignored)
     proc = subprocess.Popen([sys.executable, "-m", "fp8export.cli", "convert", str(ckpt), "-o",
                              str(out), "--workers", "2"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     try:
         # Wait until the shards exist in the hidden temporary folder: the workers are writing.

@@ -9,6 +9,7 @@ from fp8export.engine.shapes import (
     default_profile,
     graph_inputs,
     parse_shape_spec,
+    read_graph,
 )
 from fp8export.errors import Fp8ExportError
 
@@ -57,6 +58,29 @@ def test_given_shapes_override_and_typos_are_errors(lm_graph):
         default_profile(inputs, [parse_shape_spec("input_idz:1x1,1x1,1x1")])
     with pytest.raises(Fp8ExportError, match="rank"):
         default_profile(inputs, [parse_shape_spec("input_ids:1,1,1")])
+
+
+@pytest.mark.parametrize(("positions", "opt", "top"), [(256, 128, 256), (64, 64, 64),
+                                                     (4096, 128, 512)])
+def test_the_default_sequence_stays_within_the_models_positions(lm_graph, positions, opt, top):
+    from fp8export.onnx.export import MAX_POSITIONS_KEY
+
+    model = onnx.load(str(lm_graph))
+    onnx.helper.set_model_props(model, {MAX_POSITIONS_KEY: str(positions)})
+    onnx.save(model, str(lm_graph))
+    inputs, longest = read_graph(lm_graph)
+    assert longest == positions
+    prof = {r.name: r for r in default_profile(inputs, max_positions=longest)}
+    for name in ("input_ids", "attention_mask"):
+        assert prof[name].min == (1, 1) and prof[name].opt == (1, opt)
+        assert prof[name].max == (8, top)
+    with pytest.raises(Fp8ExportError, match=f"positions end at {positions}"):
+        default_profile(inputs, [parse_shape_spec(f"input_ids:1x1,1x8,1x{positions + 1}")],
+                        max_positions=longest)
+    assert read_graph(lm_graph)[1] is not None
+    model.ClearField("metadata_props")  # a graph from elsewhere: the plain defaults
+    onnx.save(model, str(lm_graph))
+    assert read_graph(lm_graph)[1] is None
 
 
 def test_unreadable_graph(tmp_path):

@@ -131,7 +131,11 @@ def test_fp16_dynamic_activations_via_cli(run_cli, fp8_dynamic, tmp_path):
     res = run_cli("export-onnx", fp8_dynamic, "-o", out, "--dtype", "fp16")
     assert res.exit_code == 0, res.output
     assert "FP8-eligible GEMMs (TensorRT): 0 of 14 quantized" in res.output
-    assert "16-bit GEMMs: 14" in res.output
+    # one sentence with the way to FP8 GEMMs, not one warning line per layer
+    assert "note: no FP8 GEMMs: the folder has no static input scales" in res.stderr
+    assert "--calib-data FILE" in res.stderr and "16-bit GEMMs" not in res.output
+    said = [line for line in res.output.splitlines() if not line.startswith("[stage]")]
+    assert len(said) <= 5, res.output  # wrote, GEMM count, two notes, status
     model = onnx.load(str(out))
     assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)
     scales = [t for t in model.graph.initializer if t.name.endswith("weight_scale")]
@@ -145,6 +149,19 @@ def test_fp16_dynamic_activations_via_cli(run_cli, fp8_dynamic, tmp_path):
             ref = _torch_logits(weight_only, feed)
             assert cosine(ref, _t(got)) >= 0.999
             assert rel_l2(ref, _t(got)) <= 5e-2  # fp16 activations vs fp32 emulation
+
+
+def test_build_engines_default_profile_keeps_to_the_models_positions(onnx_fp32, run_cli,
+                                                                    tmp_path, monkeypatch):
+    _, path = onnx_fp32
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False)
+             .metadata_props}
+    assert props["fp8export.max_positions"] == "128"  # the folder's max_position_embeddings
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # printing needs no TensorRT
+    r = run_cli("build-engine", path, "-o", tmp_path / "m.engine", "--print-command")
+    assert r.exit_code == 0, r.output
+    for name in ("input_ids", "attention_mask"):
+        assert f"{name}:8x128" in r.stdout and f"{name}:8x512" not in r.stdout
 
 
 def test_existing_output_needs_force(onnx_fp32, fp8_static, run_cli):

@@ -125,6 +125,21 @@ def test_integer_and_fp8_weights_are_one_error_naming_each(dict_ckpt):
     assert "b.q_proj.weight" in msg and "already F8_E4M3" in msg and "--exclude" in msg
 
 
+def test_an_fp8_checkpoint_is_one_short_error_saying_what_to_do(dict_ckpt):
+    t = {f"model.layers.{i}.self_attn.{p}.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)
+         for i in range(6) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    t["model.embed_tokens.weight"] = torch.ones(8, 4)
+    ckpt = dict_ckpt(t, config={"model_type": "llama"})
+    with pytest.raises(Fp8ExportError) as err:
+        select_targets(ckpt.tensors(), ckpt.config)
+    msg = str(err.value)
+    assert msg.startswith("24 linear weight(s) are already F8_E4M3 (e.g. ")
+    assert "already quantized to FP8" in msg and "fp8export verify" in msg
+    assert "bf16/fp16/fp32 original" in msg
+    assert "--exclude" not in msg  # excluding every layer would not help
+    assert msg.count("F8_E4M3") == 1 and len(msg) < 400
+
+
 def test_te_layernorm_linears_are_linears_not_norms(dict_ckpt):
     # Transformer Engine's LayerNormLinear/LayerNormMLP hold real GEMM weights under
     # "layernorm_*" containers; only whole-leaf norm names are norms.

@@ -95,3 +95,14 @@ def test_token_ids_outside_the_vocabulary_are_one_clear_error(fp8_folder, tmp_pa
         verify(VerifyConfig(reference=SAMPLE / "model" / "float8_model.keras",
                             candidate=fp8_folder,
                             data=tmp_path / "bad.npz", report_dir=tmp_path / "r"))
+
+
+def test_the_console_line_shows_a_classifiers_accuracy(fp8_folder, tmp_path, run_cli):
+    r = run_cli("verify", SAMPLE / "model" / "float8_model.keras", fp8_folder, "--data",
+                SAMPLE / "data" / "eval.npz", "--samples", "40", "--batch-size", "40",
+                "--reference-dtype", "fp32", "--report-dir", tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "rep" / "report.json").read_text())["metrics"]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PASSED: 40 samples"))
+    assert (f"accuracy={m['accuracy_candidate']:.4g} (reference "
+            f"{m['accuracy_reference']:.4g})") in line, line

@@ -69,6 +69,26 @@ def test_damaged_candidate_fails_with_exit_3_and_is_blamed(run_cli, tiny_llama, 
     assert "Worst samples" in html and "Worst samples" in md
 
 
+def test_an_existing_report_is_replaced_only_with_force(run_cli, tiny_llama, tiny_fp8, eval_npz,
+                                                        tmp_path):
+    rd = tmp_path / "rep"
+    rd.mkdir()
+    (rd / "notes.txt").write_text("mine")  # other files in the folder are never a problem
+    common = ("verify", tiny_llama, tiny_fp8, "--data", eval_npz, "--samples", "4",
+              "--no-noise-floor", "--report-dir", rd)
+    assert run_cli(*common).exit_code == 0
+    first = (rd / "report.json").read_bytes()
+    again = run_cli(*common)
+    assert again.exit_code == EXIT_BAD_INPUT, again.output
+    assert "already holds a verify report" in again.stderr and "--force" in again.stderr
+    assert "loading the reference" not in again.output  # refused before any work
+    assert (rd / "report.json").read_bytes() == first
+    forced = run_cli(*common, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert json.loads((rd / "report.json").read_text())["header"]["command"].endswith("--force")
+    assert (rd / "notes.txt").read_text() == "mine"
+
+
 def test_library_result_is_json_serialisable(tiny_llama, tiny_fp8, tmp_path):
     from fp8export import api
     from fp8export.verify.config import VerifyConfig

@@ -46,7 +46,6 @@ import numpy as np
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.checkpoint.training.te_unpickle import RecipeStandIn, decode_extra_state
 from fp8export.errors import Fp8ExportError
-from fp8export.numerics.fp8 import multiplier_to_scale
 
 FRAMEWORK = "transformer-engine"
 EXTRA_STATE = "_extra_state"
@@ -216,6 +215,10 @@ def _stored_scale(multiplier: float, layer: str, slot: int) -> tuple[float | Non
             f"{layer}: stored FP8 multiplier of forward slot {slot} is {multiplier}; Transformer "
             "Engine keeps it finite and > 0. The FP8 extra state is corrupt; convert with "
             "--scales calibrate instead.")
+    # Here, not at the top: numerics.fp8 imports torch, and the reader registry imports this
+    # module for every input.
+    from fp8export.numerics.fp8 import multiplier_to_scale
+
     return float(multiplier_to_scale(multiplier, f"{layer} slot {slot}")), ()
 
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
 from fp8export.errors import Fp8ExportError
-from fp8export.numerics.fp8 import E4M3_MAX, E5M2_MAX, multiplier_to_scale
 
 FRAMEWORK = "torchao"
 
@@ -158,6 +157,10 @@ def torchao_training_state(tensors: Mapping[str, Any]) -> TrainingState | None:
             found.setdefault(key, {})[m.group("what")] = name
     if not any("amax_history" in v for v in found.values()):
         return None
+    # Here, not at the top: numerics.fp8 imports torch, and the reader registry imports this
+    # module for every input (an empty folder is refused before torch loads).
+    from fp8export.numerics.fp8 import E4M3_MAX, E5M2_MAX, multiplier_to_scale
+
     state = TrainingState(framework=FRAMEWORK,
                           version="float8_experimental" if legacy else "torchao-0.4-0.9-delayed")
     lengths: dict[str, int] = {}

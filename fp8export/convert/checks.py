@@ -1,0 +1,27 @@
+"""What convert reads and writes, checked before any hashing or model loading.
+
+Everything here is cheap (a stat, an open, one small JSON file) and imports no torch, so a typo
+in a path fails in milliseconds instead of after the source was hashed and a model loaded.
+"""
+
+from __future__ import annotations
+
+from fp8export.checkpoint.source import check_checkpoint_path
+from fp8export.config import ConvertConfig
+from fp8export.io.atomic import check_output_target, refuse_inside_input
+
+
+def check_inputs(cfg: ConvertConfig) -> None:
+    """Raise Fp8ExportError when the checkpoint, ``--calib-data``, ``--calib-amax`` or the output
+    location is unusable for what can be seen without reading the data."""
+    from fp8export.calibration.amax_file import read_amax_file
+    from fp8export.inputs.samples import check_data_file
+
+    check_checkpoint_path(cfg.checkpoint)
+    out = cfg.resolved_output
+    check_output_target(out, cfg.force)
+    refuse_inside_input(out, cfg.checkpoint)
+    if cfg.calib_data is not None:
+        check_data_file(cfg.calib_data)
+    if cfg.calib_amax is not None:
+        read_amax_file(cfg.calib_amax)  # one small JSON file, fully validated
