@@ -8,6 +8,9 @@ Import them plainly; a broken module then fails the tests that need it.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -54,3 +57,29 @@ def f():
     found = [m for _, m in _importorskips(source, "<example>")]
     assert found == ["fp8export.api", "calibration.observers", "keras"]
     assert [m for m in found if _ours(m)] == ["fp8export.api", "calibration.observers"]
+
+
+def test_ci_runs_the_slow_tier():
+    """The slow tier guards published numbers (the sample's accuracy table, the fault-injection
+    gate, ONNX vs torch): .ci/run runs it unless told not to."""
+    run = (TESTS.parent / ".ci" / "run").read_text()
+    assert 'FP8EXPORT_SLOW=${FP8EXPORT_SLOW:-1} bash scripts/test.sh "$@"' in run
+    assert not (TESTS.parent / ".ci" / "nightly").exists()  # nothing ran it
+
+
+def test_ci_fails_when_the_keras_equivalence_tests_cannot_run(tmp_path):
+    """Without keras_hub the Keras equivalence tests skip on a developer's machine, but under
+    CI=true they are a collection error: the only comparison with real Keras never skips
+    silently in CI."""
+    blocked = tmp_path / "keras_hub"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text('raise ImportError("hidden for this test")\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "KERAS_BACKEND": "torch"}
+    target = str(TESTS / "keras_model" / "test_vs_keras.py")
+    cmd = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+           target]
+    ci = subprocess.run(cmd, env={**env, "CI": "true"}, capture_output=True, text=True,
+                        timeout=300, cwd=TESTS.parent)
+    assert ci.returncode != 0 and "CI must run the Keras equivalence tests" in ci.stdout, \
+        ci.stdout[-2000:]
+    assert "hidden for this test" in ci.stdout

