@@ -1,4 +1,5 @@
-"""Fp8Linear: exact emulation on CPU, torch._scaled_mm on a GPU (marked gpu)."""
+"""Fp8Linear: the exact emulation, and the FP8 GEMM path compared with it value for value (on
+CPU through torch's CPU ``_scaled_mm`` kernel; marked gpu: cuBLASLt and the Triton kernels)."""
 
 import functools
 
