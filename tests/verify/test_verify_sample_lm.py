@@ -17,7 +17,7 @@ def _readme_row(repo_root, model: str, runtime: str) -> dict:
     text = (repo_root / "README.md").read_text(encoding="utf-8")
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0] == model and cells[1].startswith(runtime):
+        if len(cells) == 6 and cells[0].startswith(model) and cells[1].startswith(runtime):
             return {"ppl": float(cells[2]), "kl_mean": float(cells[3]),
                     "top1_agreement": float(cells[4])}
     raise AssertionError(f"README has no accuracy row {model!r} / {runtime!r}")
