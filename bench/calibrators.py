@@ -139,7 +139,7 @@ def compare_calibrators(checkpoint: str | Path, calib_data: str | Path, eval_dat
     ckpt = Path(checkpoint)
     t0 = time.perf_counter()
     model, config = load_model(ckpt, dtype=torch.bfloat16, device="cpu")
-    modules, groups = default_modules(ckpt, config)
+    modules, groups = default_modules(ckpt)
     tok_dir = ckpt if ckpt.is_dir() else None
     calib = load_samples(calib_data, tok_dir, max_samples=calib_samples, seq_len=seq_len,
                          max_positions=max_positions(config))

@@ -136,7 +136,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
         else:
             groups = fused_groups(modules, config)
     else:
-        modules, groups = default_modules(cfg.checkpoint, config, include=cfg.include,
+        modules, groups = default_modules(cfg.checkpoint, include=cfg.include,
                                           exclude=cfg.exclude, fuse_scales=cfg.fuse_scales)
     if not modules:
         raise Fp8ExportError(f"{cfg.checkpoint}: no linear layers to calibrate (the selection "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def default_modules(checkpoint: Path, config: dict | None, *, include=(), exclude=(),
+def default_modules(checkpoint: Path, *, include=(), exclude=(),
                     fuse_scales: bool = True) -> tuple[list[str], dict[str, list[str]]]:
     """What ``convert`` quantizes (its selection) and its fused groups."""
     from fp8export.checkpoint.source import open_checkpoint

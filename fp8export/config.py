@@ -136,7 +136,7 @@ class ConvertConfig:
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
-    accuracy_budget: float | None = None  # KL budget for sensitivity-driven exclusion
+    accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (verify/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
     accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
     extra: dict = field(default_factory=dict, compare=False)

@@ -9,9 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
-# keras-hub for the Keras tutorial sample and its tests: --no-deps because it declares
-# tensorflow-text (and so TensorFlow), which its layers never import; these are its import-time
-# dependencies.
-.venv/bin/pip install -q --disable-pip-version-check tokenizers sentencepiece kagglehub absl-py \
-  regex rich
+# keras-hub for the Keras tutorial sample and the Keras equivalence tests (which fail in CI
+# without it): --no-deps because it declares tensorflow-text (and so TensorFlow), which its
+# layers never import; the dev extra brought what it does import (the keras-hub-deps extra).
 .venv/bin/pip install -q --disable-pip-version-check --no-deps "keras-hub==0.32.0"

@@ -3,7 +3,8 @@
 Markers (pyproject, --strict-markers): ``gpu`` skips without CUDA, ``tensorrt`` skips without
 the tensorrt package (the reason names TensorRT) and then without a GPU, ``slow`` runs only with
 ``--run-slow`` or FP8EXPORT_SLOW=1, ``nightly`` only with ``--run-nightly`` or
-FP8EXPORT_NIGHTLY=1 (.github/workflows/nightly.yml).
+FP8EXPORT_NIGHTLY=1 (.github/workflows/nightly.yml; too long for .ci/run, which runs every other
+tier: it sets FP8EXPORT_SLOW=1).
 """
 
 from __future__ import annotations

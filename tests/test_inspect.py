@@ -87,7 +87,6 @@ def test_checkpoint_amax_scale_and_sqnr(checkpoint):
 
 
 def test_checkpoint_fused_qkv_share_the_largest_scale(checkpoint):
-    pytest.importorskip("fp8export.scales.select")
     d, t = checkpoint
     rows = rows_by_name(inspect(d))
     qkv = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]

@@ -12,7 +12,7 @@ returns ``[out, in]``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,10 +79,6 @@ class Checkpoint(ABC):
             if t.name == name:
                 return t
         raise Fp8ExportError(f"{self.path}: no tensor named {name!r}.")
-
-    def iter_tensors(self) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-        for info in self.tensors():
-            yield info, self.load(info.name)
 
     def close(self) -> None:  # readers holding handles override
         pass

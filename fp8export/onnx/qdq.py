@@ -57,7 +57,6 @@ _WRAPPER_PREFIX = "model."
 class Binding:
     layer: str
     node: object  # onnx.NodeProto (MatMul/Gemm)
-    weight_input: int  # 1 (B) for MatMul/Gemm
     initializer: str  # name of the float weight initializer now feeding it
     transpose_node: object | None  # a Transpose(initializer) between, to remove
     orientation: str  # the float initializer's layout: "in_out" ([K, N]) or "out_in" ([N, K])
@@ -177,7 +176,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
         if layer is None or layer.name in bindings:
             continue
         if _matches(value(init), _expected(layer, orient, dtype)):
-            bindings[layer.name] = Binding(layer.name, node, 1, init, tnode, orient, "provenance")
+            bindings[layer.name] = Binding(layer.name, node, init, tnode, orient, "provenance")
             used.add(i)
     # 2) content, for the rest (shape first, then values; ambiguity is an error)
     for layer in layers.values():
@@ -203,7 +202,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
                 "in the graph, so it cannot be bound by content. Exclude it (--exclude).")
         i = hits[0]
         node, init, tnode, orient = candidates[i]
-        bindings[layer.name] = Binding(layer.name, node, 1, init, tnode, orient, "content")
+        bindings[layer.name] = Binding(layer.name, node, init, tnode, orient, "content")
         used.add(i)
     return bindings
 

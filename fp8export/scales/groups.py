@@ -3,7 +3,7 @@
 q/k/v and gate/up read the same input and run as one fused GEMM in vLLM and TensorRT, which
 has one weight scale and one input scale; so every member uses the group's max amax (or
 scale). Convert's weight scan, its history weight scales, its activation ranges, calibration
-and the sensitivity analysis all find groups and share through here.
+and the accuracy-budget search all find groups and share through here.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_sentence_transformers_loads_the_converted_model(minilm, monkeypatch):
                  "FP8 keeps eight bits per weight.", "A cheetah runs behind its prey."]
     a = reference.encode(sentences, convert_to_tensor=True)
     b = fp8.encode(sentences, convert_to_tensor=True)
-    assert torch.nn.functional.cosine_similarity(a, b).min() >= 0.99
+    assert torch.nn.functional.cosine_similarity(a, b).min() >= 0.998  # README: >= 0.998
     assert torch.allclose(b.norm(dim=-1), torch.ones(len(sentences)), atol=1e-5)  # Normalize ran
     # FP8 weights, not a copy of the source: the embeddings differ, a little
     assert (a - b).abs().max() > 1e-4

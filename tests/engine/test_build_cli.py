@@ -65,5 +65,6 @@ def test_real_build_runs_fp8_gemm(tmp_path):
     x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
     with TrtRunner(res.engine) as trt_r, OrtRunner(g) as ort_r:
         a, b = trt_r.infer({"x": x})["y"], ort_r.infer({"x": x})["y"]
-    cos = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
-    assert cos > 0.999
+    # values, not cosine (blind to a wrong scale): the same Q/DQ function, fp32 output; only
+    # the accumulation order may differ
+    assert float(np.linalg.norm(a - b) / np.linalg.norm(b)) < 1e-3

@@ -6,8 +6,8 @@ lines both graphs up GEMM by GEMM. Every difference must be one docs/onnx.md exp
 with NVIDIA ModelOpt"), and our structural checker must accept ModelOpt's graphs and flag the
 classic mistakes injected into one. Models: a tiny Llama (fp32, ModelOpt restricted to MatMul with
 max calibration so the activation scales can be compared too), a tiny BERT classifier (fp16,
-ModelOpt's defaults; also at opset 19, ModelOpt's minimum) and, nightly, the sample LM (fp16,
-ModelOpt on MatMul).
+ModelOpt's defaults; also at opset 19, ModelOpt's minimum) and, in the slow tier (CI runs it),
+the sample LM (fp16, ModelOpt on MatMul).
 """
 
 from __future__ import annotations

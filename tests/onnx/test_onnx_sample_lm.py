@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8export.numerics.metrics import cosine, rel_l2
+from fp8export.numerics.metrics import rel_l2
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama"
 
@@ -65,6 +65,9 @@ def test_sample_lm_done_when(run_cli, tmp_path):
             got32 = torch.from_numpy(r32.infer(feed)["logits"])
             got16 = torch.from_numpy(r16.infer(feed)["logits"].astype(np.float32))
         assert got32.shape == (batch, seq, ref.shape[-1])
-        assert rel_l2(ref, got32) <= 1e-3
-        assert cosine(ref, got16) >= 0.999  # fp16 activations: looser, still tight
+        # README "ONNX export": the fp32 graph's logits match the torch FP8 model to rel-L2 < 1e-4
+        # (measured 2.7e-7 at 1x16, 8.7e-5 at 4x48); fp16 activations: 5.7e-3, 7.4e-3
+        r32, r16 = rel_l2(ref, got32), rel_l2(ref, got16)
+        assert r32 < 1e-4, r32
+        assert r16 < 2e-2, r16
         assert (ref.argmax(-1) == got32.argmax(-1)).float().mean() >= 0.99

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
-from fp8export.numerics.metrics import cosine
+from fp8export.numerics.metrics import rel_l2
 from fp8export.runners.fp8_fused import Fp8FusedLinear, Fp8LinearSlice, fusable, fuse_projections
 from fp8export.runners.fp8_linear import Fp8Linear
 from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
@@ -152,11 +152,11 @@ def test_runner_says_which_path_runs(llama_fp8):
 
 
 # --------------------------------------------------------------------------------- GPU
-def _integer_members(n_out=(64, 32, 32), in_f=256, bias=(True, False, True)):
+def _integer_members(n_out=(64, 32, 32), in_f=256, bias=(True, False, True), static=True):
     """Members whose products and sums are exact in fp32 in any order: small integer codes,
     power-of-two scales. Any two correct paths then agree bit for bit."""
     g = torch.Generator().manual_seed(7)
-    w_scale, s_in = 0.25, 0.5
+    w_scale, s_in = 0.25, 0.5 if static else None
     members = []
     for n, b in zip(n_out, bias):
         w = torch.randint(-4, 5, (n, in_f), generator=g).float() * w_scale
@@ -173,20 +173,32 @@ def _needs_fp8_gpu():
         pytest.skip("needs compute capability >= 8.9 for FP8 GEMMs")
 
 
+def _integer_input(rows: int, static: bool) -> torch.Tensor:
+    """Static (input scale 0.5): codes -6..6. Dynamic: each row holds ±3.5, so the per-tensor
+    scale amax/448 is 2**-7 exactly, and the other elements are codes -4..4 of it."""
+    g = torch.Generator().manual_seed(rows)
+    if static:
+        return (torch.randint(-6, 7, (rows, 256), generator=g).float() * 0.5).to(torch.bfloat16)
+    codes = torch.randint(-4, 5, (rows, 256), generator=g).float()
+    codes[torch.arange(rows), torch.randint(0, 256, (rows,), generator=g)] = 448.0
+    return (codes * 2.0 ** -7).to(torch.bfloat16)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 300])  # small-M Triton kernel and _scaled_mm
-def test_gpu_paths_are_bit_identical_to_emulation(rows, monkeypatch):
+def test_gpu_paths_are_bit_identical_to_emulation(rows, static, monkeypatch):
     _needs_fp8_gpu()
     from fp8export.runners import fp8_fused, fp8_gemm
 
-    members = [m.cuda() for m in _integer_members()]
-    x = (torch.randint(-6, 7, (rows, 256)).float() * 0.5).to("cuda", torch.bfloat16)
+    members = [m.cuda() for m in _integer_members(static=static)]
+    x = _integer_input(rows, static).to("cuda")
     want = [m.forward_emulated(x) for m in members]
     for m, w in zip(members, want):
         assert m.uses_scaled_mm(x.device)
         assert torch.equal(m.forward_scaled_mm(x), w)
     parent = _Parent(members).cuda()
-    fuse_projections(parent, {"qkv": ["q", "k", "v"]})
+    assert fuse_projections(parent, {"qkv": ["q", "k", "v"]}) == {}
     for got, w in zip((parent.q(x), parent.k(x), parent.v(x)), want):
         assert torch.equal(got, w)
     # _scaled_mm at every row count (as in compiled code and CUDA graphs), warmed up eagerly
@@ -243,4 +255,9 @@ def test_gpu_fused_model_matches_emulation_eager_and_compiled(llama_fp8):
         b = real(input_ids=ids, use_cache=False).logits.float()
         compiled = torch.compile(real)
         c = compiled(input_ids=ids, use_cache=False).logits.float()
-    assert cosine(a, b) > 0.9999 and cosine(a, c) > 0.999
+    # Values, not cosine (blind to a wrong scale). The paths may round a layer's bf16 output
+    # to the neighbouring value, and the next layer's E4M3 quantize can turn that into a code
+    # step: on CPU, 1e-6..1e-4 relative noise on every linear's output moved these logits by
+    # 4e-5..1.3e-2 rel-L2, and skipping the bf16 roundings of the inputs (as Inductor's fused
+    # kernels may) by 2.3e-2. A scale off by 2x in any layer moves them by far more.
+    assert rel_l2(a, b) <= 0.02 and rel_l2(a, c) <= 0.06

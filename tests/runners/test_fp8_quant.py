@@ -63,3 +63,130 @@ def test_runtime_launch_skips_the_jit_and_stays_bit_identical():
     x.mul_(-0.5)
     graph.replay()
     assert torch.equal(captured.view(torch.uint8), quantize_e4m3(x, s).view(torch.uint8))
+
+
+# ------------------------------------------------------------------ the launcher, on CPU
+# Launcher's own logic (keys, adoption checked against the JIT, fallback) needs no GPU: here it
+# drives a CPU kernel behind Triton's launch interface (``kernel[grid](...)``, ``warmup``,
+# ``compiled[grid](...)``) that computes the eager quantize, so the bytes compared are real.
+class _CpuKernel:
+    """``compiled_extra``: whether the compiled entry takes the constexprs after the
+    arguments (Triton versions differ); ``compiled_scale``: the scale factor the compiled entry
+    applies (2.0: a direct launch that binds the wrong scale)."""
+
+    def __init__(self, compiled_extra=True, compiled_scale=1.0, warmup_error=None):
+        self.compiled_extra, self.compiled_scale = compiled_extra, compiled_scale
+        self.warmup_error = warmup_error
+        self.jit_calls = self.direct_calls = self.warmups = 0
+
+    def __getitem__(self, grid):
+        def jit(x, scale, out, n, BLOCK, **options):
+            self.jit_calls += 1
+            out.copy_(quantize_eager(x, scale))
+        return jit
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups += 1
+        if self.warmup_error:
+            raise self.warmup_error
+        return _Compiled(self)
+
+
+class _Compiled:
+    def __init__(self, kernel: _CpuKernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid3):
+        assert len(grid3) == 3
+        k = self.kernel
+
+        def direct(*args):
+            if len(args) != (5 if k.compiled_extra else 4):
+                raise TypeError(f"takes {5 if k.compiled_extra else 4} positional arguments")
+            x, scale, out = args[:3]
+            k.direct_calls += 1
+            out.copy_(quantize_eager(x, scale * k.compiled_scale))
+        return direct
+
+
+def _launch(launcher, x, scale):
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    launcher(((x.numel() + 2047) // 2048,), (x, scale, out, x.numel()), {"BLOCK": 2048})
+    return out
+
+
+@pytest.fixture()
+def cpu_launcher(monkeypatch):
+    from fp8export.runners.fp8_quant import Launcher
+
+    # CPU-only torch builds raise from the capture query; nothing is being captured here
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return lambda kernel: Launcher(kernel, out_arg=2)
+
+
+@pytest.mark.parametrize("compiled_extra", [True, False])
+def test_launcher_adopts_a_direct_launch_that_matches_the_jit(cpu_launcher, compiled_extra):
+    kernel = _CpuKernel(compiled_extra=compiled_extra)
+    launcher = cpu_launcher(kernel)
+    s = torch.tensor(0.02)
+    for i in range(4):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(i)) * 4
+        assert torch.equal(_launch(launcher, x, s).view(torch.uint8),
+                           quantize_e4m3(x, s).view(torch.uint8))
+    # one JIT launch for the shape class, checked against the direct entry, then direct only
+    assert kernel.jit_calls == 1 and kernel.warmups == 1 and kernel.direct_calls == 4
+    assert launcher.direct and len(launcher.compiled) == 1 and launcher.error is None
+    # another specialization (an element count not divisible by 16) is a new key: JIT again
+    x = torch.randn(7, 3) * 4
+    assert torch.equal(_launch(launcher, x, s).view(torch.uint8),
+                       quantize_e4m3(x, s).view(torch.uint8))
+    assert kernel.jit_calls == 2 and len(launcher.compiled) == 2
+
+
+def test_launcher_refuses_a_direct_launch_that_differs(cpu_launcher):
+    kernel = _CpuKernel(compiled_scale=2.0)  # binds the scale wrong: different codes
+    launcher = cpu_launcher(kernel)
+    s = torch.tensor(0.02)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 4
+    want = quantize_e4m3(x, s).view(torch.uint8)
+    assert torch.equal(_launch(launcher, x, s).view(torch.uint8), want)  # the JIT's bytes
+    assert not launcher.direct and not launcher.compiled
+    # both entry variants tried: one differs, the other does not take the constexprs
+    assert launcher.error.split("; ")[0] == "output differs"
+    assert "TypeError" in launcher.error and launcher.error.count("output differs") == 1
+    assert torch.equal(_launch(launcher, x, s).view(torch.uint8), want)
+    assert kernel.jit_calls == 2 and kernel.warmups == 1
+
+
+def test_launcher_keeps_the_jit_when_warmup_fails(cpu_launcher):
+    kernel = _CpuKernel(warmup_error=AttributeError("no warmup in this Triton"))
+    launcher = cpu_launcher(kernel)
+    x, s = torch.randn(16, 16) * 4, torch.tensor(0.02)
+    assert torch.equal(_launch(launcher, x, s).view(torch.uint8),
+                       quantize_e4m3(x, s).view(torch.uint8))
+    assert not launcher.direct and launcher.error.startswith("warmup: AttributeError")
+
+
+def test_launcher_adopts_nothing_while_capturing_or_when_disabled(cpu_launcher, monkeypatch):
+    kernel = _CpuKernel()
+    launcher = cpu_launcher(kernel)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x, s = torch.randn(16, 16) * 4, torch.tensor(0.02)
+    _launch(launcher, x, s)
+    assert kernel.warmups == 0 and not launcher.compiled  # the check would sync the capture
+    monkeypatch.setenv("FP8EXPORT_DIRECT_LAUNCH", "0")
+    off = cpu_launcher(_CpuKernel())
+    assert not off.direct
+    _launch(off, x, s)
+    _launch(off, x, s)
+    assert off.kernel.jit_calls == 2 and off.kernel.warmups == 0
+
+
+def test_quantize_input_on_cpu_is_the_eager_path_for_any_layout():
+    from fp8export.runners.fp8_quant import triton_cdiv
+
+    x = (torch.randn(32, 48) * 7).t()  # not contiguous
+    s = torch.tensor(0.013)
+    assert torch.equal(quantize_input(x, s).view(torch.uint8),
+                       quantize_e4m3(x, s).view(torch.uint8))
+    assert [triton_cdiv(n, 2048) for n in (1, 2048, 2049)] == [1, 1, 2]

@@ -66,7 +66,7 @@ def test_loads_with_transformers(model_and_tokenizer, train_log):
 
 
 @needs_model
-def test_eval_perplexity_beats_unigram(model_and_tokenizer, train_log):
+def test_eval_perplexity_is_the_published_one(model_and_tokenizer, train_log):
     import torch
     import torch.nn.functional as F
 
@@ -80,7 +80,10 @@ def test_eval_perplexity_beats_unigram(model_and_tokenizer, train_log):
     nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tgt.reshape(-1),
                           ignore_index=-100)
     ppl = math.exp(nll.item())
-    assert ppl < train_log["unigram_val_ppl"] / 2, (ppl, train_log["unigram_val_ppl"])
+    # the published validation perplexity (README: 2.31), here on 32 held-out eval stories
+    # (measured 2.314); the unigram baseline is 191.6
+    assert ppl == pytest.approx(train_log["val_ppl_bf16"], rel=0.05), ppl
+    assert train_log["val_ppl_bf16"] < train_log["unigram_val_ppl"] / 50
 
 
 def test_data_splits_are_disjoint_and_small():

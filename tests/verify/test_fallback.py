@@ -48,6 +48,22 @@ def test_budget_is_met_by_the_written_folder(tiny_llama, eval_npz, tmp_path):
         assert members <= kept or not members & kept
 
 
+def test_convert_accuracy_budget_keeps_layers(tiny_llama, eval_npz, tmp_path):
+    """Default convert options with a budget below the all-FP8 KL: layers are kept, and the
+    budget is met by the search's measurement and by the folder written."""
+    budget = 1e-5
+    out = tmp_path / "budget"
+    res = api.convert(ConvertConfig(checkpoint=tiny_llama, output=out, calib_data=eval_npz,
+                                    accuracy_budget=budget))
+    b = res.accuracy_budget
+    assert b["kl_all_fp8"] > budget  # all-FP8 misses it: something must stay in bf16
+    assert b["keep"] and b["kl_selected"] <= budget
+    assert b["written"]["kl"] <= budget * (1 + 1e-3)
+    excluded = json.loads((out / "fp8export.json").read_text())["excluded"]
+    kept = {k.rsplit(".", 1)[0] for k, why in excluded.items() if "accuracy-budget" in why}
+    assert kept == set(b["keep"])
+
+
 def test_score_finds_the_layer_with_a_bad_scale(tiny_llama, eval_npz):
     """A layer whose input scale clips hard adds the most error: the score ranks it first."""
     from fp8export.models import load_model

@@ -99,8 +99,11 @@ def test_encoder_is_judged_by_pooled_embeddings(minilm, tmp_path):
     m = res.metrics
     assert res.family == "embeddings" and res.task == "base"
     assert "top1_agreement" not in m and "kl_mean" not in m
-    assert m["embedding_dim"] == 384 and m["cosine_min"] > 0.99
-    assert m["neighbor_agreement"] >= 0.8  # 16 unrelated sentences: near-tie neighbours
+    # docs/verify.md publishes cosine min 0.9966, rel_l2 0.070, neighbor_agreement 0.875:
+    # held within 2x of each loss here
+    assert m["embedding_dim"] == 384 and m["cosine_min"] >= 1 - 2 * (1 - 0.9966)
+    assert 0.070 / 2 <= m["rel_l2"] <= 0.070 * 2
+    assert m["neighbor_agreement"] >= 1 - 2 * (1 - 0.875)  # 16 unrelated sentences: near ties
     statuses = {c["metric"]: c["status"] for c in res.checks}
     assert statuses["top1_agreement"] == statuses["kl_mean"] == "skipped"
     assert statuses["neighbor_agreement"] == statuses["cosine_min"] == "passed"

@@ -24,7 +24,7 @@ def test_onnx_candidate_passes_default(run_cli, tiny_llama, tiny_onnx, eval_npz,
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["backend"] == "onnxruntime" and rep["passed"]
     assert rep["per_layer"] is None
-    assert any("--per-layer needs the FP8 folder" in note for note in rep["notes"])
+    assert any("--per-layer needs the FP8 folder" in n for n in rep["notes"]), rep["notes"]
     # as a user runs it: onnxruntime's default level, and the report says so
     assert rep["candidate"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
 

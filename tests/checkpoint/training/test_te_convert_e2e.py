@@ -10,11 +10,10 @@ import torch
 from safetensors.torch import load_file
 from te_helpers import fixtures_module, open_ckpt
 
+from fp8export import api, config
 from fp8export.errors import Fp8ExportError
 
 mf = fixtures_module()
-api = pytest.importorskip("fp8export.api")
-config = pytest.importorskip("fp8export.config")
 
 # TE's fused LayerNorm+Linear modules are named layernorm_qkv / layernorm_mlp; the default
 # exclusion rule for norms matches those names anywhere in the path, so include them explicitly.
