@@ -281,6 +281,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         ref_desc, cand_desc = ref_runner.describe(), cand_runner.describe()
     for name, reason in (cand_desc.get("fallbacks") or {}).items():
         notes.append(f"{name}: ran in emulation, not torch._scaled_mm ({reason}).")
+    if cand_desc.get("moe"):
+        notes.append(moe_note(cand_desc["moe"], cand_desc.get("mode")))
     family_note = f"Judged by {DESCRIPTIONS[family]}"
     if family is MetricFamily.EMBEDDINGS:
         family_note += f": {cmp.pooling.describe()}"
@@ -309,3 +311,16 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         header=head, worst_samples=worst, family=str(family), noise_floor=floor,
     )
     return result
+
+
+def moe_note(moe: dict[str, Any], mode: str | None) -> str:
+    """One line: which weights the MoE expert projections ran with, and how many calls."""
+    calls = moe.get("expert_gemms") or {}
+    fp8 = calls.get("float8_e4m3fn", 0)
+    other = {k: v for k, v in calls.items() if k != "float8_e4m3fn"}
+    how = "emulated FP8" if mode == "emulate" else "torch._scaled_mm"
+    text = (f"MoE: {moe.get('moe_layers')} layers x {moe.get('experts_per_layer')} experts; "
+            f"{fp8} expert projection calls ran with E4M3 weights ({how})")
+    if other:
+        text += "; in high precision: " + ", ".join(f"{v} ({k})" for k, v in other.items())
+    return text + "."
