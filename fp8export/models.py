@@ -199,6 +199,13 @@ def model_key(model, name: str, renamings: list | None = None) -> str:
     return apply_renamings(name, renamings)
 
 
+def module_names(model, modules) -> dict[str, str]:
+    """Checkpoint module name -> the model's (:func:`model_key` of its ``.weight``)."""
+    renamings = weight_conversions(model)[0]
+    return {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
+            for m in modules}
+
+
 def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = False
              ) -> dict[str, Any]:
     """Checkpoint tensors by name -> the model's state dict keys, converted as transformers

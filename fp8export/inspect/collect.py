@@ -251,6 +251,13 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
         if f"{module}.weight" not in names:
             notes.append(f"{MANIFEST} lists {module} as quantized but {module}.weight is missing")
     result.summary = _summary(result.tensors, ck.config)
+    experts = expert_tokens(m_quant)
+    if experts:
+        result.summary["expert_routed_tokens"] = experts
+        for layer, counts in experts.items():
+            notes.append(f"{layer}: tokens routed to each expert during calibration "
+                         f"{list(counts.values())} (every expert's input range was observed "
+                         "on all calibration tokens)")
     if manifest is not None:
         result.summary.update({k: manifest.get(k) for k in
                                ("output_format", "activation_scheme", "format_version")})
@@ -258,6 +265,20 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
         result.notes.extend(str(n) for n in manifest.get("notes") or [])
     _dialect(result, ck.config)
     return result
+
+
+def expert_tokens(quantized: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """MoE layer (``<experts>``) -> expert index -> tokens routed to it during calibration,
+    from the manifest's ``input_details.routed_tokens``."""
+    out: dict[str, dict[str, int]] = {}
+    for module, entry in sorted(quantized.items()):
+        details = entry.get("input_details") if isinstance(entry, dict) else None
+        routed = details.get("routed_tokens") if isinstance(details, dict) else None
+        head = module.rpartition(".")[0]
+        experts, _, index = head.rpartition(".")
+        if isinstance(routed, int) and index.isdigit():
+            out.setdefault(experts, {})[index] = routed
+    return {k: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for k, v in out.items()}
 
 
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
