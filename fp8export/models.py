@@ -300,11 +300,13 @@ def check_shapes(model, shapes: Mapping[str, tuple[int, ...]], source: Path) -> 
 
 
 def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch.float32, *,
-                shapes: Mapping[str, tuple[int, ...]] | None = None, empty: bool = False):
+                shapes: Mapping[str, tuple[int, ...]] | None = None, empty: bool = False,
+                meta: bool = False):
     """Instantiate the architecture of ``config`` with random weights (no download).
 
     ``empty``: parameters stay on the meta device (buffers are real), to be loaded onto the
-    devices of a plan (``fp8export.placement``).
+    devices of a plan (``fp8export.placement``). ``meta``: everything on the meta device (for
+    its module names and shapes only; nothing allocated).
 
     With ``shapes`` (tensor name → shape of the checkpoint that will be loaded into it) the
     architecture is first built on the meta device and checked against them
@@ -329,9 +331,12 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
              f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
              "(trust_remote_code=False).")
     arch = (config.get("architectures") or [config.get("model_type")])[0]
-    if shapes is not None:
-        meta = _build(auto, cfg, dtype, where, arch, meta=True)
-        check_shapes(meta, converted_shapes(meta, shapes, source), source)
+    if shapes is not None or meta:
+        on_meta = _build(auto, cfg, dtype, where, arch, meta=True)
+        if shapes is not None:
+            check_shapes(on_meta, converted_shapes(on_meta, shapes, source), source)
+        if meta:
+            return on_meta.eval()
     return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
 
 
