@@ -46,6 +46,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
               "bos_token_id": 1, "eos_token_id": 2}),
 }
 MOE_FAMILIES = ("mixtral", "qwen3-moe")
+ROUTER_GAIN = 16.0
 
 
 def save_family(name: str, folder: Path, seed: int = 0) -> Path:
@@ -58,6 +59,12 @@ def save_family(name: str, folder: Path, seed: int = 0) -> Path:
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.bfloat16).eval()
+    # A trained router picks its experts by a margin; a random one ties them, so any rounding
+    # would flip the routing and the accuracy checks would measure that noise.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") and p.shape[0] != config.hidden_size:
+                p.mul_(ROUTER_GAIN)
     folder = Path(folder)
     model.save_pretrained(folder)
     for f in TOKENIZER_FILES:
