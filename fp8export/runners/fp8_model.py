@@ -102,8 +102,11 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     with open_folder_tensors(where) as tensors:
         model = empty_model(config, where, dtype=dtype, shapes=tensors.shapes(),
                             empty=budgets is not None)
-        unfuse_experts(model)
         renamings = weight_conversions(model)[0]
+        stored_fused = [n for n in tensors.shapes() if model_key(model, n, renamings).endswith(
+            (".experts.gate_up_proj", ".experts.down_proj"))]
+        if not stored_fused:  # per-expert tensors: one linear per expert projection
+            unfuse_experts(model)
         names = {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
                  for m in quantized}
         fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
@@ -150,7 +153,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
             "weight_granularity": manifest.get("weight_granularity", "tensor"),
             "dynamic_activations": dynamic_of(manifest, where),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
-            "kv_cache": kv, "moe": expert_summary(model)}
+            "kv_cache": kv, "moe": expert_summary(model) or _fused_experts(stored_fused)}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
 
@@ -180,6 +183,15 @@ def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.
         scales[attn] = (float(k.float().reshape(-1)[0]), float(v.float().reshape(-1)[0]))
     emulate_fp8_kv(model, scales)
     return "fp8 (keys after RoPE and values quantized with k_scale/v_scale, emulated)"
+
+
+def _fused_experts(names: list[str]) -> dict[str, Any] | None:
+    """The MoE facts of a folder that stores its experts fused (3-D, kept in high precision)."""
+    if not names:
+        return None
+    return {"moe_layers": len({n.rpartition(".")[0] for n in names}), "expert_gemms": {},
+            "note": "experts stored fused (3-D) in the folder: kept in high precision and run "
+                    "by transformers' own experts module, not in FP8"}
 
 
 def dynamic_of(manifest: dict[str, Any], where: Path) -> str:

@@ -80,6 +80,10 @@ def _matching(patterns: Sequence[str], module: str) -> str | None:
 
 
 def _non_weight_reason(info: TensorInfo) -> str:
+    if info.name.endswith((".experts.gate_up_proj", ".experts.down_proj")) \
+            and len(info.shape) == 3:
+        return ("MoE experts stored fused (3-D): kept in high precision (FP8 experts are "
+                "written one linear per expert; convert a per-expert checkpoint)")
     if info.name.endswith(".bias"):
         return "bias (copied unchanged)"
     if info.name.endswith(".weight"):

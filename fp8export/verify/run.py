@@ -319,8 +319,11 @@ def moe_note(moe: dict[str, Any], mode: str | None) -> str:
     fp8 = calls.get("float8_e4m3fn", 0)
     other = {k: v for k, v in calls.items() if k != "float8_e4m3fn"}
     how = "emulated FP8" if mode == "emulate" else "torch._scaled_mm"
-    text = (f"MoE: {moe.get('moe_layers')} layers x {moe.get('experts_per_layer')} experts; "
+    per = f" x {moe['experts_per_layer']} experts" if moe.get("experts_per_layer") else ""
+    text = (f"MoE: {moe.get('moe_layers')} layers{per}; "
             f"{fp8} expert projection calls ran with E4M3 weights ({how})")
     if other:
         text += "; in high precision: " + ", ".join(f"{v} ({k})" for k, v in other.items())
+    if moe.get("note"):
+        text += f"; {moe['note']}"
     return text + "."
