@@ -133,3 +133,27 @@ def test_fp8_runtime_runs_expert_gemms_in_fp8(moe_src, tmp_path, monkeypatch):
     n_quantized = len(manifest["quantized"])
     assert calls["n"] >= gemms // 2 + 1 and n_quantized > 0  # fused gate/up: one GEMM each
     assert json.dumps(info)  # JSON-serialisable
+
+
+def test_spread_loaders_take_moe_checkpoints(moe_src, tmp_path):
+    """placement's spread loaders (accelerate, here a cpu budget) load MoE models and their FP8
+    folders to the same logits as the one-device loaders."""
+    pytest.importorskip("accelerate")
+    from fp8export.api import convert
+    from fp8export.config import ConvertConfig
+    from fp8export.models import load_model, load_model_spread
+    from fp8export.runners.fp8_model import load_fp8_model
+
+    spread, _, placed = load_model_spread(moe_src, {"cpu": 1 << 30})
+    plain, _ = load_model(moe_src)
+    with torch.no_grad():
+        assert torch.equal(spread(_ids()).logits, plain(_ids()).logits)
+    placed.close()
+    out = tmp_path / "fp8"
+    convert(ConvertConfig(checkpoint=moe_src, output=out))
+    a, *_, info = load_fp8_model(out, budgets={"cpu": 1 << 30}, mode="emulate")
+    b, *_ = load_fp8_model(out, mode="emulate")
+    with torch.no_grad():
+        assert torch.equal(a(_ids()).logits, b(_ids()).logits)
+    assert info["moe"]["expert_weight_dtypes"] == ["float8_e4m3fn"]
+    info["placement"].close()
