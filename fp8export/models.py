@@ -180,9 +180,13 @@ def missing_tensors(model, present) -> list[str]:
 def weight_conversions(model) -> tuple[list, list]:
     """transformers' key renamings and weight converters for ``model`` (its
     ``conversion_mapping.py`` entries, e.g. Mixtral's per-expert w1/w3 -> ``gate_up_proj``):
-    ``(renamings, converters)``."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    ``(renamings, converters)``; none before transformers 5 (which loads checkpoints by their
+    names as they are)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
 
     mapping = get_model_conversion_mapping(model, add_legacy=True)
     return ([m for m in mapping if isinstance(m, WeightRenaming)],
@@ -192,10 +196,12 @@ def weight_conversions(model) -> tuple[list, list]:
 def model_key(model, name: str, renamings: list | None = None) -> str:
     """The name checkpoint tensor ``name`` has in ``model`` after transformers' renamings only
     (no converter: a per-expert weight keeps its expert index)."""
-    from transformers.core_model_loading import apply_renamings
-
     if renamings is None:
         renamings = weight_conversions(model)[0]
+    if not renamings:
+        return name
+    from transformers.core_model_loading import apply_renamings
+
     return apply_renamings(name, renamings)
 
 
@@ -217,17 +223,18 @@ def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = Fal
     each reading (and converting) only its own tensors when called, so a caller that streams
     the state holds one expert group at a time.
     """
+    renamings, converters = weight_conversions(model)
+    if not renamings and not converters:  # transformers 4: names load as they are
+        return _materialize(dict(tensors), lazy)
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-    renamings, converters = weight_conversions(model)
     meta = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out: dict[str, Any] = {}
     groups: dict[str, Any] = {}
     for name in sorted(tensors, key=dot_natural_key):  # experts 0, 1, ..., 10 in order
-        target, pattern = (name, None) if not (renamings or converters) else \
-            rename_source_key(name, renamings, converters, prefix, meta)
+        target, pattern = rename_source_key(name, renamings, converters, prefix, meta)
         if target not in meta and name in meta:
             target, pattern = name, None
         if pattern is None or target not in meta:
@@ -237,6 +244,10 @@ def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = Fal
             groups[target] = _Group(deepcopy(by_pattern[pattern]), target, model, where)
             out[target] = groups[target].tensor
         groups[target].converter.add_tensor(target, name, pattern, tensors[name])
+    return _materialize(out, lazy)
+
+
+def _materialize(out: dict[str, Any], lazy: bool) -> dict[str, Any]:
     if lazy:
         return {k: (v if callable(v) else (lambda v=v: v)) for k, v in out.items()}
     return {k: (v() if callable(v) else v) for k, v in out.items()}

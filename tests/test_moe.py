@@ -157,3 +157,15 @@ def test_spread_loaders_take_moe_checkpoints(moe_src, tmp_path):
         assert torch.equal(a(_ids()).logits, b(_ids()).logits)
     assert info["moe"]["expert_weight_dtypes"] == ["float8_e4m3fn"]
     info["placement"].close()
+
+
+def test_without_transformers_conversions_names_pass_through(monkeypatch):
+    """Before transformers 5 there is no conversion mapping: names load as they are."""
+    import fp8export.models as models
+
+    monkeypatch.setattr(models, "weight_conversions", lambda model: ([], []))
+    t = torch.zeros(2)
+    assert models.hf_state(None, {"a.weight": t, "b": lambda: t}, Path(".")) == \
+        {"a.weight": t, "b": t}
+    assert models.model_key(None, "x.block_sparse_moe.experts.0.w1.weight") == \
+        "x.block_sparse_moe.experts.0.w1.weight"
