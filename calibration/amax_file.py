@@ -80,6 +80,7 @@ def check_output(path: Path, force: bool, checkpoint: Path | None = None) -> Non
 def amax_document(result: CalibrationResult) -> dict[str, Any]:
     """The JSON object written for ``result`` (deterministic content only)."""
     from fp8export import __version__
+    from fp8export.calibration.api import expert_of
     from fp8export.numerics.fp8 import amax_to_scale
 
     data = Path(result.data)
@@ -90,6 +91,9 @@ def amax_document(result: CalibrationResult) -> dict[str, Any]:
         obs = result.observed_amax.get(m)
         if obs is not None and obs != a:
             entry["observed_amax"] = float(obs)
+        routed = expert_of(m, result.expert_tokens)
+        if routed is not None:  # MoE: observed on every token; this many were routed to it
+            entry["routed_tokens"] = routed
         modules[m] = entry
     return {
         "format": FORMAT, "version": VERSION, "tool": f"fp8export {__version__}",
@@ -100,6 +104,8 @@ def amax_document(result: CalibrationResult) -> dict[str, Any]:
         "checkpoint": {"path": str(result.checkpoint), "files": dict(result.source_files)},
         "groups": {g: list(ms) for g, ms in sorted(result.groups.items())},
         "missing": list(result.missing), "notes": list(result.notes), "modules": modules,
+        **({"expert_tokens": dict(sorted(result.expert_tokens.items()))}
+           if result.expert_tokens else {}),
     }
 
 

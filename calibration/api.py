@@ -47,6 +47,8 @@ class CalibrationResult:
     observed_amax: dict[str, float]
     groups: dict[str, list[str]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    # MoE: experts module -> tokens routed to each expert (every expert observed on all tokens)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
     dtype: str = "bfloat16"
@@ -64,9 +66,35 @@ class CalibrationResult:
             if self.observed_amax.get(m) != a:
                 d["observed_amax"] = self.observed_amax.get(m)
                 d["shared_with_group"] = True
+            expert = expert_of(m, self.expert_tokens)
+            if expert is not None:
+                d["experts_calibrated"] = "all"
+                d["routed_tokens"] = expert
             out[m] = ActivationRange(module=m, amax=float(a), source=ScaleSource.CALIBRATION,
                                      details=d)
         return out
+
+
+def expert_of(module: str, expert_tokens: dict[str, list[int]]) -> int | None:
+    """Tokens routed to the expert ``module`` belongs to (``<experts>.<index>.<leaf>``), or None
+    when it is no expert projection."""
+    head, _, _leaf = module.rpartition(".")
+    experts, _, index = head.rpartition(".")
+    counts = expert_tokens.get(experts)
+    if counts is None or not index.isdigit() or int(index) >= len(counts):
+        return None
+    return int(counts[int(index)])
+
+
+def moe_note(expert_tokens: dict[str, list[int]], tokens: int) -> str:
+    """One line on how the experts were calibrated and how many tokens each was routed."""
+    counts = [c for layer in expert_tokens.values() for c in layer]
+    starved = sum(1 for c in counts if c == 0)
+    return (f"MoE: every expert of {len(expert_tokens)} layers was observed on all {tokens} "
+            "calibration tokens (calibrate-all-experts; the routed output is unchanged); tokens "
+            f"routed to one expert: {min(counts)}..{max(counts)}"
+            + (f", {starved} experts routed none" if starved else "")
+            + " (per expert in the manifest's input_details.routed_tokens).")
 
 
 def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
@@ -93,6 +121,7 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.models import load_model_placed
+    from fp8export.moe import unfuse_experts
     from fp8export.placement import parse_max_memory, resolve_device
 
     if cfg.output is not None:
@@ -104,6 +133,7 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
         model, config, spread = load_model_placed(
             cfg.checkpoint, device, parse_max_memory(cfg.max_memory), dtype=torch.bfloat16)
+        unfuse_experts(model, mode="all")  # MoE: every expert sees every token
     input_device = torch.device(spread.main_device if spread is not None else device)
     notes = [spread.note()] if spread is not None else []
     if spread is not None:
@@ -123,7 +153,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     from fp8export.calibration.observe import amaxes_from_stats, observe
     from fp8export.calibration.targets import default_modules
     from fp8export.inputs.samples import load_samples
-    from fp8export.models import max_positions, vocab_size
+    from fp8export.models import max_positions, module_names, vocab_size
     from fp8export.numerics.fp8 import amax_to_scale
     from fp8export.scales.groups import fused_groups, share_max
 
@@ -148,8 +178,18 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
         notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
                      f"--calib-samples {cfg.calib_samples})")
-    ob = observe(model, samples, modules, method=method, groups=groups,
+    # observed under the model's module names (transformers renames some, e.g. Mixtral's
+    # block_sparse_moe is mlp), reported under the checkpoint's
+    names = module_names(model, modules)
+    back = {v: k for k, v in names.items()}
+    ob = observe(model, samples, [names[m] for m in modules], method=method,
+                 groups={g: [names.get(m, m) for m in ms] for g, ms in groups.items()},
                  batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE, input_device=input_device)
+    ob.stats = {back.get(m, m): s for m, s in ob.stats.items()}
+    ob.missing = [back.get(m, m) for m in ob.missing]
+    expert_tokens = {_checkpoint_prefix(k, names): v for k, v in ob.expert_tokens.items()}
+    if expert_tokens:
+        notes.append(moe_note(expert_tokens, ob.tokens))
     t0 = time.perf_counter()
     results = amaxes_from_stats(ob.stats, method, **cfg.method_options())
     compute_s = time.perf_counter() - t0
@@ -171,7 +211,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
         options=get_calibrator(method, **cfg.method_options()).options(),
         samples=ob.samples, tokens=ob.tokens, batches=ob.batches, device=device,
         seconds=round(ob.seconds + compute_s, 3), amax=amax, observed_amax=observed,
-        groups=groups, missing=ob.missing, notes=notes,
+        groups=groups, missing=ob.missing, notes=notes, expert_tokens=expert_tokens,
         details={m: r.details for m, r in results.items()},
         source_files=source_hashes(cfg.checkpoint))
     if samples.truncated:
@@ -179,6 +219,16 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     if cfg.output is not None:
         write_amax_file(result, cfg.output, force=cfg.force)
     return result
+
+
+def _checkpoint_prefix(experts: str, names: dict[str, str]) -> str:
+    """The checkpoint's name of the model's experts module ``experts`` (via its members)."""
+    for ckpt_name, model_name in names.items():
+        if model_name.startswith(experts + "."):
+            rest = model_name[len(experts):]
+            if ckpt_name.endswith(rest):
+                return ckpt_name[:-len(rest)]
+    return experts
 
 
 def calibrate_ranges(cfg: ConvertConfig, modules: list[str],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fp8export._progress import STAGE_PREFIX, info, progress_enabled
@@ -33,6 +33,7 @@ class Observation:
     seconds: float
     missing: list[str]
     notes: list[str]
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE: routed per expert
 
 
 def forward_fn(model, modules: Sequence[str]) -> Callable[[Batch, Any], Any]:
@@ -79,6 +80,7 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
     from fp8export.inputs.samples import iter_batches
+    from fp8export.moe import moe_modules
 
     calibrator_class(method)  # unknown names fail before any work
     if input_device is None:
@@ -96,11 +98,16 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     elif show_progress:
         info(f"{STAGE_PREFIX}calibrate ({method}): {len(samples)} sample(s)")
     n_samples = n_tokens = n_done = 0
+    experts = moe_modules(model)
+    for m in experts.values():
+        m.token_counts = torch.zeros(m.num_experts, dtype=torch.int64)
     start = time.perf_counter()
     try:
         with obs:
             for batch in (batches if batches is not None else iter_batches(samples, batch_size)):
                 obs.begin_batch(batch.attention_mask)
+                for m in experts.values():  # routed tokens counted on real positions only
+                    m.count_rows = obs.valid_rows
                 forward(batch, input_device)
                 obs.end_batch()
                 n_samples += len(batch)
@@ -114,6 +121,9 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
     finally:
         if bar is not None:
             bar.close()
+        expert_tokens = {n: m.token_counts.tolist() for n, m in experts.items()}
+        for m in experts.values():
+            m.token_counts = m.count_rows = None
     seconds = time.perf_counter() - start
     missing = [m for m in modules if m not in stats]
     notes = []
@@ -122,7 +132,8 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
         notes.append(f"{len(unmasked)} modules received inputs whose shape does not match the "
                      f"attention mask, so padding could not be excluded there: {unmasked[:5]}")
     return Observation(stats=stats, samples=n_samples, tokens=n_tokens, batches=n_done,
-                       seconds=seconds, missing=missing, notes=notes)
+                       seconds=seconds, missing=missing, notes=notes,
+                       expert_tokens=expert_tokens)
 
 
 def amaxes_from_stats(stats: dict[str, FinalStats], method: str,

@@ -329,6 +329,11 @@ class ActivationObserver:
         # Decided on the host, so a batch without padding costs no indexing on the device.
         self._valid_idx_cpu = None if bool(flat.all()) else torch.nonzero(flat).reshape(-1)
 
+    @property
+    def valid_rows(self) -> torch.Tensor | None:
+        """Host indices of the current batch's non-padding positions (None: no padding)."""
+        return self._valid_idx_cpu
+
     def end_batch(self) -> None:
         self._last = None  # drop the reference to the last group's input
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,113 @@ def missing_tensors(model, present) -> list[str]:
             and not (tie and name.endswith(("lm_head.weight", "decoder.weight")))]
 
 
+def weight_conversions(model) -> tuple[list, list]:
+    """transformers' key renamings and weight converters for ``model`` (its
+    ``conversion_mapping.py`` entries, e.g. Mixtral's per-expert w1/w3 -> ``gate_up_proj``):
+    ``(renamings, converters)``; none before transformers 5 (which loads checkpoints by their
+    names as they are)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return [], []
+
+    mapping = get_model_conversion_mapping(model, add_legacy=True)
+    return ([m for m in mapping if isinstance(m, WeightRenaming)],
+            [m for m in mapping if isinstance(m, WeightConverter)])
+
+
+def model_key(model, name: str, renamings: list | None = None) -> str:
+    """The name checkpoint tensor ``name`` has in ``model`` after transformers' renamings only
+    (no converter: a per-expert weight keeps its expert index)."""
+    if renamings is None:
+        renamings = weight_conversions(model)[0]
+    if not renamings:
+        return name
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(name, renamings)
+
+
+def module_names(model, modules) -> dict[str, str]:
+    """Checkpoint module name -> the model's (:func:`model_key` of its ``.weight``)."""
+    renamings = weight_conversions(model)[0]
+    return {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
+            for m in modules}
+
+
+def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = False
+             ) -> dict[str, Any]:
+    """Checkpoint tensors by name -> the model's state dict keys, converted as transformers
+    converts them at load time (renamed; per-expert weights stacked into 3-D parameters).
+
+    ``tensors`` values are tensors (meta tensors give the shapes without any memory) or
+    zero-argument callables that load one. Names no rule touches pass through unchanged (so
+    missing or unexpected names are reported as before). ``lazy``: the values are callables,
+    each reading (and converting) only its own tensors when called, so a caller that streams
+    the state holds one expert group at a time.
+    """
+    renamings, converters = weight_conversions(model)
+    if not renamings and not converters:  # transformers 4: names load as they are
+        return _materialize(dict(tensors), lazy)
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    out: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
+    for name in sorted(tensors, key=dot_natural_key):  # experts 0, 1, ..., 10 in order
+        target, pattern = rename_source_key(name, renamings, converters, prefix, meta)
+        if target not in meta and name in meta:
+            target, pattern = name, None
+        if pattern is None or target not in meta:
+            out[target if target in meta else name] = tensors[name]
+            continue
+        if target not in groups:
+            groups[target] = _Group(deepcopy(by_pattern[pattern]), target, model, where)
+            out[target] = groups[target].tensor
+        groups[target].converter.add_tensor(target, name, pattern, tensors[name])
+    return _materialize(out, lazy)
+
+
+def _materialize(out: dict[str, Any], lazy: bool) -> dict[str, Any]:
+    if lazy:
+        return {k: (v if callable(v) else (lambda v=v: v)) for k, v in out.items()}
+    return {k: (v() if callable(v) else v) for k, v in out.items()}
+
+
+class _Group:
+    """One transformers WeightConverter collecting a parameter's checkpoint tensors."""
+
+    def __init__(self, converter, target: str, model, where: Path):
+        self.converter, self.target, self.model, self.where = converter, target, model, where
+
+    def tensor(self):
+        try:
+            result = self.converter.convert(self.target, model=self.model,
+                                            config=self.model.config)
+        except Exception as exc:  # stacking tensors of different shapes, a missing member
+            raise Fp8ExportError(
+                f"{self.where}: the tensors transformers merges into {self.target} do not fit "
+                f"together ({_first_line(exc)}). The checkpoint does not match its "
+                "config.json.") from exc
+        if set(result) != {self.target}:
+            raise Fp8ExportError(f"{self.where}: transformers converts the tensors of "
+                                 f"{self.target} into {sorted(result)[:3]}, which fp8export does "
+                                 "not load. Convert a checkpoint of a supported layout.")
+        value = result[self.target]
+        return value[0] if isinstance(value, list) else value
+
+
+def converted_shapes(model, shapes: Mapping[str, tuple[int, ...]], where: Path
+                     ) -> dict[str, tuple[int, ...]]:
+    """``shapes`` (checkpoint names) as the model's parameters will have them after
+    :func:`hf_state`: computed on meta tensors, so nothing is allocated."""
+    metas = {k: torch.empty(tuple(v), device="meta") for k, v in shapes.items()}
+    return {k: tuple(t.shape) for k, t in hf_state(model, metas, where).items()}
+
+
 def check_shapes(model, shapes: Mapping[str, tuple[int, ...]], source: Path) -> None:
     """Every parameter and stored buffer of ``model`` (built on the meta device) against the
     checkpoint's tensor shapes; raise on a mismatch, a missing tensor, or huge buffers."""
@@ -203,11 +311,13 @@ def check_shapes(model, shapes: Mapping[str, tuple[int, ...]], source: Path) -> 
 
 
 def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch.float32, *,
-                shapes: Mapping[str, tuple[int, ...]] | None = None, empty: bool = False):
+                shapes: Mapping[str, tuple[int, ...]] | None = None, empty: bool = False,
+                meta: bool = False):
     """Instantiate the architecture of ``config`` with random weights (no download).
 
     ``empty``: parameters stay on the meta device (buffers are real), to be loaded onto the
-    devices of a plan (``fp8export.placement``).
+    devices of a plan (``fp8export.placement``). ``meta``: everything on the meta device (for
+    its module names and shapes only; nothing allocated).
 
     With ``shapes`` (tensor name → shape of the checkpoint that will be loaded into it) the
     architecture is first built on the meta device and checked against them
@@ -232,8 +342,12 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
              f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
              "(trust_remote_code=False).")
     arch = (config.get("architectures") or [config.get("model_type")])[0]
-    if shapes is not None:
-        check_shapes(_build(auto, cfg, dtype, where, arch, meta=True), shapes, source)
+    if shapes is not None or meta:
+        on_meta = _build(auto, cfg, dtype, where, arch, meta=True)
+        if shapes is not None:
+            check_shapes(on_meta, converted_shapes(on_meta, shapes, source), source)
+        if meta:
+            return on_meta.eval()
     return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
 
 
@@ -279,10 +393,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
         if tensors:
             shapes.update({k: tuple(t.shape) for k, t in tensors.items() if k in shapes})
         model = empty_model(ckpt.config, Path(path), dtype=dtype, shapes=shapes)
-        state = {}
-        for info_ in ckpt.tensors():
-            t = tensors[info_.name] if tensors and info_.name in tensors else ckpt.load(info_.name)
-            state[info_.name] = t
+        given = tensors or {}
+        state = hf_state(model, {i.name: _loader(ckpt, i.name, given, dtype)
+                                 for i in ckpt.tensors()}, Path(path))
         config = dict(ckpt.config)
     expected = model.state_dict()
     loadable = {}
@@ -304,6 +417,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.to(device).eval(), config
+
+
+def _loader(ckpt, name: str, given: Mapping[str, torch.Tensor], dtype: torch.dtype):
+    """A callable reading tensor ``name`` (from ``given`` if there), floating ones in ``dtype``."""
+    def load():
+        t = given[name] if name in given else ckpt.load(name)
+        return t.to(dtype) if t.is_floating_point() else t
+    return load
 
 
 def checkpoint_bytes(path: str | Path, itemsize: int | None) -> int:
@@ -338,8 +459,10 @@ def load_model_spread(path: str | Path, budgets: dict[int | str, int], *,
         model = empty_model(ckpt.config, Path(path), dtype=dtype, shapes=shapes, empty=True)
         expected = set(model.state_dict())
         device_map = placement.plan(model, budgets, dtype)
-        placement.fill(model, device_map, ((i.name, ckpt.load(i.name)) for i in ckpt.tensors()
-                                           if i.name in expected), dtype=dtype)
+        state = hf_state(model, {i.name: _loader(ckpt, i.name, {}, dtype)
+                                 for i in ckpt.tensors()}, Path(path), lazy=True)
+        placement.fill(model, device_map, ((k, load()) for k, load in state.items()
+                                           if k in expected), dtype=dtype)
         config = dict(ckpt.config)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -23,7 +23,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("read", {"checkpoint"}),
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),
-    ("models", {"models", "keras_model"}),
+    ("models", {"models", "moe", "keras_model"}),
     ("inputs", {"inputs"}),
     ("calibration", {"calibration"}),
     ("plots", {"plots"}),

@@ -251,6 +251,13 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
         if f"{module}.weight" not in names:
             notes.append(f"{MANIFEST} lists {module} as quantized but {module}.weight is missing")
     result.summary = _summary(result.tensors, ck.config)
+    experts = expert_tokens(m_quant)
+    if experts:
+        result.summary["expert_routed_tokens"] = experts
+        for layer, counts in experts.items():
+            notes.append(f"{layer}: tokens routed to each expert during calibration "
+                         f"{list(counts.values())} (every expert's input range was observed "
+                         "on all calibration tokens)")
     if manifest is not None:
         result.summary.update({k: manifest.get(k) for k in
                                ("output_format", "activation_scheme", "format_version")})
@@ -270,6 +277,20 @@ def _kv_cache(manifest: dict[str, Any] | None, names: set[str]) -> str | None:
     if line is None and k_scales:
         line = f"FP8: k_scale/v_scale tensors for {len(k_scales)} attention layer(s)"
     return line
+
+
+def expert_tokens(quantized: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """MoE layer (``<experts>``) -> expert index -> tokens routed to it during calibration,
+    from the manifest's ``input_details.routed_tokens``."""
+    out: dict[str, dict[str, int]] = {}
+    for module, entry in sorted(quantized.items()):
+        details = entry.get("input_details") if isinstance(entry, dict) else None
+        routed = details.get("routed_tokens") if isinstance(details, dict) else None
+        head = module.rpartition(".")[0]
+        experts, _, index = head.rpartition(".")
+        if isinstance(routed, int) and index.isdigit():
+            out.setdefault(experts, {})[index] = routed
+    return {k: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for k, v in out.items()}
 
 
 def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:

@@ -52,9 +52,10 @@ _PASS_THROUGH = {"Cast", "Transpose", "Reshape", "Identity", "Squeeze", "Unsquee
 _GEMMS = {"MatMul", "Gemm"}
 _STANDARD_DOMAINS = {"", "ai.onnx"}
 # Standard ops of the graphs torch.onnx (dynamo) emits for transformers models — measured on
-# Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2, OPT and BERT exports — plus the Q/DQ rewrite, the
-# opset-23 transformer ops and the elementwise/normalisation ops of Keras exports. Anything
-# else (control flow, sequences, random numbers) is not a graph fp8export wrote.
+# Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2, OPT and BERT exports, and TopK of the MoE routers
+# of Mixtral and Qwen3-MoE — plus the Q/DQ rewrite, the opset-23 transformer ops and the
+# elementwise/normalisation ops of Keras exports. Anything else (control flow, sequences,
+# random numbers) is not a graph fp8export wrote.
 OPS = frozenset("""
     Abs Add And ArgMax Attention AveragePool BatchNormalization Cast CastLike Ceil Clip Concat
     Constant ConstantOfShape Conv Cos CumSum DequantizeLinear Div Dropout Einsum Elu Equal Erf
@@ -64,7 +65,7 @@ OPS = frozenset("""
     Min Mod Mul Neg Not Or Pad Pow QuantizeLinear Range Reciprocal ReduceL2 ReduceMax ReduceMean
     ReduceMin ReduceProd ReduceSum Relu Reshape RMSNormalization RotaryEmbedding Round
     ScatterElements ScatterND Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus Split
-    Sqrt Squeeze Sub Sum Tanh Tile Transpose Trilu Unsqueeze Where Xor
+    Sqrt Squeeze Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor
 """.split())
 # onnxruntime 1.31: "Unsupported model IR version: 14, max supported IR version: 13"
 ORT_MAX_IR = 13

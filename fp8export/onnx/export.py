@@ -154,11 +154,12 @@ def build_torch_model(folder, dtype):
     """The transformers model of ``folder`` (an Fp8Folder) holding its dequantized weights."""
     import torch
 
-    from fp8export.models import empty_model, missing_tensors
+    from fp8export.models import empty_model, hf_state, missing_tensors
+    from fp8export.moe import unfuse_experts
 
     model = empty_model(folder.config, folder.path, dtype=dtype,
                         shapes=folder.tensors.shapes())
-    state = folder.model_state(dtype)
+    state = hf_state(model, folder.model_state(dtype), folder.path)
     expected = model.state_dict()
     loadable = {}
     for name, t in state.items():
@@ -179,7 +180,23 @@ def build_torch_model(folder, dtype):
         model.tie_weights()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
     return model.eval().requires_grad_(False).to(torch.device("cpu"))
+
+
+def graph_layers(folder) -> dict:
+    """The folder's quantized layers under the names their modules have in the traced model
+    (transformers renames some, e.g. Mixtral's ``block_sparse_moe`` is ``mlp``)."""
+    from dataclasses import replace
+
+    from fp8export.keras_model.config import is_keras_config
+    from fp8export.models import empty_model, module_names
+
+    if is_keras_config(folder.config):
+        return dict(folder.layers)
+    names = module_names(empty_model(folder.config, folder.path, meta=True), folder.layers)
+    return {names.get(n, n): replace(layer, name=names.get(n, n))
+            for n, layer in folder.layers.items()}
 
 
 def _wrapper(model):
@@ -422,7 +439,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
             proto, output_name, feed = torch_export(folder, dtype, opset)
         with stage("rewriting quantized linears into FP8 Q/DQ"):
-            rewrite = rewrite_qdq(proto, folder.layers, dtype=dtype.value, opset=opset)
+            rewrite = rewrite_qdq(proto, graph_layers(folder), dtype=dtype.value, opset=opset)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11
@@ -458,6 +475,11 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         notes.insert(0, WEIGHT_ONLY.format(n=len(sixteen)))
     else:
         notes = list(rewrite.notes)
+    if any(".experts." in name for name in folder.layers):
+        notes.append("MoE experts exported densely: every expert runs on every token, weighted "
+                     "by the router (zero where a token was not routed), so the graph has no "
+                     "data-dependent control flow; its expert GEMMs cost E/top-k times routed "
+                     "execution. For routed MoE serving use the FP8 folder with vLLM.")
     if keras:
         notes.insert(0, "Keras model rebuilt in torch from config.json (Keras not needed)")
     if kv:

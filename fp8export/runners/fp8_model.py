@@ -6,6 +6,12 @@ high-precision tensors are loaded as they are, and every module the manifest lis
 weight and scales. GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
 Members of a fused group (the manifest's ``fused_group``: q/k/v, gate/up) that share their
 scales then run as one GEMM (``fp8_fused.py``).
+
+MoE experts: transformers' fused 3-D experts modules are first replaced by one linear per
+expert (:func:`fp8export.moe.unfuse_experts`), named as the folder names them after
+transformers' key renamings (Mixtral's ``block_sparse_moe`` is ``mlp`` in the model), so every
+quantized expert projection runs as its own ``Fp8Linear`` (gate/up of one expert as one GEMM when
+they share scales); ``info["moe"]`` says so.
 """
 
 from __future__ import annotations
@@ -85,7 +91,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     config = read_folder_config(where)
     if is_keras_config(config):
         return _load_keras_fp8(where, dev, dtype, resolved)
-    from fp8export.models import empty_model
+    from fp8export.models import empty_model, model_key, weight_conversions
+    from fp8export.moe import expert_summary, unfuse_experts
 
     if budgets is not None:
         from fp8export.placement import need_accelerate
@@ -95,20 +102,30 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     with open_folder_tensors(where) as tensors:
         model = empty_model(config, where, dtype=dtype, shapes=tensors.shapes(),
                             empty=budgets is not None)
+        renamings = weight_conversions(model)[0]
+        stored_fused = [n for n in tensors.shapes() if model_key(model, n, renamings).endswith(
+            (".experts.gate_up_proj", ".experts.down_proj"))]
+        if not stored_fused:  # per-expert tensors: one linear per expert projection
+            unfuse_experts(model)
+        names = {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
+                 for m in quantized}
         fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
-                                     where=where, dynamic=dynamic_of(manifest, where))
+                                     where=where, dynamic=dynamic_of(manifest, where),
+                                     names=names)
         state = model.state_dict()
         loadable = {}
-        for key, shape in tensors.shapes().items():
-            if key.rpartition(".")[0] in quantized:
+        for name, shape in tensors.shapes().items():
+            if name.rpartition(".")[0] in quantized:
                 continue  # weight, scales and bias already inside the Fp8Linear
+            key = model_key(model, name, renamings)
             if key in state:
                 if tuple(state[key].shape) != shape:
                     raise Fp8ExportError(f"{where}: tensor {key} has shape {shape} but the "
                                          f"architecture expects {tuple(state[key].shape)}.")
-                t = tensors[key]
+                t = tensors[name]
                 loadable[key] = t.to(dtype) if t.is_floating_point() else t
-    missing = [k for k in state if k not in loadable and k.rpartition(".")[0] not in quantized]
+    swapped = set(names.values())
+    missing = [k for k in state if k not in loadable and k.rpartition(".")[0] not in swapped]
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
         tied = {k for k in missing if k.endswith(("lm_head.weight", "decoder.weight"))}
@@ -128,7 +145,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     if budgets is None:
         model = model.to(dev)
     model.eval()
-    groups = fused_groups(quantized, config) if fuse else {}
+    groups = fused_groups(quantized, config, names) if fuse else {}
     unfused = fuse_projections(model, groups)
     kv = _emulate_kv_cache(model, manifest, tensors, where)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
@@ -136,7 +153,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
             "weight_granularity": manifest.get("weight_granularity", "tensor"),
             "dynamic_activations": dynamic_of(manifest, where),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
-            "kv_cache": kv}
+            "kv_cache": kv, "moe": expert_summary(model) or _fused_experts(stored_fused)}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
 
@@ -168,6 +185,15 @@ def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.
     return "fp8 (keys after RoPE and values quantized with k_scale/v_scale, emulated)"
 
 
+def _fused_experts(names: list[str]) -> dict[str, Any] | None:
+    """The MoE facts of a folder that stores its experts fused (3-D, kept in high precision)."""
+    if not names:
+        return None
+    return {"moe_layers": len({n.rpartition(".")[0] for n in names}), "expert_gemms": {},
+            "note": "experts stored fused (3-D) in the folder: kept in high precision and run "
+                    "by transformers' own experts module, not in FP8"}
+
+
 def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
     """How the folder's dynamic layers scale their input: "tensor" (folders written before
     the option existed) or "token"."""
@@ -178,10 +204,11 @@ def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
     return value
 
 
-def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
-                 ) -> dict[str, list[str]]:
+def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None,
+                 names: dict[str, str] | None = None) -> dict[str, list[str]]:
     """Fused group → its quantized members, from the manifest's ``fused_group`` fields; members
-    in the family's order (q, k, v) where the family is known."""
+    in the family's order (q, k, v) where the family is known. ``names``: folder module name →
+    the model's (after transformers' renamings); groups and members are given in model names."""
     from fp8export.scales.families import family_of, fused_group_of
 
     family = family_of(config)
@@ -194,34 +221,45 @@ def fused_groups(quantized: dict[str, Any], config: dict[str, Any] | None = None
         known = fused_group_of(members[0], family)
         order = known[1] if known and known[0] == g else ()
         ordered[g] = sorted(members, key=lambda n: order.index(n) if n in order else len(order))
+    if names:
+        def rename(n: str) -> str:
+            return names.get(n, n)
+
+        def rename_group(g: str, members: list[str]) -> str:
+            parent, _, tag = g.rpartition(".")
+            new_parent = rename(members[0]).rpartition(".")[0]
+            return f"{new_parent}.{tag}" if parent else g
+
+        ordered = {rename_group(g, ms): [rename(m) for m in ms] for g, ms in ordered.items()}
     return {g: members for g, members in ordered.items() if len(members) > 1}
 
 
 def swap_fp8_linears(model: torch.nn.Module, quantized: dict[str, Any],
                      tensors: dict[str, torch.Tensor], *, mode: str, dtype: torch.dtype,
                      where: Path, keep_bias: bool = False, dynamic: str = "tensor",
-                     ) -> dict[str, str]:
+                     names: dict[str, str] | None = None) -> dict[str, str]:
     """Replace every manifest-listed module of ``model`` by its Fp8Linear; returns fallbacks.
 
     ``keep_bias``: the new layer takes the replaced module's bias (already loaded) rather than
-    the folder's tensor.
+    the folder's tensor. ``names``: folder module name → the model's, where they differ.
     """
     fallbacks = {}
-    for name, entry in quantized.items():
+    for folder_name, entry in quantized.items():
+        name = (names or {}).get(folder_name, folder_name)
         try:
             old = model.get_submodule(name)
         except AttributeError:
-            raise Fp8ExportError(f"{where}: the manifest quantizes {name}, which the architecture "
-                                 "in config.json does not have.") from None
+            raise Fp8ExportError(f"{where}: the manifest quantizes {folder_name}, which the "
+                                 "architecture in config.json does not have.") from None
         bias = getattr(old, "bias", None) if keep_bias else None
-        new = make_fp8_linear(name, entry, tensors, mode=mode, dtype=dtype, where=where,
+        new = make_fp8_linear(folder_name, entry, tensors, mode=mode, dtype=dtype, where=where,
                               bias=None if bias is None else bias.detach(), dynamic=dynamic)
         expected = _linear_shape(old)
         if expected is not None and expected != (new.out_features, new.in_features):
             raise Fp8ExportError(f"{where}: {name}.weight is {new.out_features}x{new.in_features}"
                                  f" but the architecture expects {expected[0]}x{expected[1]}.")
         if new.fallback_reason and mode == "scaled_mm":
-            fallbacks[name] = new.fallback_reason
+            fallbacks[folder_name] = new.fallback_reason
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return fallbacks

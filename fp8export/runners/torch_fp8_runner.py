@@ -94,4 +94,9 @@ class TorchFp8Runner(TorchModelRunner):
                  unfused_groups=self.info.get("unfused_groups", {}),
                  kv_cache=self.info.get("kv_cache"),
                  fp8_path=self.fp8_path(), **self.execution)
+        if self.info.get("moe"):
+            from fp8export.moe import expert_summary
+
+            d["moe"] = (expert_summary(self.model) if self.model is not None else None) \
+                or self.info["moe"]
         return d

@@ -92,6 +92,10 @@ _KERAS_VARIABLE = re.compile(r"\.(vars\.\d+|embeddings|gamma|beta)$")
 
 
 def _non_weight_reason(info: TensorInfo) -> str:
+    if info.name.endswith((".experts.gate_up_proj", ".experts.down_proj")) \
+            and len(info.shape) == 3:
+        return ("MoE experts stored fused (3-D): kept in high precision (FP8 experts are "
+                "written one linear per expert; convert a per-expert checkpoint)")
     layer = _KERAS_VARIABLE.sub("", info.name)
     if layer != info.name and (reason := default_exclusion(layer)) is not None:
         return reason

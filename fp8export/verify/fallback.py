@@ -69,11 +69,15 @@ class FallbackSearch:
     def __init__(self, checkpoint: Path, layers: Sequence[FallbackLayer], *, data: Path | None,
                  samples: int | None, seq_len: int | None, dynamic: str = "tensor"):
         from fp8export.inputs.samples import iter_batches
-        from fp8export.models import load_model
+        from fp8export.models import load_model, module_names
+        from fp8export.moe import unfuse_experts
         from fp8export.verify.data import load_verify_samples
 
         self.t0 = time.perf_counter()
         self.model, config = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")
+        unfuse_experts(self.model)  # MoE: one linear per expert projection, as the folder has
+        # the model's module name of each layer (transformers renames some, e.g. Mixtral's)
+        self.names = module_names(self.model, [layer.module for layer in layers])
         for p in self.model.parameters():  # gradients are wanted at layer outputs only
             p.requires_grad_(False)
         s, self.data_info = load_verify_samples(data, Path(checkpoint), config,
@@ -84,7 +88,7 @@ class FallbackSearch:
         self.twins: dict[str, Fp8Linear] = {}
         for layer in layers:
             try:
-                old = self.model.get_submodule(layer.module)
+                old = self.model.get_submodule(self.names[layer.module])
             except AttributeError:
                 raise Fp8ExportError(f"{checkpoint}: no module {layer.module} to measure for "
                                      "--accuracy-budget.") from None
@@ -146,7 +150,7 @@ class FallbackSearch:
         return self.scores
 
     def _set(self, name: str, module: torch.nn.Module) -> None:
-        parent, _, child = name.rpartition(".")
+        parent, _, child = self.names.get(name, name).rpartition(".")
         setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
 
     def kl(self, keep: set[str], model: torch.nn.Module | None = None) -> dict[str, float]:

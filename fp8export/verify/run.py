@@ -297,6 +297,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                      f"({cand_desc.get('level_source')}).")
     if cand_desc.get("level_warning"):
         notes.append(cand_desc["level_warning"] + ".")
+    if cand_desc.get("moe"):
+        notes.append(moe_note(cand_desc["moe"], cand_desc.get("mode")))
     family_note = f"Judged by {DESCRIPTIONS[family]}"
     if family is MetricFamily.EMBEDDINGS:
         family_note += f": {cmp.pooling.describe()}"
@@ -325,3 +327,19 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         header=head, worst_samples=worst, family=str(family), noise_floor=floor,
     )
     return result
+
+
+def moe_note(moe: dict[str, Any], mode: str | None) -> str:
+    """One line: which weights the MoE expert projections ran with, and how many calls."""
+    calls = moe.get("expert_gemms") or {}
+    fp8 = calls.get("float8_e4m3fn", 0)
+    other = {k: v for k, v in calls.items() if k != "float8_e4m3fn"}
+    how = "emulated FP8" if mode == "emulate" else "torch._scaled_mm"
+    per = f" x {moe['experts_per_layer']} experts" if moe.get("experts_per_layer") else ""
+    text = (f"MoE: {moe.get('moe_layers')} layers{per}; "
+            f"{fp8} expert projection calls ran with E4M3 weights ({how})")
+    if other:
+        text += "; in high precision: " + ", ".join(f"{v} ({k})" for k, v in other.items())
+    if moe.get("note"):
+        text += f"; {moe['note']}"
+    return text + "."

@@ -1,0 +1,31 @@
+"""Session-scoped tiny models of every family (built once, shared by the family tests)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_families import FAMILIES, save_family  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """``family_dir(name)``: the saved tiny model of family ``name`` (built on first use)."""
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = save_family(name, root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_names():
+    return list(FAMILIES)
