@@ -130,6 +130,13 @@ def _summary(result) -> None:
                    f"{floor['against']}): " + ", ".join(shown))
     for f in result.failures:
         click.echo(f"  failed: {f['message']}")
+    conf = result.confidence or {}
+    if conf:
+        click.echo(f"  verdict {conf['verdict']} ({conf['level']:.0%} bootstrap intervals over "
+                   f"{conf['samples']} samples, {conf['tokens']:,} tokens)"
+                   + ("" if conf["warnings"] else ": every check is decided"))
+        for w in conf["warnings"]:
+            click.echo(f"  warning: {w}")
     if result.per_layer:
         worst = result.per_layer[0]
         click.echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
