@@ -74,7 +74,9 @@ class WeightGranularity(StrEnum):
 
 class DynamicActivations(StrEnum):
     """How layers without a static input scale scale their input at run time
-    (``convert --dynamic-activations``): one amax per tensor, or one per token (row)."""
+    (``convert --dynamic-activations``): one amax per tensor, or one per token (row). Per
+    token is the default: what vLLM runs for dynamic inputs (compressed-tensors always; its
+    native fp8 dialect on GPUs with CUTLASS FP8)."""
 
     TENSOR = "tensor"
     TOKEN = "token"
@@ -132,7 +134,7 @@ class ConvertConfig:
     include: tuple[str, ...] = ()
     fuse_scales: bool = True
     weight_granularity: WeightGranularity = WeightGranularity.TENSOR
-    dynamic_activations: DynamicActivations = DynamicActivations.TENSOR
+    dynamic_activations: DynamicActivations = DynamicActivations.TOKEN
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False

@@ -70,12 +70,12 @@ def _choice(*values: str) -> click.Choice:
               help="One weight scale per tensor, or one per output channel (weight_scale "
                    "[out, 1]; compressed-tensors strategy channel; --format compressed-tensors "
                    "only). Which is more accurate depends on the model: measure with verify.")
-@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="tensor",
+@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="token",
               show_default=True,
               help="Layers without a static input scale quantize their input at run time with "
-                   "one scale per tensor, or one per token (what vLLM runs for "
-                   "compressed-tensors dynamic inputs). Recorded in fp8export.json; verify "
-                   "runs it.")
+                   "one scale per token (what vLLM runs for dynamic inputs), or one per tensor. "
+                   "Declared in config.json (compressed-tensors strategy) and fp8export.json; "
+                   "verify runs what the folder declares.")
 @click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
               help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
                    "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "

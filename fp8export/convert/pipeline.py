@@ -463,7 +463,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
-                                  kv_cache=scales.kv_entry is not None)
+                                  kv_cache=scales.kv_entry is not None,
+                                  dynamic_strategy=str(cfg.dynamic_activations))
     if dynamic:
         which = "this folder has no static input scales" if not static else \
             f"{len(dynamic)} layer(s) have no static input scale"
@@ -471,10 +472,11 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                      "input scales for FP8 GEMMs, so export-onnx gives those GEMMs 16-bit "
                      "(weight-only FP8); for TensorRT convert with --calib-data FILE")
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
-            and cfg.format is OutputFormat.COMPRESSED_TENSORS:
-        notes.append("dynamic activations are verified per tensor here, while vLLM runs "
-                     "compressed-tensors dynamic inputs per token; --dynamic-activations token "
-                     "verifies what it runs")
+            and cfg.format is not OutputFormat.MODELOPT:
+        notes.append("dynamic activations are declared and verified per tensor, but vLLM "
+                     "quantizes dynamic inputs per token (compressed-tensors always, its fp8 "
+                     "dialect on GPUs with CUTLASS FP8); the default --dynamic-activations "
+                     "token verifies what it runs")
     # first: it decides who can load the folder
     notes[:0] = format_notes(cfg.format, keras=is_keras_config(ckpt.config))
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
