@@ -82,6 +82,14 @@ class DynamicActivations(StrEnum):
     TOKEN = "token"
 
 
+class WeightRounding(StrEnum):
+    """How weights reach the E4M3 grid of their scale (``convert --weight-rounding``): each to
+    its nearest value, or GPTQ (codes chosen for the layer's output on ``--calib-data``)."""
+
+    NEAREST = "nearest"
+    GPTQ = "gptq"
+
+
 class KvCache(StrEnum):
     """KV-cache precision the folder declares (``convert --kv-cache``)."""
 
@@ -135,6 +143,7 @@ class ConvertConfig:
     fuse_scales: bool = True
     weight_granularity: WeightGranularity = WeightGranularity.TENSOR
     dynamic_activations: DynamicActivations = DynamicActivations.TOKEN
+    weight_rounding: WeightRounding = WeightRounding.NEAREST
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
@@ -151,7 +160,7 @@ class ConvertConfig:
                            ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
                            ("weight_granularity", WeightGranularity),
                            ("dynamic_activations", DynamicActivations),
-                           ("kv_cache", KvCache)):
+                           ("weight_rounding", WeightRounding), ("kv_cache", KvCache)):
             option = f"--{name.replace('_', '-')}"
             object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -162,6 +171,9 @@ class ConvertConfig:
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
+        if self.weight_rounding is WeightRounding.GPTQ and self.calib_data is None:
+            raise UsageError("--weight-rounding gptq rounds each weight for its layer's output "
+                             "on sample inputs: give --calib-data PATH.")
         if self.kv_cache is KvCache.FP8 and self.calib_data is None:
             raise UsageError("--kv-cache fp8 calibrates the keys and values: give --calib-data "
                              "PATH.")
@@ -196,7 +208,8 @@ class ConvertConfig:
             raise UsageError("--scales weights takes no activation ranges, so --calib-amax would "
                              "be ignored. Drop one of them.")
         if self.scales is ScalesMode.WEIGHTS and self.calib_data is not None \
-                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None:
+                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None \
+                and self.weight_rounding is WeightRounding.NEAREST:
             raise UsageError("--scales weights calibrates nothing, so --calib-data would be "
                              "ignored. Drop --calib-data, or use --scales calibrate.")
         if self.percentile is not None:

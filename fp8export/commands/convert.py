@@ -76,6 +76,13 @@ def _choice(*values: str) -> click.Choice:
                    "one scale per token (what vLLM runs for dynamic inputs), or one per tensor. "
                    "Declared in config.json (compressed-tensors strategy) and fp8export.json; "
                    "verify runs what the folder declares.")
+@click.option("--weight-rounding", type=_choice("nearest", "gptq"), default="nearest",
+              show_default=True,
+              help="nearest: each weight to its nearest E4M3 value. gptq: E4M3 codes chosen "
+                   "for each layer's output on --calib-data (GPTQ on the E4M3 grid of the same "
+                   "scales): the same tensors and config, a more accurate model (measured in "
+                   "the README's recipe table); costs a pass over the data and a solve per "
+                   "layer.")
 @click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
               help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
                    "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "
@@ -101,7 +108,8 @@ def _choice(*values: str) -> click.Choice:
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
-            kv_cache, device, accuracy_samples, accuracy_budget, workers, force):
+            weight_rounding, kv_cache, device, accuracy_samples, accuracy_budget, workers,
+            force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
@@ -126,7 +134,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
-        kv_cache=kv_cache,
+        weight_rounding=weight_rounding, kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
     )

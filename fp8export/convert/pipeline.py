@@ -49,6 +49,7 @@ from fp8export.config import (
     KvCache,
     OutputFormat,
     WeightGranularity,
+    WeightRounding,
 )
 from fp8export.convert.activation import resolve_activation_ranges
 from fp8export.convert.checks import check_inputs
@@ -325,9 +326,11 @@ def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
-        # The parallel writer knows per-tensor weight scales only: per-channel scales and KV
-        # cache scales take the general path (one tensor at a time).
-        simple = not _per_channel(cfg) and cfg.kv_cache is not KvCache.FP8
+        # The parallel writer knows per-tensor weight scales of the source's own weights only:
+        # per-channel scales, KV cache scales and rounded weights take the general path (one
+        # tensor at a time).
+        simple = not _per_channel(cfg) and cfg.kv_cache is not KvCache.FP8 \
+            and cfg.weight_rounding is WeightRounding.NEAREST
         run = _Run(fast_path_files(ckpt) if simple else None, early,
                    cfg.workers or default_workers(), timings)
         run.lap("open checkpoint")
@@ -362,6 +365,8 @@ class _Scales:
     kv_entry: dict[str, Any] | None = None  # the manifest's kv_cache entry
     search: Any = None  # the accuracy-budget search, to measure the written folder
     budget: dict[str, Any] | None = None  # its result
+    rounding: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> GPTQ facts
+    rounding_entry: dict[str, Any] | None = None  # the manifest's weight_rounding entry
 
 
 def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) -> ConvertResult:
@@ -372,6 +377,14 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    rounding, rounding_entry = {}, None
+    if cfg.weight_rounding is WeightRounding.GPTQ:
+        from fp8export.convert.rounding import rounding_step
+
+        # from here on the checkpoint serves the rounded weights: the budget search, the
+        # writer and the read-back all see the codes that are written
+        ckpt, rounding, rounding_entry = rounding_step(cfg, ckpt, sel, weight_scales, notes)
+        run.lap("weight rounding")
     search = budget = None
     if cfg.accuracy_budget is not None:
         sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
@@ -382,7 +395,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     kv, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     dynamic = sorted(set(sel.modules) - set(input_scales))
     scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic,
-                     kv, kv_after, kv_entry, search, budget)
+                     kv, kv_after, kv_entry, search, budget,
+                     {m: f for m, f in rounding.items() if m in weight_scales}, rounding_entry)
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format), kv_after=kv_after)
@@ -518,7 +532,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                                      record=record, early=early, kv_scales=scales.kv)
             run.lap("read-back")
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
-                             scales.ranges, scales.input, sqnr, plans)
+                             scales.ranges, scales.input, sqnr, plans, scales.rounding)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
             write_json(tmp / MANIFEST_NAME, manifest)
@@ -634,12 +648,16 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
     }
     if scales.kv_entry is not None:
         manifest["kv_cache"] = scales.kv_entry
+    if scales.rounding_entry is not None:
+        manifest["weight_rounding"] = scales.rounding_entry
     return manifest
 
 
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
-            plans) -> list[dict[str, Any]]:
-    """The per-layer rows of the manifest and the result, in source order."""
+            plans, rounding=None) -> list[dict[str, Any]]:
+    """The per-layer rows of the manifest and the result, in source order. ``rounding``:
+    per rounded layer its SQNRs against the source weight and on the layer's output (the
+    read-back SQNR of a rounded weight is against the codes it was written from)."""
     import numpy as np
 
     shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
@@ -661,5 +679,6 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
             "input_scale_source": str(r.source) if r else None,
             "input_details": dict(r.details) if r and r.details else {},
+            **(rounding or {}).get(t.module, {}),
         })
     return rows
