@@ -149,7 +149,7 @@ class ConvertConfig:
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (verify/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
-    accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
+    accuracy_samples: int | None = None  # samples the budget is measured on (default 32)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

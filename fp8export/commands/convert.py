@@ -92,7 +92,8 @@ def _choice(*values: str) -> click.Choice:
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-samples", type=click.IntRange(min=1),
               help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
-                   "measures on (default 16).")
+                   "searches on (default 32); the next N/2 samples, when the data has them, "
+                   "check the written folder on text the search did not see.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
               help="Keep the fewest linears in high precision such that the measured KL "
                    "divergence (nats per token) of the model convert writes to the bf16 model "

@@ -389,6 +389,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     if cfg.accuracy_budget is not None:
         sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
         notes.extend(more)
+        if rounding:  # layers kept in high precision are written from the source
+            ckpt = ckpt.only({t.weight for t in sel.targets})
         weight_scales = {m: weight_scales[m] for m in sel.modules}
         input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
         ranges = {m: r for m, r in ranges.items() if m in weight_scales}
@@ -538,14 +540,18 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
-                measured = scales.search.check_written(tmp)
+                measured = scales.search.check_written(tmp, budget.get("kl_selected"))
                 budget = {**budget, "data": Path(str(budget["data"])).name,
                           "written": measured, "seconds": scales.search.cost()}
                 manifest["accuracy_budget"] = budget
                 write_json(tmp / MANIFEST_NAME, manifest)
+                gap = (f" ({100 * measured['gap']:+.0f}% against the search's "
+                       f"{budget['kl_selected']:.3e})" if "gap" in measured else "")
                 notes.append(f"--accuracy-budget: the written folder measures KL "
-                             f"{measured['kl']:.3e}, top-1 {measured['top1_agreement']:.4f}; "
-                             f"search cost {budget['seconds']['total']:.0f} s")
+                             f"{measured['kl']:.3e}{gap}, top-1 "
+                             f"{measured['top1_agreement']:.4f} on {measured['samples']} "
+                             f"{measured['data']} samples; search cost "
+                             f"{budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())

@@ -57,6 +57,12 @@ class RoundedCheckpoint:
 
     load_scratch = load
 
+    def only(self, weights: set[str]) -> RoundedCheckpoint:
+        """The same, serving rounded codes for ``weights`` only: a layer kept in high
+        precision (``--accuracy-budget``) is written from the source."""
+        return RoundedCheckpoint(self._ckpt, {k: v for k, v in self._rounded.items()
+                                              if k in weights})
+
 
 def _unit_weights(ckpt: Checkpoint, sel: Selection, members: list[str]):
     import torch

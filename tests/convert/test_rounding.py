@@ -111,3 +111,22 @@ def test_per_channel_scales_round_too(tmp_path):
     rows = man["quantized"]
     assert len(rows) == 7 and all(r["weight_rounding"] == "gptq" for r in rows.values())
     assert all(r["output_sqnr_db"] > r["output_sqnr_db_nearest"] for r in rows.values())
+
+
+def test_layers_kept_by_a_budget_are_the_source_bytes(tmp_path):
+    """--accuracy-budget searches over the rounded layers, and a layer it keeps in high
+    precision is written from the source, not from its rounded codes."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "b"
+    res = convert(ConvertConfig(checkpoint=MODEL, output=out, scales="weights", calib_data=CALIB,
+                                calib_samples=8, weight_rounding="gptq", accuracy_budget=4e-5,
+                                accuracy_samples=8))
+    keep = res.accuracy_budget["keep"]
+    assert keep
+    src, got = load_file(str(MODEL / "model.safetensors")), load_file(str(out /
+                                                                          "model.safetensors"))
+    for m in keep:
+        assert got[f"{m}.weight"].dtype == torch.bfloat16
+        assert torch.equal(got[f"{m}.weight"], src[f"{m}.weight"]), m
+        assert f"{m}.weight_scale" not in got
