@@ -221,7 +221,7 @@ def search_weight_scales(folder: Path, reference: Path, calib: Path, *, samples:
                                                               if len(ms) > 1},
                           samples=samples, seq_len=seq_len, batch_size=8, device="cpu")
     tensors = load_file(str(folder / "model.safetensors"))
-    changed, before, after = 0, 0.0, 0.0
+    changed, gains = 0, []
     for members in groups.values():
         h, _ = hess.of(members[0])
         ws = [src[f"{m}.weight"].float() for m in members]
@@ -232,8 +232,8 @@ def search_weight_scales(folder: Path, reference: Path, calib: Path, *, samples:
             s = np.float32(base * 2.0 ** (-j / SEARCH_STEPS))
             errs.append((output_error(cat, _fq(cat, s), h), j, s))
         best = min(errs)
-        before += errs[0][0]
-        after += best[0]
+        if best[0] > 0:
+            gains.append(10 * np.log10(errs[0][0] / best[0]))
         if best[1]:
             changed += 1
         for m, wm in zip(members, ws):
@@ -244,4 +244,5 @@ def search_weight_scales(folder: Path, reference: Path, calib: Path, *, samples:
     man["notes"].append("bench/recipe_methods.py: weight scales replaced by output-error search")
     (folder / "fp8export.json").write_text(json.dumps(man, indent=1, sort_keys=True))
     return {"groups": len(groups), "changed": changed,
-            "calib_output_gain_db": 10 * np.log10(before / after) if after else None}
+            "calib_output_gain_db_median": float(np.median(gains)) if gains else None,
+            "calib_output_gain_db_max": float(np.max(gains)) if gains else None}

@@ -169,6 +169,8 @@ def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path
                                                          "cosine_mean", "ppl_ratio")},
                "method_facts": facts,
                "convert_s": round(convert_s, 1), "verify_s": round(verify_s, 1)}
+        row["per_sample"] = [[p["index"], p["tokens"], p["kl_mean"] * p["tokens"],
+                               p["top1_agreement"] * p["tokens"]] for p in res.per_sample]
         if res.per_layer:
             row["per_layer"] = [{k: p.get(k) for k in ("module", "order", "sqnr_db",
                                                         "sqnr_e2e_db", "weight_sqnr_db")}
@@ -190,6 +192,37 @@ def best_of(rows: list[dict]) -> dict:
     passing = [r for r in plain if r["passed_default"]]
     best = min(passing or plain, key=lambda r: r["kl_mean"])
     return {"best": best["recipe"], "best_passes_default": best["passed_default"]}
+
+
+def paired(row: dict, base: dict) -> dict | None:
+    """KL and top-1 of ``row`` minus ``base`` (same samples) with paired 95% bootstrap
+    intervals: the same sample draws for both, so the spread of the data cancels."""
+    import numpy as np
+
+    from fp8export.verify.confidence import draws
+
+    a = {int(i): (t, k, h) for i, t, k, h in row.get("per_sample") or []}
+    b = {int(i): (t, k, h) for i, t, k, h in base.get("per_sample") or []}
+    common = sorted(set(a) & set(b))
+    if len(common) < 2 or row is base:
+        return None
+    ta, ka, ha = (np.array([a[i][j] for i in common], float) for j in range(3))
+    tb, kb, hb = (np.array([b[i][j] for i in common], float) for j in range(3))
+    w = draws(len(common))
+    out = {}
+    for name, (xa, xb) in {"kl_mean": (ka, kb), "top1_agreement": (ha, hb)}.items():
+        d = (w @ xa) / (w @ ta) - (w @ xb) / (w @ tb)
+        point = xa.sum() / ta.sum() - xb.sum() / tb.sum()
+        out[name] = [float(point), float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))]
+    return out
+
+
+def _delta(r: dict, base: dict | None, metric: str, fmt: str) -> str:
+    d = paired(r, base) if base is not None else None
+    if d is None:
+        return "–"
+    v, lo, hi = d[metric]
+    return f"{format(v, fmt)} [{format(lo, fmt)}, {format(hi, fmt)}]"
 
 
 def _interval(r: dict, metric: str, fmt: str) -> str:
@@ -225,9 +258,10 @@ def markdown(doc: dict) -> str:
     for model in doc["models"]:
         lines += [f"## {model['model']}", "",
                   "| weights | activations | calibrator | rounding | method | KV cache | top-1 "
-                  "[95% interval] | KL / token [95% interval] | cosine mean | ppl ratio | "
-                  "`default` gate |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "[95% interval] | KL / token [95% interval] | KL − first row [paired 95%] | "
+                  "cosine mean | ppl ratio | `default` gate |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        base = model["rows"][0] if model["rows"] else None
         for r in model["rows"]:
             gate = "pass" if r["passed_default"] else "fail (" + ", ".join(
                 str(f) for f in r["failures"]) + ")"
@@ -236,12 +270,13 @@ def markdown(doc: dict) -> str:
                          f"{r.get('kv_cache', 'none')} | "
                          f"{r['top1_agreement']:.4f}{_interval(r, 'top1_agreement', '.4f')} | "
                          f"{r['kl_mean']:.3e}{_interval(r, 'kl_mean', '.2e')} | "
+                         f"{_delta(r, base, 'kl_mean', '.2e')} | "
                          f"{r['cosine_mean']:.5f} | {r['ppl_ratio']:.4f} | {gate} |")
         floor = next((r["noise_floor"] for r in model["rows"]
                       if (r.get("noise_floor") or {}).get("kl_mean") is not None), None)
         if floor:
             lines.append(f"| noise floor: bf16 vs fp32 | | | | | | "
-                         f"{floor['top1_agreement']:.4f} | {floor['kl_mean']:.3e} | "
+                         f"{floor['top1_agreement']:.4f} | {floor['kl_mean']:.3e} | | "
                          f"{floor['cosine_mean']:.5f} | {floor['ppl_ratio']:.4f} | |")
         lines += ["", f"Best all-FP8 recipe: **{model['best']}** "
                       f"({'passes' if model['best_passes_default'] else 'fails'} `default`).", ""]
