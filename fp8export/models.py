@@ -198,11 +198,9 @@ def model_key(model, name: str, renamings: list | None = None) -> str:
     (no converter: a per-expert weight keeps its expert index)."""
     if renamings is None:
         renamings = weight_conversions(model)[0]
-    if not renamings:
-        return name
-    from transformers.core_model_loading import apply_renamings
-
-    return apply_renamings(name, renamings)
+    for renaming in renamings:  # each rule in turn, as transformers applies them at load
+        name, _ = renaming.rename_source_key(name)
+    return name
 
 
 def module_names(model, modules) -> dict[str, str]:
