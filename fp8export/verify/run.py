@@ -88,19 +88,20 @@ def _keras_layers(config: dict) -> list | None:
 
 
 def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
-    """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
-    from pathlib import Path
-
-    from fp8export.checkpoint.model_config import read_model_config
+    """The candidate folder's quantization_config dialect; what the folder is (its producer,
+    granularity and activations, as the reader found them) and what that means for loaders,
+    noted."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import VLLM_ONLY, dialect_of
+    from fp8export.fp8dir.formats import VLLM_ONLY
+    from fp8export.fp8dir.reader import read_fp8_folder
 
-    config = read_model_config(Path(folder))
-    dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
-    if dialect == str(OutputFormat.VLLM):
+    with read_fp8_folder(folder) as opened:
+        fmt = opened.format
+    notes.append(f"candidate FP8 folder: {fmt.describe()}")
+    if fmt.dialect == str(OutputFormat.VLLM) and fmt.granularity != "block" and fmt.ours:
         notes.append(f"{VLLM_ONLY} verify ran it with fp8export's torch FP8 runtime, which reads "
                      "its per-tensor scales as vLLM does.")
-    return dialect
+    return fmt.dialect
 
 
 def verify(cfg: VerifyConfig) -> VerifyResult:
