@@ -223,15 +223,25 @@ def _block_notes(cfg: ConvertConfig, sel: Selection) -> list[str]:
             f"--weight-granularity block scales [out, in] tiles, but {len(in_out)} weight(s) are "
             f"stored [in, out] (GPT-2 Conv1D): {_listed(in_out)}. No engine loads block scales "
             "for that layout; use --weight-granularity channel or tensor, or --exclude them.")
+    notes = []
+    edges = sorted(t.module for t in sel.targets
+                   if t.shape[0] % block[0] or t.shape[1] % block[1])
+    if edges:
+        notes.append(
+            f"{len(edges)} layer(s) have a dimension that is not a multiple of the {block[0]}x"
+            f"{block[1]} block: their edge blocks are partial (scale grid ceil(out/bn) x "
+            "ceil(in/bk), each block's scale from its own elements, as vLLM and SGLang run "
+            "them); transformers refuses such weights (its FineGrainedFP8 CPU path and "
+            f"compressed-tensors' group activations need exact multiples): {_listed(edges)}")
     ragged = sorted(t.module for t in sel.targets
                     if t.fused_group and t.shape[0] % block[0])
-    if not ragged:
-        return []
-    return [f"vLLM merges fused projections (q/k/v, gate/up) into one layer and refuses block "
+    if ragged:
+        notes.append(
+            f"vLLM merges fused projections (q/k/v, gate/up) into one layer and refuses block "
             f"scales whose {block[0]} rows do not divide every member's output rows "
-            f"(validate_fp8_block_shape); {len(ragged)} member(s) are not multiples of "
-            f"{block[0]}: {_listed(ragged)}. transformers and fp8export run the folder as "
-            "written; for vLLM pick a --block-size that divides them"]
+            f"(validate_fp8_block_shape): {_listed(ragged)}; for vLLM pick a --block-size "
+            "that divides them")
+    return notes
 
 
 def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,

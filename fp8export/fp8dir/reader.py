@@ -208,7 +208,9 @@ class FolderFormat:
             weights += f" {self.block_size[0]}x{self.block_size[1]}"
         acts = self.activations
         if self.dynamic and self.activations != "static":
-            acts += f" per-{self.dynamic}" + (f"({self.group_size})" if self.group_size else "")
+            acts += {"group": " per-token-group", "none": " (weight-only layers: none)"}.get(
+                self.dynamic, f" per-{self.dynamic}")
+            acts += f"({self.group_size})" if self.group_size else ""
         return (f"{self.dialect}, {weights} weights, {acts} activations "
                 f"(written by {self.producer})")
 
