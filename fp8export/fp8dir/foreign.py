@@ -200,8 +200,10 @@ class _Rules:
                 granularity = "channel"
             elif len(sshape) == 2:
                 granularity = "block"
+                # the config's block sizes are what every loader uses; only a config that
+                # declares none lets the grid's shape name the block
                 fits = [b for b in self.blocks if grid_shape(shape, b) == sshape]
-                block = fits[0] if fits else infer_block(sshape, shape)
+                block = fits[0] if fits else None if self.blocks else infer_block(sshape, shape)
                 if block is None:
                     raise _bad(folder, f"{scales[0]} is {list(sshape)}: not a scale grid of the "
                                        f"{list(shape)} weight for any declared block size "
