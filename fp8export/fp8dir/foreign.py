@@ -122,7 +122,7 @@ def foreign_manifest(folder: Path, config: dict[str, Any], tensors: FolderTensor
         else:
             raise _bad(folder, f"quantization_config quant_method {method or None!r} is not an FP8 "
                                f"dialect fp8export reads ({_SUPPORTED}).")
-    return rules.manifest(folder, tensors, qc)
+    return rules.manifest(folder, tensors, qc, config)
 
 
 def _producer(value: Any, default: str) -> str:
@@ -161,8 +161,8 @@ class _Rules:
                                "fp8export cannot tell which one it runs.")
         return modes.pop()
 
-    def manifest(self, folder: Path, tensors: FolderTensors, qc: dict[str, Any]
-                 ) -> dict[str, Any]:
+    def manifest(self, folder: Path, tensors: FolderTensors, qc: dict[str, Any],
+                 config: dict[str, Any]) -> dict[str, Any]:
         from fp8export.numerics.block import grid_shape, infer_block
 
         infos = tensors.infos
@@ -247,6 +247,7 @@ class _Rules:
         if "none" in modes:
             out["notes"].append("some layers quantize weights only (no input quantization): "
                                 "they run with 16-bit activations")
+        out["notes"].extend(_fused_groups(quantized, tensors, config))
         kv = self._kv(folder, infos) if self.kv else None
         if kv:
             out["kv_cache"] = kv
@@ -276,6 +277,38 @@ class _Rules:
         if not layers:
             return None
         return {"dtype": "float8_e4m3fn", "granularity": "tensor", "layers": layers}
+
+
+def _fused_groups(quantized: dict[str, Any], tensors: FolderTensors, config: dict[str, Any]
+                  ) -> list[str]:
+    """Name each per-tensor layer's fused group (q/k/v, gate/up) in its entry, so the runtime
+    runs a group whose scales are equal as one GEMM; a note where they differ, because vLLM
+    re-quantizes such a group to its largest scale while the runtime keeps each member's."""
+    from fp8export.scales.families import family_of, fused_group_of
+
+    family = family_of(config)
+    groups: dict[str, list[str]] = {}
+    for name, entry in quantized.items():
+        found = fused_group_of(name, family) if entry["granularity"] == "tensor" else None
+        if found is not None:
+            groups.setdefault(found[0], []).append(name)
+    differ = []
+    for group, members in groups.items():
+        if len(members) < 2:
+            continue
+        scales = {float(tensors[quantized[m]["weight_scale_tensor"]].float().reshape(-1)[0])
+                  for m in members}
+        if len(scales) > 1:
+            differ.append(group)
+            continue
+        for m in members:
+            quantized[m]["fused_group"] = group
+    if not differ:
+        return []
+    return [f"{len(differ)} fused group(s) (q/k/v, gate/up) have per-tensor weight scales that "
+            "differ between members, e.g. " + ", ".join(differ[:3]) + ": vLLM re-quantizes each "
+            "such group to its largest scale when it loads it; verify runs every member with "
+            "its own scale, as transformers does"]
 
 
 def _block_of(value: Any) -> tuple[int, int] | None:

@@ -171,6 +171,9 @@ def test_autofp8_static_folder(src, tmp_path):
     with read_fp8_folder(folder) as f:
         assert f.format.producer == "quant_method fp8 (AutoFP8 / vLLM)"
         assert (f.format.granularity, f.format.activations) == ("tensor", "static")
+        # q/k/v and gate/up with their own weight scales: what vLLM does with them is said
+        assert any("4 fused group(s)" in n and "vLLM re-quantizes" in n
+                   for n in f.manifest["notes"])
     _logits_close_to_bf16(folder, src, 0.1)
 
 
