@@ -212,8 +212,9 @@ def _block(cfg: ConvertConfig) -> tuple[int, int] | None:
 
 
 def _block_notes(cfg: ConvertConfig, sel: Selection) -> list[str]:
-    """Block granularity: refuse weights stored ``[in, out]``; say which fused members vLLM
-    cannot merge (it needs every member's rows to be a multiple of the block's)."""
+    """Block granularity: refuse weights stored ``[in, out]``; name the layers with partial
+    edge blocks (transformers refuses them) and the fused members vLLM cannot merge (it needs
+    every member's rows to be a multiple of the block's)."""
     block = _block(cfg)
     if block is None:
         return []

@@ -10,7 +10,8 @@ For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)
 
 * the weight is the folder's E4M3 bytes, pre-transposed to the orientation the GEMM reads, so no
   Transpose sits between the DQ and the GEMM (ModelOpt's ``fp8_exporter.py`` does the same);
-* per-tensor (scalar) scales, or for per-channel weights a 1-D scale along the stored weight's
+* per-tensor (scalar) scales, for block weights a blocked DQ (``block_size`` along the input
+  axis, see ``_weight_scale_for``), or for per-channel weights a 1-D scale along the stored weight's
   output-channel axis with an all-zero zero point of the same shape (ONNX requires the zero
   point to match the scale's shape; TensorRT takes per-channel weight DQ), ``axis`` always
   written (TensorRT 10.1 defaulted a missing axis to 0, later parsers to 1), an all-zero

@@ -185,3 +185,24 @@ def test_cli_prints_the_activations(ragged_llama, tmp_path, run_cli):
     assert "activations: dynamic per token group of 128" in r.stdout
     r = run_cli("convert", ragged_llama, "-o", tmp_path / "p", "--block-size", "64")
     assert r.exit_code == 2 and "--weight-granularity block" in r.output
+
+
+def test_an_fp8_kv_cache_goes_with_block_weights(tmp_path):
+    """--kv-cache fp8 calibrates keys and values; the linears stay dynamic per token group."""
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama"
+    out = tmp_path / "kv"
+    result = convert(ConvertConfig(checkpoint=sample / "model", output=out,
+                                   weight_granularity="block", kv_cache="fp8",
+                                   calib_data=sample / "data" / "calib.txt", calib_samples=8,
+                                   seq_len=32))
+    assert result.activation_scheme == "dynamic" and not any(
+        "--calib-data is not used" in n for n in result.notes)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["strategy"] == "tensor"
+    assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "group"
+    from fp8export.runners.fp8_model import load_fp8_model
+
+    info = load_fp8_model(out, dtype=torch.float32, mode="emulate")[3]
+    assert info["kv_cache"].startswith("fp8") and info["weight_granularity"] == "block"
