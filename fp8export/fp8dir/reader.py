@@ -386,11 +386,7 @@ def folder_format(manifest: dict[str, Any], config: dict[str, Any]) -> FolderFor
 def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
                   tensors: FolderTensors) -> dict[str, Any]:
     """fp8export.json with every quantized entry completed (see :class:`Fp8Folder`)."""
-    quantized = manifest.get("quantized")
-    if not isinstance(quantized, dict) or not quantized:
-        raise Fp8ExportError(
-            f"{folder / MANIFEST_NAME}: no 'quantized' layers listed, so there is nothing to "
-            "run in FP8. Re-run `fp8export convert` (check --exclude/--include).")
+    quantized = manifest.get("quantized") or {}  # none: every layer kept in high precision
     granularity = manifest.get("weight_granularity", "tensor")
     block = None
     if granularity == "block":
