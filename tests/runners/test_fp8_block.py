@@ -7,6 +7,8 @@ scale leaves the cosine of a GEMM output near 1 but moves its L2 by far more tha
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -161,8 +163,10 @@ def test_auto_path_records_which_gemm_ran():
     y = layer.forward_scaled_mm(x)
     assert rel_l2(layer.forward_emulated(x).float(), y.float()) <= 1e-2
     path = fb.path_used()["1024x2048 blocks 128x128"]
-    print("block GEMM path:", path)  # "cublas", or why the Triton kernel ran
-    assert path == "cublas" or path
+    # "cublas", or why the Triton kernel ran: shown in pytest's warnings summary
+    warnings.warn(f"block GEMM path on {torch.cuda.get_device_name()} with torch "
+                  f"{torch.__version__}: {path}", stacklevel=1)
+    assert isinstance(path, str) and path
 
 
 @pytest.mark.gpu
