@@ -11,10 +11,13 @@ with ``fp8export calibrate`` and reused through ``--calib-amax``, so the two wei
 granularities see the same activation ranges) followed by one ``fp8export verify`` on the same
 evaluation samples. Recipes:
 
-* weights: ``tensor`` (one scale per tensor, q/k/v and gate/up share the group max) or
-  ``channel`` (one scale per output row);
+* weights: ``tensor`` (one scale per tensor, q/k/v and gate/up share the group max),
+  ``channel`` (one scale per output row) or ``block`` (one per 128x128 tile, DeepSeek-V3's
+  format);
 * activations: ``static`` (calibrated per-tensor input scales; calibrator ``max``,
-  ``percentile`` or ``mse``), ``dynamic-tensor`` or ``dynamic-token`` (computed at run time).
+  ``percentile`` or ``mse``), ``dynamic-tensor`` or ``dynamic-token`` (computed at run time);
+  block weights run with ``dynamic-group`` (per token and group of 128 input elements), their
+  only activation scheme.
 
 Writes ``bench/results/recipes.json`` and ``recipes.md``. The best all-FP8 recipe per model is
 the one with the lowest KL among those that pass the ``default`` gate (else the lowest KL);
@@ -44,10 +47,15 @@ ACTIVATIONS = ("static", "dynamic-tensor", "dynamic-token")
 
 def recipes(which: str) -> list[dict]:
     """``full``: every calibrator; ``core``: static with ``max`` only; ``quick``: core without
-    dynamic per-tensor; ``kv``: the default recipe with and without an FP8 KV cache."""
+    dynamic per-tensor; ``kv``: the default recipe with and without an FP8 KV cache; ``block``:
+    the block recipe alone (added to models measured before on the same data)."""
     kv = {"weights": "tensor", "activations": "static", "calibrator": "max", "kv_cache": "fp8"}
+    block = {"weights": "block", "activations": "dynamic-group", "calibrator": None,
+             "kv_cache": "none"}
     if which == "kv":
         return [dict(kv, kv_cache="none"), kv]
+    if which == "block":
+        return [block]
     out = []
     for weights in ("tensor", "channel"):
         for act in ACTIVATIONS:
@@ -59,6 +67,7 @@ def recipes(which: str) -> list[dict]:
                     continue
                 out.append({"weights": weights, "activations": act, "calibrator": method,
                             "kv_cache": "none"})
+    out.append(block)
     out.append(kv)  # the cost of an FP8 KV cache, on the default recipe
     return out
 
@@ -101,7 +110,8 @@ def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path
             weight_granularity=r["weights"], kv_cache=r["kv_cache"],
             calib_data=calib if r["kv_cache"] == "fp8" else None,
             calib_samples=args.calib_samples,
-            dynamic_activations="token" if r["activations"] == "dynamic-token" else "tensor"))
+            dynamic_activations={"dynamic-token": "token", "dynamic-group": "group"}.get(
+                r["activations"], "tensor")))
         convert_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
@@ -156,8 +166,11 @@ def markdown(doc: dict) -> str:
         lines += ["", f"Best all-FP8 recipe: **{model['best']}** "
                       f"({'passes' if model['best_passes_default'] else 'fails'} `default`).", ""]
     d = doc["setup"]
-    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load "
-                      f"{m.get('setup', {}).get('load_avg_1m_at_start', '?')})"
+    def loads(m):  # rows measured in several runs carry the load of their own run
+        found = sorted({r.get("load_avg_1m_at_start") for r in m["rows"]} - {None})
+        return ", ".join(map(str, found)) or m.get("setup", {}).get("load_avg_1m_at_start", "?")
+
+    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load {loads(m)})"
                       for m in doc["models"])
     lines += [f"Data: {d['seq_len']}-token samples of each model's eval text ({sizes} samples); "
               f"calibration {d['calib_samples']} samples. Machine: {doc['machine']['cores']} "
@@ -170,7 +183,10 @@ def main() -> None:
     ap.add_argument("--model", action="append", default=[], metavar="LABEL=PATH[,CALIB,EVAL]",
                     help="more models (HF folders); calibration/eval text default to the "
                          "sample's. Real models run the core recipe set (--recipes-real)")
-    ap.add_argument("--recipes-real", choices=("full", "core", "quick", "kv"), default="core")
+    ap.add_argument("--recipes-real", choices=("full", "core", "quick", "kv", "block"),
+                    default="core")
+    ap.add_argument("--recipes-sample", choices=("full", "core", "quick", "kv", "block"),
+                    default="full", help="the recipe set of the shipped sample model")
     ap.add_argument("--no-sample", action="store_true", help="skip the shipped sample model")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--samples-real", type=int, default=16,
@@ -182,7 +198,8 @@ def main() -> None:
     args = ap.parse_args()
 
     calib, data = SAMPLE / "data" / "calib.txt", SAMPLE / "data" / "eval.txt"
-    models = [] if args.no_sample else [("sample", SAMPLE / "model", calib, data, "full")]
+    models = [] if args.no_sample else [("sample", SAMPLE / "model", calib, data,
+                                         args.recipes_sample)]
     for spec in args.model:
         label, _, rest = spec.partition("=")
         parts = rest.split(",")
@@ -202,7 +219,12 @@ def main() -> None:
         for label, path, c, e, which in models:
             which = "quick" if args.quick else which
             result = run_model(label, path, c, e, args, Path(tmp), which)
+            for row in result["rows"]:
+                row["load_avg_1m_at_start"] = doc["machine"]["load_avg_1m_at_start"]
             before = next((m for m in kept if m["model"] == label), None)
+            for row in (before or {}).get("rows", []):
+                row.setdefault("load_avg_1m_at_start", before.get("setup", {}).get(
+                    "load_avg_1m_at_start"))
             if before is not None and before.get("samples") == result["samples"]:
                 # rows of other recipes measured earlier on the same data are kept
                 names = {r["recipe"] for r in result["rows"]}

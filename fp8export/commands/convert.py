@@ -65,17 +65,24 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--no-fuse-scales", is_flag=True,
               help="Give q/k/v and gate/up projections their own scales (default: they share "
                    "the group max, as vLLM and TensorRT-LLM run them).")
-@click.option("--weight-granularity", type=_choice("tensor", "channel"), default="tensor",
-              show_default=True,
-              help="One weight scale per tensor, or one per output channel (weight_scale "
-                   "[out, 1]; compressed-tensors strategy channel; --format compressed-tensors "
-                   "only). Which is more accurate depends on the model: measure with verify.")
-@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="tensor",
-              show_default=True,
+@click.option("--weight-granularity", type=_choice("tensor", "channel", "block"),
+              default="tensor", show_default=True,
+              help="One weight scale per tensor, one per output channel (weight_scale [out, 1]; "
+                   "compressed-tensors strategy channel; --format compressed-tensors only), or "
+                   "one per block of --block-size (DeepSeek-V3 / Qwen3-FP8 format: "
+                   "compressed-tensors strategy block, or --format vllm weight_block_size with "
+                   "weight_scale_inv; activations dynamic per token group). Which is more "
+                   "accurate depends on the model: measure with verify.")
+@click.option("--block-size", metavar="NxK",
+              help="Block of --weight-granularity block: N output rows x K input columns, or N "
+                   "for NxN. Default: 128x128 (what DeepSeek-V3, Qwen3-FP8 and vLLM use).")
+@click.option("--dynamic-activations", type=_choice("tensor", "token", "group"),
+              default="tensor", show_default=True,
               help="Layers without a static input scale quantize their input at run time with "
-                   "one scale per tensor, or one per token (what vLLM runs for "
-                   "compressed-tensors dynamic inputs). Recorded in fp8export.json; verify "
-                   "runs it.")
+                   "one scale per tensor, one per token (what vLLM runs for compressed-tensors "
+                   "dynamic inputs), or one per token and group of the block's K columns (block "
+                   "granularity, where it is the only choice). Recorded in fp8export.json; "
+                   "verify runs it.")
 @click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
               help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
                    "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "
@@ -100,8 +107,9 @@ def _choice(*values: str) -> click.Choice:
                                            "swapped in only when complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
-            fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
-            kv_cache, device, accuracy_samples, accuracy_budget, workers, force):
+            fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
+            dynamic_activations, kv_cache, device, accuracy_samples, accuracy_budget, workers,
+            force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
@@ -126,7 +134,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
-        kv_cache=kv_cache,
+        block_size=block_size, kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
     )
@@ -135,6 +143,10 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
 
 def _activation_line(result) -> str:
     if result.activation_scheme == "dynamic":
+        group = next((n for n in result.notes if n.startswith("activations: dynamic per token "
+                                                              "group")), None)
+        if group:
+            return group
         plain = next((n for n in result.notes if n.startswith("weights only")), None)
         return (plain or "activations: dynamic") + "; per-token FP8 scales are computed at run time"
     sources: dict[str, int] = {}
@@ -171,5 +183,6 @@ def render(result) -> None:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         click.echo(f"  {count:4d}  {reason}: {shown}")
     for note in result.notes:
-        if not note.startswith("weights only"):  # already said on the activations line
+        if not note.startswith(("weights only", "activations: dynamic per token group")):
+            # already said on the activations line
             click.echo(f"note: {note}")

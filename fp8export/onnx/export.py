@@ -429,6 +429,11 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     probe_writable(output)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
+    if not folder.layers:
+        folder.close()
+        raise Fp8ExportError(
+            f"{cfg.fp8_dir}: no quantized layers, so there is nothing to export in FP8. Re-run "
+            "`fp8export convert` (check --exclude/--include).")
     with folder:  # its tensors are read while tracing and rewriting
         keras = is_keras_config(folder.config)
         kv = kv_cache_line(folder.manifest.get("kv_cache"))

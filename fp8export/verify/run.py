@@ -88,22 +88,22 @@ def _keras_layers(config: dict) -> list | None:
     return [(s.name, s.kind, s.options) for s in parse_keras_config(config, "config").layers]
 
 
-def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
-    """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
-    from pathlib import Path
-
-    from fp8export.checkpoint.model_config import read_model_config
+def _fp8_folder_format(folder, notes: list[str]):
+    """What the candidate folder is, as the one reader found it (``FolderFormat``: producer,
+    dialect, granularity, activations); what its dialect means for loaders, noted."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import dialect_of, format_notes
+    from fp8export.fp8dir.formats import format_notes
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.keras_model.config import is_keras_config
 
-    config = read_model_config(Path(folder))
-    dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
+    with read_fp8_folder(folder) as opened:
+        fmt, keras = opened.format, is_keras_config(opened.config)
     known = {str(f): f for f in OutputFormat}
-    if dialect in known and not is_keras_config(config):
+    if fmt.ours and fmt.dialect in known and not keras:
         notes.extend(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
-                     "its per-tensor scales as vLLM does." for note in format_notes(known[dialect]))
-    return dialect
+                     "its scales as vLLM does."
+                     for note in format_notes(known[fmt.dialect], block=fmt.granularity == "block"))
+    return fmt
 
 
 def verify(cfg: VerifyConfig) -> VerifyResult:
@@ -162,7 +162,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     if cfg.noise_floor and cfg.max_memory:
         notes.append("No noise floor: --max-memory spreads the model over devices, leaving no "
                      "room for the fp32 copy it needs.")
-    dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
+    folder_format = _fp8_folder_format(cfg.candidate, notes) if kind == "fp8-folder" else None
     limit = float(cfg.timeout or 0)
     if limit:
         for runner in (ref_runner, cand_runner, floor_runner):
@@ -170,7 +170,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
                 runner.deadline = started + limit
     try:
         result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
-                      dialect, floor_runner)
+                      folder_format, floor_runner)
     except TimeLimitExceeded as exc:
         raise Fp8ExportError(
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
@@ -193,7 +193,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
 
 def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
-         thr_source: str, thresholds, dialect: str | None, floor_runner=None) -> VerifyResult:
+         thr_source: str, thresholds, folder_format, floor_runner=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
     from fp8export.verify.data import load_verify_samples
@@ -314,11 +314,16 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
+    described = {}
+    if folder_format is not None:
+        notes.append(f"candidate FP8 folder: {folder_format.describe()}")
+        described = {"format": folder_format.dialect, "folder": folder_format.to_dict()}
     result = VerifyResult(
         passed=not failures, backend=cand_runner.backend, samples=cmp.samples,
         metrics=compared["metrics"], thresholds=thresholds, failures=failures, checks=checks,
         per_layer=per_layer, thresholds_source=thr_source, reference=ref_desc,
-        candidate={**cand_desc, "kind": kind, "format": dialect}, data=data_info, task=task,
+        candidate={**cand_desc, "kind": kind, "format": None, **described}, data=data_info,
+        task=task,
         notes=notes,
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),
