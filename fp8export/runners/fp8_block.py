@@ -13,9 +13,14 @@ implementations, picked per weight shape:
 * **cuBLAS** through ``torch._scaled_mm`` with ``scale_a`` ``[M, K/128]`` (outer-dim-major, the
   ``BlockWise1x128`` recipe) and ``scale_b`` ``[K/128, N/128]`` (``BlockWise128x128``): torch
   dispatches that pair to cuBLASLt's block-scaled FP8 GEMM, which needs compute capability 9.0
-  and a CUDA 12.9+ build, and blocks of exactly 128x128. The first call of each weight shape is
-  checked against the Triton kernel (relative L2 <= 1e-2: a scale layout misread is off by far
-  more); on an error or a mismatch that shape takes the Triton kernel from then on.
+  and a CUDA 12.9+ build, and blocks of exactly 128x128. cuBLAS reads the weight's scale grid
+  with a leading dimension of K/128 rounded up to 4 and the input's with M rounded up to 4
+  (torch's ``_scaled_mm_v2`` checks say so: ``L4 = round_up(K / 128, 4)``), so only K a
+  multiple of 512 and M a multiple of 4 take it: on an H100 (torch 2.11, CUDA 13.0) every such
+  shape of 100 tried matched the Triton kernel, and 237 of 330 other shapes gave wrong numbers
+  (rel L2 0.25 to 1e16) or CUBLAS_STATUS_NOT_SUPPORTED. The first call of each weight shape is
+  still checked against the Triton kernel (relative L2 <= 1e-2: a scale layout misread is off
+  by far more); on an error or a mismatch that shape takes the Triton kernel from then on.
 * **Triton**: one kernel for any block size whose ``bk`` (= ``g``) is a power of two from 32 to
   256 and any ``bn``; each program computes a 32x64 output tile, one K block per step.
 
@@ -111,10 +116,18 @@ def _finish(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) 
     return y.to(out_dtype)
 
 
+def cublas_shape_ok(m: int, n: int, k: int) -> bool:
+    """Shapes cuBLAS's block-scaled GEMM computes right through ``torch._scaled_mm`` (its scale
+    grids are read with leading dimensions rounded up to 4: module docstring)."""
+    return k % 512 == 0 and m % 4 == 0 and n % 16 == 0
+
+
 def _cublas_eligible(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int],
                      key: tuple) -> bool:
     if _FORCE == "triton" or block != (128, 128):
         return False
+    if not cublas_shape_ok(x.shape[0], weight.shape[0], weight.shape[1]):
+        return False  # this call only: another M of the same weight may qualify
     if _FORCE != "cublas" and _CUBLAS.get(key, "cublas") != "cublas":
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
@@ -122,7 +135,7 @@ def _cublas_eligible(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, in
         return False
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return _CUBLAS.get(key) == "cublas"  # never probe inside a graph
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    return True
 
 
 def _cublas(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
