@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
-from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
+from fp8export.io.atomic import write_file_atomic
 from fp8export.io.guarded import AMAX, WEIGHTS, open_input, read_json_object
+from fp8export.io.outputs import claim_output_file
 from fp8export.scales.ranges import ActivationRange
 
 if TYPE_CHECKING:
@@ -61,20 +62,13 @@ def source_hashes(checkpoint: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_output(path: Path, force: bool, checkpoint: Path | None = None) -> None:
-    """Refuse to replace an existing file without ``--force``, and to write inside the
-    ``checkpoint`` being calibrated (checked before any work)."""
+def check_output(path: Path, force: bool, inputs: tuple[Path | None, ...] = ()) -> None:
+    """Refuse, before any work, an output that is or holds one of ``inputs`` (the checkpoint,
+    the data), or that replaces anything but a regular file, or anything without ``--force``."""
     p = Path(path)
-    if checkpoint is not None:
-        refuse_inside_input(p, checkpoint)
-    if p.is_dir():
-        raise Fp8ExportError(f"{p}: is a folder; -o/--output takes a file path like amax.json.")
-    if p.exists() and not force:
-        raise Fp8ExportError(f"{p}: already exists. Pass --force to replace it, or choose "
-                             "another -o/--output path.")
+    claim_output_file(p, inputs=inputs, force=force)
     if not p.parent.exists():
         raise Fp8ExportError(f"{p.parent}: the output folder does not exist; create it first.")
-    probe_writable(p)
 
 
 def amax_document(result: CalibrationResult) -> dict[str, Any]:

@@ -86,17 +86,18 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     # every path before torch loads: a typo costs milliseconds, not a model load
     check_checkpoint_path(cfg.checkpoint)
     check_data_file(cfg.calib_data)
+    if cfg.output is not None:
+        from fp8export.calibration.amax_file import check_output
+
+        check_output(cfg.output, cfg.force, (cfg.checkpoint, cfg.calib_data))
     import torch
 
     fit_torch()  # the CPU threads fitted to this machine, before the model loads
 
-    from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.models import load_model_placed
     from fp8export.placement import parse_max_memory, resolve_device
 
-    if cfg.output is not None:
-        check_output(cfg.output, cfg.force, cfg.checkpoint)
     method = str(cfg.calib_method)
     calibrator_class(method)
     get_calibrator(method, **cfg.method_options())  # validate options before loading

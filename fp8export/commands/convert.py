@@ -96,8 +96,9 @@ def _choice(*values: str) -> click.Choice:
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
                    "worker.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
-                                           "swapped in only when complete).")
+@click.option("--force", is_flag=True, help="Replace an earlier output folder of fp8export (or "
+                                           "an empty one; built first, swapped in only when "
+                                           "complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,

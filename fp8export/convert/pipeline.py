@@ -491,7 +491,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
     renamed into place; an OSError leaves nothing behind."""
     n_out = sum(len(p.entries) for p in plans)
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
-    atomic = AtomicDir(out, cfg.force)
+    atomic = AtomicDir(out, cfg.force, marker=MANIFEST_NAME)
     try:
         with atomic as tmp:
             if run.files is not None:

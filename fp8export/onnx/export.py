@@ -328,11 +328,13 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     """
     import onnx
 
+    from fp8export.io.outputs import check_file_target
+
     output = Path(output)
     data_name = output.name + ".data"
     data_path = output.parent / data_name
-    if output.exists() and not force:
-        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
+    for path in (output, data_path):  # again at write time: either may have appeared meanwhile
+        check_file_target(path, force)
     external = _initializer_bytes(proto) > EXTERNAL_DATA_BYTES
     tmp: Path | None = None
     moved_data = False
@@ -397,19 +399,17 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
 
     from fp8export.fp8dir.manifest import kv_cache_line
     from fp8export.fp8dir.reader import read_fp8_folder
-    from fp8export.io.atomic import probe_writable, refuse_inside_input
+    from fp8export.io.outputs import claim_output_file
     from fp8export.keras_model.config import is_keras_config
     from fp8export.onnx.check import check_model
     from fp8export.onnx.qdq import rewrite_qdq
 
     start = time.perf_counter()
     output = cfg.resolved_output
-    if output.exists() and not cfg.force:
-        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
-    refuse_inside_input(output, cfg.fp8_dir)
-    probe_writable(output)
+    for path in (output, output.with_name(output.name + ".data")):  # the graph, its weights
+        claim_output_file(path, inputs=[cfg.fp8_dir], force=cfg.force)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
     with folder:  # its tensors are read while tracing and rewriting

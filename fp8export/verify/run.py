@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fp8export._progress import info, progress, stage
@@ -119,7 +120,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
-    from fp8export.verify.thresholds import load_thresholds
+    from fp8export.verify.thresholds import PRESETS, load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.data is not None:  # a typo'd data file fails before any model loads
@@ -127,13 +128,12 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
         check_data_file(cfg.data)
     if cfg.write_reports:
-        from fp8export.io.atomic import probe_writable, refuse_inside_input
         from fp8export.verify.report import check_report_dir
 
-        for source in (cfg.reference, cfg.candidate):
-            refuse_inside_input(cfg.report_dir, source, "--report-dir")
-        check_report_dir(cfg.report_dir, cfg.force)
-        probe_writable(cfg.report_dir, "--report-dir")
+        thresholds_file = None if isinstance(cfg.thresholds, dict) or \
+            str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
+        check_report_dir(cfg.report_dir, cfg.force,
+                         inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
     measure_floor = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE \

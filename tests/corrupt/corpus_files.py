@@ -232,9 +232,21 @@ def onnx_model(path: Path, *, opset: int = 21, custom: bool = False) -> Path:
 
 
 def sha256_file(path) -> str:
+    """A fingerprint of what is at ``path``: the sha256 of a regular file, "fifo" for a named
+    pipe (never opened: that would block), the target of a symlink, a folder's entries with
+    theirs. Equal fingerprints: nothing there was replaced."""
     import hashlib
+    import stat
 
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    p = Path(path)
+    mode = os.lstat(p).st_mode
+    if stat.S_ISLNK(mode):
+        return f"link -> {os.readlink(p)}"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISDIR(mode):
+        return "dir: " + ", ".join(f"{q.name}={sha256_file(q)}" for q in sorted(p.iterdir()))
+    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def fp8_folder(root: Path, name: str) -> Path:

@@ -1,0 +1,132 @@
+"""Corpus cases, third round (1 of 2): careless outputs, edited FP8 folders, thresholds that
+check nothing, provenance, terminal escapes.
+
+Registered into ``make_corpus.BUILDERS`` (same :class:`Case` contract). Classes:
+
+* **data-loss** — an output path that is, or holds, an input (the data being read, the
+  thresholds file), ``--force`` over a folder fp8export did not write, over a FIFO, over a
+  symlinked ``.data`` sibling, over a hard link to the input. Each keeps every byte
+  (``unchanged``).
+* **fp8-edited** — an FP8 folder edited after convert: a layer dropped from the manifest, a
+  layer pointed at another's weight, a stray ``input_scale``, a BOOL or 3e38 ``weight_scale``,
+  an E5M2 embedding, config.json without (or ignoring everything in) its
+  ``quantization_config``.
+* **thresholds** — files that check nothing (only ``kl_mean: null``; only ``accuracy_drop`` on
+  a causal LM).
+* **provenance** — FP8 codes flipped after convert; ``--calib-amax`` recorded for another
+  checkpoint.
+* **escapes** — terminal control sequences in manifest notes and tensor names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from corpus_files import Case, sha256_file
+from corpus_untrusted import calib_text, valid_fp8, valid_ref
+
+BUILDERS = []
+
+
+def case(fn):
+    BUILDERS.append(fn)
+    return fn
+
+
+def _out(root: Path, cid: str, suffix: str = "") -> Path:
+    return root / "out" / f"{cid}{suffix}"
+
+
+def _keep(*paths: Path) -> dict[str, str]:
+    return {str(p): sha256_file(p) for p in paths}
+
+
+# ------------------------------------------------------------------------------ data loss
+
+@case
+def loss_force_foreign_folder(root, cid):
+    """``convert ck -o precious --force``: a folder of someone else's files."""
+    precious = root / cid
+    precious.mkdir()
+    (precious / "important.txt").write_text("quarterly numbers\n")
+    (precious / "notes.md").write_text("# notes\n")
+    return Case(cid, "data-loss", ["convert", str(valid_ref(root)), "-o", str(precious),
+                                   "--force"],
+                [cid, "did not write", "important.txt", "fp8export.json"],
+                unchanged=_keep(precious),
+                note="--force over a folder without our manifest (would delete its files)")
+
+
+@case
+def loss_calibrate_over_its_data(root, cid):
+    data = calib_text(root / cid / "mydata.txt")
+    return Case(cid, "data-loss", ["calibrate", str(valid_ref(root)), "--calib-data", str(data),
+                                   "-o", str(data), "--force"],
+                ["mydata.txt", "is the input", "never writes into its input"],
+                unchanged=_keep(data), note="calibrate -o DATA --force (the data it reads)")
+
+
+@case
+def loss_convert_holds_its_data(root, cid):
+    out = root / cid / "out"
+    data = calib_text(out / "calib.txt")
+    return Case(cid, "data-loss", ["convert", str(valid_ref(root)), "-o", str(out), "--force",
+                                   "--scales", "calibrate", "--calib-data", str(data)],
+                ["contains the input", "calib.txt"], unchanged=_keep(out),
+                note="convert -o OUT --force with --calib-data OUT/calib.txt")
+
+
+@case
+def loss_report_over_thresholds(root, cid):
+    rep = root / cid / "rep"
+    rep.mkdir(parents=True)
+    thresholds = rep / "report.json"
+    thresholds.write_text(json.dumps({"kl_mean": 0.5}))
+    return Case(cid, "data-loss", ["verify", str(valid_ref(root)), str(valid_fp8(root)),
+                                   "--thresholds", str(thresholds), "--report-dir", str(rep),
+                                   "--device", "cpu"],
+                ["--report-dir", "report.json", "never writes into its input"],
+                unchanged=_keep(rep),
+                note="verify --thresholds rep/report.json --report-dir rep")
+
+
+@case
+def loss_force_over_fifo(root, cid):
+    fifo = root / cid / "dev.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    return Case(cid, "data-loss", ["calibrate", str(valid_ref(root)), "--calib-data",
+                                   str(calib_text(root / f"{cid}-data" / "calib.txt")),
+                                   "-o", str(fifo), "--force"],
+                ["dev.json", "FIFO", "only regular files"], unchanged=_keep(fifo),
+                note="-o FIFO --force (as root, -o /dev/null --force would replace the node)")
+
+
+@case
+def loss_onnx_data_symlink(root, cid):
+    """export-onnx writes ``<graph>.data`` beside the graph: a symlink planted there leads
+    elsewhere and is never replaced or written through."""
+    folder = root / cid
+    folder.mkdir()
+    victim = folder / "victim.bin"
+    victim.write_bytes(b"precious bytes")
+    graph = folder / "m.onnx"
+    (folder / "m.onnx.data").symlink_to(victim)
+    return Case(cid, "data-loss", ["export-onnx", str(valid_fp8(root)), "-o", str(graph),
+                                   "--force"],
+                ["m.onnx.data", "symbolic link"], outputs=[str(graph)],
+                unchanged=_keep(victim, folder / "m.onnx.data"),
+                note="export-onnx --force with m.onnx.data a symlink to another file")
+
+
+@case
+def loss_output_hard_link_to_data(root, cid):
+    data = calib_text(root / cid / "calib.txt")
+    alias = root / cid / "amax.json"
+    os.link(data, alias)  # the same file under a second name
+    return Case(cid, "data-loss", ["calibrate", str(valid_ref(root)), "--calib-data", str(data),
+                                   "-o", str(alias), "--force"],
+                ["amax.json", "is the input", "calib.txt"], unchanged=_keep(data),
+                note="-o a hard link to the calibration data, --force")
