@@ -170,6 +170,8 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 def threshold_text(check: dict[str, Any]) -> str:
     """A check's bound as shown: "≤ 0.02", or for a bound relative to the noise floor
     "≤ 10x floor (0.0123)"."""
+    if check.get("op") is None:  # a rule without a bound: "at least one threshold applies"
+        return str(check.get("name", ""))
     sym = "≥" if check["op"] == "min" else "≤"
     bound = check.get("threshold")
     if check.get("rule"):

@@ -130,3 +130,44 @@ def loss_output_hard_link_to_data(root, cid):
                                    "-o", str(alias), "--force"],
                 ["amax.json", "is the input", "calib.txt"], unchanged=_keep(data),
                 note="-o a hard link to the calibration data, --force")
+
+
+# ----------------------------------------------------------------- thresholds that check nothing
+
+def _thresholds_case(root, cid, name: str, text: str, expect, note, exit_code=1):
+    path = root / cid / name
+    path.parent.mkdir()
+    path.write_text(text)
+    report = _out(root, cid, "-report")
+    return Case(cid, "thresholds", ["verify", str(valid_ref(root)), str(valid_fp8(root)),
+                                    "--thresholds", str(path), "--report-dir", str(report),
+                                    "--device", "cpu", "--no-noise-floor"],
+                [name, *expect] if exit_code == 1 else list(expect), exit=exit_code,
+                outputs=[str(report)] if exit_code == 1 else [], note=note)
+
+
+@case
+def thresholds_only_null(root, cid):
+    return _thresholds_case(root, cid, "t.json", '{"kl_mean": null}', ["sets no bound"],
+                            "a thresholds file whose only bound is kl_mean: null")
+
+
+@case
+def thresholds_nothing_applies(root, cid):
+    """Verification runs (the task is known only then) and fails: exit 3, reports written."""
+    return _thresholds_case(root, cid, "t.yaml", "accuracy_drop: 0.01\n",
+                            ["no threshold applies", "accuracy_drop"],
+                            "only accuracy_drop (a classifier's metric) for a causal LM",
+                            exit_code=3)
+
+
+@case
+def thresholds_yaml_billion_laughs(root, cid):
+    lines = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, 9):
+        name, prev = chr(ord("a") + i), chr(ord("a") + i - 1)
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    c = _thresholds_case(root, cid, "t.yaml", "\n".join(lines) + "\nkl_mean: 0.02\n",
+                         ["YAML alias"], "458 bytes of nested aliases: 9^9 nodes once expanded")
+    c.isolate = True  # unguarded it expands to gigabytes: never in the test process
+    return c

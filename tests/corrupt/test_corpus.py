@@ -91,9 +91,11 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
                     assert _dig(manifest, keys) == value, (keys, _dig(manifest, keys))
             assert not _leftovers(out)[1:], _leftovers(out)
         return
-    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, f"{c.id}: expected one Error: line\n{stderr}"
-    message = stderr[stderr.index("Error:"):]
+    # exit 3: verification ran and failed (the reports are written); else one Error: line
+    head = "Verification failed:" if c.exit == 3 else "Error:"
+    errors = [line for line in stderr.splitlines() if line.startswith(head)]
+    assert len(errors) == 1, f"{c.id}: expected one {head} line\n{stderr}"
+    message = stderr[stderr.index(head):]
     for part in c.expect:
         assert part in message, f"{c.id}: {part!r} not in {message!r}"
     for out in map(Path, c.outputs):
