@@ -19,6 +19,7 @@ import traceback
 import click
 
 from fp8export import __version__
+from fp8export._progress import printable
 from fp8export.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -112,21 +113,21 @@ class LazyGroup(click.Group):
             exc.show()
             code = exc.exit_code
         except UsageError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {printable(exc)}", err=True)
             click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
             code = EXIT_USAGE
         except Fp8ExportError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {printable(exc)}", err=True)
             code = EXIT_BAD_INPUT
         except VerificationFailed as exc:
-            click.echo(f"Verification failed: {exc}", err=True)
+            click.echo(f"Verification failed: {printable(exc)}", err=True)
             code = EXIT_VERIFY_FAILED
         except (click.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
             click.echo("\nInterrupted: outputs are written atomically, nothing was left "
                        "half-written.", err=True)
             code = EXIT_INTERRUPTED
         except Exception:  # a bug in fp8export: keep the traceback for the report
-            traceback.print_exc()
+            click.echo(printable(traceback.format_exc()).rstrip("\n"), err=True)
             code = EXIT_BAD_INPUT
         else:
             if isinstance(rv, int):  # --help, --version: click's own exits, not a run

@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from corpus_files import Case, sha256_file
+from corpus_files import Case, hf_folder, llama_tensors, sha256_file
 from corpus_untrusted import calib_text, valid_fp8, valid_ref
 
 BUILDERS = []
@@ -171,3 +171,46 @@ def thresholds_yaml_billion_laughs(root, cid):
                          ["YAML alias"], "458 bytes of nested aliases: 9^9 nodes once expanded")
     c.isolate = True  # unguarded it expands to gigabytes: never in the test process
     return c
+
+
+# ------------------------------------------------------------------------- terminal escapes
+# Sequences a terminal obeys: set the window title, clear the screen, paint a green PASSED.
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[32mPASSED\x1b[0m\x9b2J\u202e"
+
+
+@case
+def escapes_manifest_note_inspect(root, cid):
+    folder = valid_fp8(root).parent / cid
+    import shutil
+
+    shutil.copytree(valid_fp8(root), folder)
+    manifest = json.loads((folder / "fp8export.json").read_text())
+    manifest["notes"] = [f"converted fine {ESCAPES}"]
+    first = next(iter(manifest["quantized"]))
+    (folder / "fp8export.json").write_text(json.dumps(manifest))
+    c = Case(cid, "escapes", ["inspect", str(folder)], [], exit=0,
+             note=f"inspect: a manifest note holding {ESCAPES!r} (layer {first})")
+    return c
+
+
+@case
+def escapes_tensor_name_convert(root, cid):
+    t = llama_tensors()
+    t[f"model.layers.0.{ESCAPES}.weight"] = t["model.norm.weight"].clone()
+    ckpt = hf_folder(root / cid, t)
+    out = _out(root, cid)
+    return Case(cid, "escapes", ["convert", str(ckpt), "-o", str(out)], [], exit=0,
+                outputs=[str(out)], note="convert prints the tensors it keeps: one named with "
+                                          "escape sequences")
+
+
+@case
+def escapes_in_an_error_message(root, cid):
+    folder = root / cid / f"ck{ESCAPES[:12]}"
+    hf_folder(folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = _out(root, cid)
+    return Case(cid, "escapes", ["convert", str(folder), "-o", str(out)],
+                ["\\x1b]0;owned\\x07", "truncated"], outputs=[str(out)],
+                note="an error naming a folder whose name holds escape sequences")

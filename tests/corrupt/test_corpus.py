@@ -81,6 +81,9 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     assert "[y/N]" not in everything, f"{c.id}: something prompted on stdin\n{everything[-2000:]}"
     assert code == c.exit, f"{c.id}: exit {code}, expected {c.exit}\n{everything[-3000:]}"
     assert "Traceback" not in everything, everything
+    # nothing from a file reaches the terminal raw: no escape sequences, no C1 controls
+    raw = [ch for ch in everything if ch not in "\n\t" and (ch < " " or "\x7f" <= ch <= "\x9f")]
+    assert not raw, f"{c.id}: printed control characters {sorted(set(raw))!r}"
     for path, digest in c.unchanged.items():
         assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
     if c.exit == 0:
