@@ -101,14 +101,17 @@ class AtomicDir:
     def __enter__(self) -> Path:
         check_folder_target(self.target, self.force, self.marker)
         parent = self.target.parent
+        self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             self.tmp.mkdir()
         except OSError as exc:
             raise Fp8ExportError(f"{parent}: cannot create the output folder there "
                                  f"({exc.strerror or exc}). Check the path and permissions."
                                  ) from exc
+        except BaseException:  # an interrupt inside __enter__: __exit__ will not run
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return self.tmp
 
     def publish(self) -> Path:

@@ -30,8 +30,8 @@ import contextlib
 import io
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -322,9 +322,9 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     """Save ``proto`` to ``output`` atomically (temp folder + rename), external data > 2 GB.
 
     ``check_fn(path)`` runs on the temporary file before it is renamed into place; if it raises,
-    nothing is left behind. The temporary folder has a random name and is created exclusively
-    (``mkdtemp``), so nothing planted beside the output is followed. Any OSError (read-only or
-    full location) becomes an Fp8ExportError. Returns ``(output, data_path or None)``.
+    nothing is left behind. The temporary folder has a random name and is created exclusively,
+    so nothing planted beside the output is followed. Any OSError (read-only or full location)
+    becomes an Fp8ExportError. Returns ``(output, data_path or None)``.
     """
     import onnx
 
@@ -336,11 +336,13 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     for path in (output, data_path):  # again at write time: either may have appeared meanwhile
         check_file_target(path, force)
     external = _initializer_bytes(proto) > EXTERNAL_DATA_BYTES
-    tmp: Path | None = None
+    # Named before it is created: an interrupt (SIGINT/SIGTERM) right after the mkdir still
+    # finds it in the finally below.
+    tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(8)}"
     moved_data = False
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        tmp.mkdir(mode=0o700)  # exclusive: fails if anything is there
         tmp_model = tmp / output.name
         if external:
             onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
@@ -362,8 +364,7 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
                              "nothing was written. Check the path, its permissions and the free "
                              "space.") from exc
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return output, (data_path if external else None)
 
 
