@@ -62,6 +62,27 @@ def source_hashes(checkpoint: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def check_amax_checkpoint(path: str | Path, hashes: dict[str, str]) -> None:
+    """Refuse an amax file recorded for other weights than ``hashes`` (name relative to the
+    checkpoint → sha256 of the weight files being converted). Files that record no checkpoint
+    are taken as they are."""
+    p = Path(path)
+    doc = read_json_object(p, AMAX)
+    recorded = (doc.get("checkpoint") or {}).get("files") if isinstance(doc.get("checkpoint"),
+                                                                        dict) else None
+    if not isinstance(recorded, dict) or not recorded:
+        return
+    differ = sorted(n for n in set(recorded) | set(hashes) if recorded.get(n) != hashes.get(n))
+    if differ:
+        name = differ[0]
+        was, now = str(recorded.get(name) or "absent")[:12], str(hashes.get(name) or "absent")[:12]
+        raise Fp8ExportError(
+            f"{p}: recorded for another checkpoint: its weight file {name!r} had sha256 {was}…, "
+            f"the one being converted has {now}… ({len(differ)} file(s) differ). Activation "
+            "ranges measured on other weights would give wrong input scales; run `fp8export "
+            "calibrate` on this checkpoint.")
+
+
 def check_output(path: Path, force: bool, inputs: tuple[Path | None, ...] = ()) -> None:
     """Refuse, before any work, an output that is or holds one of ``inputs`` (the checkpoint,
     the data), or that replaces anything but a regular file, or anything without ``--force``."""

@@ -371,6 +371,10 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
     run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
+    if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
+        from fp8export.calibration.amax_file import check_amax_checkpoint
+
+        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
     search = budget = None
     if cfg.accuracy_budget is not None:
@@ -519,6 +523,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                              scales.ranges, scales.input, sqnr, plans)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
+            manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -606,6 +611,24 @@ def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
         written.add(rel)
     for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
         fsync_dir(sub)  # publish() syncs the top folder only
+
+
+def _written_files(folder: Path, workers: int) -> list[dict[str, Any]]:
+    """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
+    what verify compares to tell a folder edited after convert. From the page cache, files in
+    parallel (sha256 runs without the GIL)."""
+    files = sorted((p for p in folder.rglob("*") if p.is_file()),
+                   key=lambda p: p.relative_to(folder).as_posix())
+    with ThreadPoolExecutor(max(1, min(workers, len(files)))) as pool:
+        digests = list(pool.map(file_sha256, files))
+    return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
+            for p, d in zip(files, digests)]
+
+
+def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
+    """``{name relative to the checkpoint: sha256}`` of its weight files (as amax.json keys)."""
+    return {e["name"]: e["sha256"] for e in source_files_entry(ckpt.path, ckpt.source_files,
+                                                               hashes)}
 
 
 def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,

@@ -137,9 +137,13 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
         if match is True:
             cand_bits.append("converted from this reference (its manifest's source hashes "
                              "match)")
-        elif match is False:
+        elif match is False and cand.get("source_mismatch"):
             cand_bits.append("NOT converted from this reference: source files differ ("
                              + ", ".join(cand.get("source_mismatch") or []) + ")")
+        if cand.get("edited_after_convert"):
+            cand_bits.append("EDITED after convert: "
+                             + ", ".join(cand["edited_after_convert"][:5])
+                             + " differ from what convert wrote")
     rows.append(("Candidate", " — ".join(str(b) for b in cand_bits if b),
                  cand.get("path") or cand_run.get("path")))
     src = (result.get("data") or {}).get("source") or data.get("source")

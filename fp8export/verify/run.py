@@ -169,8 +169,9 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             if runner is not None:
                 runner.deadline = started + limit
     try:
-        result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
-                      dialect, floor_runner)
+        with _reference_tokenizer(cfg, notes) as tokenizer:
+            result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source,
+                          thresholds, dialect, floor_runner, tokenizer)
     except TimeLimitExceeded as exc:
         raise Fp8ExportError(
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
@@ -192,8 +193,37 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     return result
 
 
+@contextlib.contextmanager
+def _reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
+    """The reference's tokenizer, opened (in its limited child process) before the models load:
+    a hostile one fails in a second, and it loads while they do. One child serves the samples'
+    encoding and the report's decoding. None without a tokenizer; with token-id data, a
+    tokenizer that is refused only costs the report its decoded text (said in a note; False).
+    """
+    from fp8export.inputs.samples import TEXT_SUFFIXES
+    from fp8export.inputs.tokenizer import has_tokenizer, open_tokenizer
+    from fp8export.verify.data import tokenizer_folder
+
+    folder = tokenizer_folder(cfg.reference)
+    if not has_tokenizer(folder):
+        yield None
+        return
+    try:
+        tokenizer = open_tokenizer(folder, for_file=cfg.data)
+    except Fp8ExportError as exc:
+        if cfg.data is None or cfg.data.suffix.lower() in TEXT_SUFFIXES:
+            raise
+        info(f"Note: the report shows token ids instead of text: {exc}")
+        notes.append(f"The report shows token ids instead of text: {exc}")
+        yield False  # tried and refused: not opened again for the report
+        return
+    with tokenizer:
+        yield tokenizer
+
+
 def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
-         thr_source: str, thresholds, dialect: str | None, floor_runner=None) -> VerifyResult:
+         thr_source: str, thresholds, dialect: str | None, floor_runner=None,
+         tokenizer=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
     from fp8export.verify.data import load_verify_samples
@@ -225,7 +255,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         task = task_of(ref_cfg)
         data_cfg = getattr(ref_runner, "data_config", None) or ref_cfg
         samples, data_info = load_verify_samples(cfg.data, cfg.reference, data_cfg,
-                                                 samples=cfg.samples, seq_len=cfg.seq_len)
+                                                 samples=cfg.samples, seq_len=cfg.seq_len,
+                                                 tokenizer=tokenizer or None)
         head = getattr(ref_runner, "output_activation", "linear")  # Keras heads: probabilities
         if data_info.get("note"):
             notes.append(data_info["note"])
@@ -306,9 +337,15 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
     notes.append(family_note + ".")
     worst = [] if family is MetricFamily.EMBEDDINGS else worst_samples(
         compared["per_sample"], samples.input_ids,
-        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg)
+        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg,
+        tokenizer=tokenizer)
     head = header(cfg, reference=ref_desc, candidate=cand_desc, kind=kind, data=data_info,
                   backend=cand_runner.backend)
+    edited = head["candidate"].get("edited_after_convert")
+    if edited:
+        notes.append(f"The FP8 folder was edited after convert: {len(edited)} file(s) differ "
+                     f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
+                     "report judges the folder as it is now, not the converted one.")
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
