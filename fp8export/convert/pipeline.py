@@ -85,6 +85,7 @@ from fp8export.io.atomic import (
     AtomicDir,
     fsync_dir,
 )
+from fp8export.io.descriptors import reserve
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.keras_model.config import is_keras_config
@@ -494,6 +495,10 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
     """Shards, configs, loader files and manifest into a temporary sibling, read back, then
     renamed into place; an OSError leaves nothing behind."""
     n_out = sum(len(p.entries) for p in plans)
+    # the source files stay open, and each output shard is written through two descriptors
+    reserve(len(ckpt.source_files) + 2 * len(plans),
+            f"{cfg.checkpoint}: writing {len(plans)} output shards from {len(ckpt.source_files)} "
+            "weight files")
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
     atomic = AtomicDir(out, cfg.force, marker=MANIFEST_NAME)
     try:

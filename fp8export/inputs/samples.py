@@ -43,6 +43,9 @@ MAX_LINE_BYTES = 1 << 20
 MAX_SAMPLES = 1_000_000
 MAX_TOKENS_PER_SAMPLE = 1 << 20
 MAX_LABEL = (1 << 31) - 1
+# Token data read from a token file, at most: 1 GiB is 134 M int64 ids, thousands of times what
+# calibration or verification uses.
+MAX_TOKEN_BYTES = 1 << 30
 
 _FORMATS_HINT = (
     "Give a .txt file (one sample a line), a .jsonl file (a 'text' field a line), or a "
@@ -455,24 +458,19 @@ _INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 _MAX_NPZ_RATIO = 1000
 
 
-def _npy_array(p: Path, name: str, data: bytes):
-    """One ``.npy`` member, its header checked against its length before anything is allocated
-    (``np.load`` would allocate what the header declares, then find the data short)."""
-    import io
-
-    import numpy as np
+def _npy_header(p: Path, name: str, stream: IO[bytes]):
+    """``(shape, fortran_order, dtype)`` of a ``.npy`` member, read from its stream."""
     from numpy.lib import format as npy
 
-    buf = io.BytesIO(data)
     try:
-        version = npy.read_magic(buf)
+        version = npy.read_magic(stream)
         if version == (1, 0):
-            shape, fortran, dtype = npy.read_array_header_1_0(buf)
+            shape, fortran, dtype = npy.read_array_header_1_0(stream)
         elif version == (2, 0):
-            shape, fortran, dtype = npy.read_array_header_2_0(buf)
+            shape, fortran, dtype = npy.read_array_header_2_0(stream)
         else:
-            shape, fortran, dtype = npy._read_array_header(buf, version)
-    except (ValueError, TypeError, SyntaxError, OverflowError) as exc:
+            shape, fortran, dtype = npy._read_array_header(stream, version)
+    except (ValueError, TypeError, SyntaxError, OverflowError, EOFError) as exc:
         raise Fp8ExportError(f"{p}: member {name!r} is not a readable .npy array ({exc}). "
                              f"{_FORMATS_HINT}") from exc
     if dtype.hasobject:
@@ -484,16 +482,36 @@ def _npy_array(p: Path, name: str, data: bytes):
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise Fp8ExportError(f"{p}: {name!r} declares shape {tuple(shape)}; sizes must be "
                              "integers >= 0. The file is corrupt.")
+    return tuple(shape), fortran, dtype
+
+
+def _npy_member(p: Path, name: str, stream: IO[bytes], stored: int):
+    """One ``.npy`` member, its header checked against the member's size before anything is
+    allocated (``np.load`` would allocate what the header declares), and never more than
+    :data:`MAX_TOKEN_BYTES` of data: a zip member can inflate a few megabytes into gigabytes
+    within any plausible compression ratio."""
+    import numpy as np
+
+    shape, fortran, dtype = _npy_header(p, name, stream)
     count = 1
     for d in shape:
         count *= int(d)
     need = count * dtype.itemsize
-    if need != len(data) - buf.tell():
+    if need != stored - stream.tell():
         raise Fp8ExportError(
-            f"{p}: {name!r} declares shape {tuple(shape)} ({need} bytes) but holds "
-            f"{len(data) - buf.tell()} bytes; the file is corrupt.")
-    arr = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
-    return arr.reshape(shape, order="F" if fortran else "C")
+            f"{p}: {name!r} declares shape {shape} ({need} bytes) but holds "
+            f"{stored - stream.tell()} bytes; the file is corrupt.")
+    if need > MAX_TOKEN_BYTES:
+        raise Fp8ExportError(
+            f"{p}: {name!r} holds {need} bytes of token data (limit {MAX_TOKEN_BYTES}: "
+            "calibration and verification use thousands of samples, not hundreds of millions "
+            "of tokens); refused before decompressing it. Give a smaller file.")
+    data = stream.read(need)
+    if len(data) != need:
+        raise Fp8ExportError(f"{p}: {name!r} ends early ({len(data)} of {need} bytes); the "
+                             "file is corrupt.")
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape,
+                                                                  order="F" if fortran else "C")
 
 
 def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
@@ -522,13 +540,28 @@ def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
                     f"{p}: {key!r} declares {member.file_size} bytes from "
                     f"{member.compress_size} compressed; refused (a zip bomb or a corrupt file).")
             try:
-                data = zf.read(member)
+                with zf.open(member) as stream:
+                    out[key] = _npy_member(p, key, _Counted(stream), member.file_size)
             except errors as exc:
                 raise Fp8ExportError(f"{p}: cannot read {key!r} ({type(exc).__name__}: {exc}). "
                                      f"{_FORMATS_HINT}") from exc
-            out[key] = _npy_array(p, key, data)
     out["__found__"] = found
     return out
+
+
+class _Counted:
+    """A read-only stream that knows how far it has read (zip member streams do not)."""
+
+    def __init__(self, raw: IO[bytes]):
+        self.raw, self.pos = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.pos += len(data)
+        return data
+
+    def tell(self) -> int:
+        return self.pos
 
 
 def _safetensors_arrays(p: Path) -> dict[str, Any]:
@@ -541,6 +574,12 @@ def _safetensors_arrays(p: Path) -> dict[str, Any]:
         for key in ("input_ids", "attention_mask", "labels"):
             if key not in dtypes:
                 continue
+            begin, end = sf.spans[key]
+            if end - begin > MAX_TOKEN_BYTES:
+                raise Fp8ExportError(
+                    f"{p}: {key!r} holds {end - begin} bytes of token data (limit "
+                    f"{MAX_TOKEN_BYTES}: calibration and verification use thousands of samples);"
+                    " refused. Give a smaller file.")
             t = sf.load(key)
             out[key] = (t.numpy() if dtypes[key] in _INT_DTYPES else t.float().numpy())
         return out

@@ -64,8 +64,15 @@ class TokenizerProcess:
                                 else memory_budget(private))
         self.pid = 0
         self._busy = True  # until the child answers: loading
-        import transformers  # noqa: F401  imported once here, shared with the child
+        import transformers
         from transformers import AutoTokenizer  # noqa: F401  (and its tokenizer modules)
+
+        # Imported here, once, shared with the child: transformers' tokenizer classes, and the
+        # config class AutoTokenizer looks up (our own one-key config.json; the command loads
+        # that model's config anyway). The child would otherwise import them on every start.
+        if (private / "config.json").is_file():
+            transformers.AutoConfig.from_pretrained(str(private), local_files_only=True,
+                                                    trust_remote_code=False)
 
         pid = -1
         to_child, self._to_child = os.pipe()

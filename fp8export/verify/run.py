@@ -343,6 +343,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                   backend=cand_runner.backend)
     edited = head["candidate"].get("edited_after_convert")
     if edited:
+        info(f"Note: the FP8 folder was edited after convert ({', '.join(edited[:5])} differ "
+             "from what convert wrote).")
         notes.append(f"The FP8 folder was edited after convert: {len(edited)} file(s) differ "
                      f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
                      "report judges the folder as it is now, not the converted one.")

@@ -38,6 +38,10 @@ class Case:
     isolate: bool = False
     # files that must keep their bytes (path -> sha256), e.g. the checkpoint an output names
     unchanged: dict = field(default_factory=dict)
+    # extra environment variables and process limits ("nofile", "fsize": soft = hard); either
+    # makes the case run as a separate process (they cannot apply to the test process)
+    env: dict = field(default_factory=dict)
+    rlimits: dict = field(default_factory=dict)
 TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
 
 H = 16  # hidden size of the tiny Llama-shaped model

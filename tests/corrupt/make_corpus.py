@@ -683,6 +683,9 @@ BUILDERS.extend(_UNTRUSTED)
 from corpus_outputs import BUILDERS as _OUTPUTS  # noqa: E402
 
 BUILDERS.extend(_OUTPUTS)
+from corpus_bombs import BUILDERS as _BOMBS  # noqa: E402
+
+BUILDERS.extend(_BOMBS)
 
 
 # ------------------------------------------------------------------------------- driver

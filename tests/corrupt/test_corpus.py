@@ -87,6 +87,8 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     for path, digest in c.unchanged.items():
         assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
     if c.exit == 0:
+        for part in c.expect:  # a documented fallback says what it did
+            assert part in everything, f"{c.id}: {part!r} not in the output\n{everything[-3000:]}"
         for out in map(Path, c.outputs):
             if c.manifest:
                 manifest = json.loads((out / "fp8export.json").read_text())
@@ -123,7 +125,8 @@ def test_corpus_is_large_and_covers_every_reader(corpus):
 def test_case(corpus, cid):
     _, cases = corpus
     c = cases[cid]
-    if c.isolate:  # would hang or exhaust memory without its guard: never in this process
+    if c.isolate or c.env or c.rlimits:  # would hang or exhaust memory without its guard, or
+        # needs an environment or limits of its own: never in this process
         r = _subprocess(c, timeout=ISOLATED_TIMEOUT_S)
         check(c, r.returncode, r.stderr, r.stdout)
         return
@@ -139,19 +142,29 @@ ISOLATED_TIMEOUT_S = 120
 ISOLATED_MEMORY = 4 << 30
 
 
-def _limit_memory() -> None:
+def _limits(c: make_corpus.Case):
+    """preexec_fn: the address-space limit of isolated cases and the case's own limits."""
     import resource
+    import signal
 
-    resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY, ISOLATED_MEMORY))
+    def apply() -> None:
+        if c.isolate:
+            resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY, ISOLATED_MEMORY))
+        for name, value in c.rlimits.items():
+            limit = getattr(resource, f"RLIMIT_{name.upper()}")
+            resource.setrlimit(limit, (value, value))
+        if "fsize" in c.rlimits:  # a write past the limit fails (EFBIG) instead of killing
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
 
 
 def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1", **c.env}
     argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
     try:
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout, input=c.stdin or "",
-                              preexec_fn=_limit_memory if c.isolate else None)
+                              preexec_fn=_limits(c) if c.isolate or c.rlimits else None)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{c.id}: still running after {timeout} s (it blocks or never "
                              "ends)") from exc
