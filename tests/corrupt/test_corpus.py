@@ -5,7 +5,12 @@ exactly one ``Error:`` line that names the file (or tensor) and the problem, no 
 output left at the output path nor a hidden temporary sibling of it, and the payload's marker
 file never created.
 
-Runtime: every case runs in-process through click's ``CliRunner`` (torch is imported once);
+Exit 3 cases (verification ran and failed) expect one ``Verification failed:`` line instead;
+exit 0 cases (documented fallbacks) expect their ``expect`` strings somewhere in the output.
+Every case's output is checked for raw control characters (escapes are printed escaped).
+
+Runtime: every case runs in-process through click's ``CliRunner`` (torch is imported once),
+except those marked ``isolate`` or with their own ``env`` / ``rlimits``;
 ``test_case_in_subprocess`` runs a representative case per reader as a real
 ``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that starts
 cold), and with ``--run-slow`` every case does.
