@@ -387,7 +387,8 @@ def left_attention_hub_kernel(root, cid):
                                              "attn_implementation": "kernels-community/flash-attn"})
     argv, out = _calibrate(root, cid, ckpt)
     return Case(cid, "leftovers", argv, ["attn_implementation", "Hub kernel", "ignored"],
-                exit=0, note="a Hub attention kernel (code fetched at run time): ignored, said")
+                exit=0, outputs=[str(out)],
+                note="a Hub attention kernel (code fetched at run time): ignored, said")
 
 
 @case
@@ -401,10 +402,11 @@ def left_pad_outside_vocabulary(root, cid):
     (ckpt / "tokenizer.json").write_text(json.dumps(doc))
     cfg["pad_token"] = "<pad70000>"
     (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
-    argv, _ = _calibrate(root, cid, ckpt)
+    argv, out = _calibrate(root, cid, ckpt)
     return Case(cid, "leftovers", argv, ["pad token id 64", "outside the model's vocabulary"],
-                exit=0, note="a pad token id beyond the 64-row embedding: batches padded with "
-                             "id 0 instead, said")
+                exit=0, outputs=[str(out)],
+                note="a pad token id beyond the 64-row embedding: batches padded with id 0 "
+                     "instead, said")
 
 
 @case
