@@ -309,10 +309,12 @@ def _die_with_parent() -> None:
 
 
 def _limit(memory: int, seconds: float) -> None:
-    with open("/proc/self/statm") as f:
-        have = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    limit = have + memory
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        with open("/proc/self/statm") as f:
+            have = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (have + memory, have + memory))
+    except (OSError, ValueError):  # no procfs (macOS, where RLIMIT_AS is not enforced anyway)
+        pass
     _cpu_for_next_request(seconds)
 
 
