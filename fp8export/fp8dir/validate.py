@@ -131,6 +131,9 @@ def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[s
         for suffix in ("weight_scale", "input_scale"):
             name = f"{layer}.{suffix}"
             if name in tensors:
-                # per-channel: the manifest records the largest row scale, compared as well
-                check_scale(folder, name, tensors[name][0], values(name), entry.get(suffix))
+                # per-channel: the manifest records the largest row scale, compared as well;
+                # a scale of another dtype is refused before its values are read
+                dtype = tensors[name][0]
+                check_scale(folder, name, dtype,
+                            values(name) if dtype in SCALE_DTYPES else [1.0], entry.get(suffix))
     check_config(folder, config, manifest)
