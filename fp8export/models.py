@@ -92,6 +92,13 @@ def hf_config(config: dict[str, Any], source: Path):
 
     where = config_file(source)
     validate_config(config, where)
+    for key in ("attn_implementation", "_attn_implementation"):
+        chosen = config.get(key)
+        if chosen not in (None, "eager", "sdpa"):
+            hub = isinstance(chosen, str) and "/" in chosen
+            info(f"Note: {where}: {key} {str(chosen)[:80]!r} ignored"
+                 + (" (a Hub kernel: code downloaded and run at load time)" if hub else "")
+                 + "; the model runs with transformers' built-in attention.")
     cfg = {k: v for k, v in config.items() if k not in _DROPPED_KEYS}
     model_type = cfg.pop("model_type", None)
     if not model_type:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from fp8export._progress import echo
+
 
 def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
@@ -103,8 +105,9 @@ def _choice(*values: str) -> click.Choice:
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
                    "worker.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
-                                           "swapped in only when complete).")
+@click.option("--force", is_flag=True, help="Replace an earlier output folder of fp8export (or "
+                                           "an empty one; built first, swapped in only when "
+                                           "complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
@@ -168,21 +171,21 @@ def render(result) -> None:
     loaders = " and ".join(result.loaded_by)
     # "only" wherever transformers, the most common loader, would not load it right
     only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
-    click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
-    click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
-    click.echo(_activation_line(result))
+    echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
+    echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
+    echo(_activation_line(result))
     if result.kv_cache:
-        click.echo(f"kv cache: {result.kv_cache}")
+        echo(f"kv cache: {result.kv_cache}")
     kept = result.excluded_by_reason()
-    click.echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
+    echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
     by_reason: dict[str, list[str]] = {}
     for name, reason in result.excluded.items():
         by_reason.setdefault(reason, []).append(name)
     for reason, count in kept.items():
         names = by_reason[reason]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        click.echo(f"  {count:4d}  {reason}: {shown}")
+        echo(f"  {count:4d}  {reason}: {shown}")
     for note in result.notes:
         if not note.startswith(("weights only", "activations: dynamic per token group")):
             # already said on the activations line
-            click.echo(f"note: {note}")
+            echo(f"note: {note}")

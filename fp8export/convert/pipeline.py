@@ -86,6 +86,7 @@ from fp8export.io.atomic import (
     AtomicDir,
     fsync_dir,
 )
+from fp8export.io.descriptors import reserve
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.keras_model.config import is_keras_config
@@ -413,6 +414,10 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
     run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
+    if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
+        from fp8export.calibration.amax_file import check_amax_checkpoint
+
+        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
     search = budget = None
     if cfg.accuracy_budget is not None:
@@ -543,8 +548,12 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
     """Shards, configs, loader files and manifest into a temporary sibling, read back, then
     renamed into place; an OSError leaves nothing behind."""
     n_out = sum(len(p.entries) for p in plans)
+    # the source files stay open, and each output shard is written through two descriptors
+    reserve(len(ckpt.source_files) + 2 * len(plans),
+            f"{cfg.checkpoint}: writing {len(plans)} output shards from {len(ckpt.source_files)} "
+            "weight files")
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
-    atomic = AtomicDir(out, cfg.force)
+    atomic = AtomicDir(out, cfg.force, marker=MANIFEST_NAME)
     try:
         with atomic as tmp:
             if run.files is not None:
@@ -573,6 +582,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                              scales.ranges, scales.input, sqnr, plans)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
+            manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -661,6 +671,24 @@ def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
         written.add(rel)
     for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
         fsync_dir(sub)  # publish() syncs the top folder only
+
+
+def _written_files(folder: Path, workers: int) -> list[dict[str, Any]]:
+    """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
+    what verify compares to tell a folder edited after convert. From the page cache, files in
+    parallel (sha256 runs without the GIL)."""
+    files = sorted((p for p in folder.rglob("*") if p.is_file()),
+                   key=lambda p: p.relative_to(folder).as_posix())
+    with ThreadPoolExecutor(max(1, min(workers, len(files)))) as pool:
+        digests = list(pool.map(file_sha256, files))
+    return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
+            for p, d in zip(files, digests)]
+
+
+def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
+    """``{name relative to the checkpoint: sha256}`` of its weight files (as amax.json keys)."""
+    return {e["name"]: e["sha256"] for e in source_files_entry(ckpt.path, ckpt.source_files,
+                                                               hashes)}
 
 
 def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,

@@ -50,7 +50,7 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
     if plot is not None:  # a bad --plot path fails before the (possibly long) inspection
         from fp8export.inspect.plot import check_plot_target
 
-        check_plot_target(Path(plot), force)
+        check_plot_target(Path(plot), force, source=p)
     from fp8export.checkpoint.source import open_checkpoint
 
     manifest = manifest_if_any(p)
@@ -65,7 +65,7 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
     if plot is not None:
         from fp8export.inspect.plot import write_plot
 
-        write_plot(result, Path(plot), force=force)
+        write_plot(result, Path(plot), force=force, source=p)
         result.plot = str(plot)
     return result
 

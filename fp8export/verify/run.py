@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fp8export._progress import info, progress, stage
@@ -119,7 +120,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
-    from fp8export.verify.thresholds import load_thresholds
+    from fp8export.verify.thresholds import PRESETS, load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.data is not None:  # a typo'd data file fails before any model loads
@@ -127,13 +128,12 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
         check_data_file(cfg.data)
     if cfg.write_reports:
-        from fp8export.io.atomic import probe_writable, refuse_inside_input
         from fp8export.verify.report import check_report_dir
 
-        for source in (cfg.reference, cfg.candidate):
-            refuse_inside_input(cfg.report_dir, source, "--report-dir")
-        check_report_dir(cfg.report_dir, cfg.force)
-        probe_writable(cfg.report_dir, "--report-dir")
+        thresholds_file = None if isinstance(cfg.thresholds, dict) or \
+            str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
+        check_report_dir(cfg.report_dir, cfg.force,
+                         inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
     measure_floor = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE \
@@ -169,8 +169,9 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             if runner is not None:
                 runner.deadline = started + limit
     try:
-        result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
-                      folder_format, floor_runner)
+        with _reference_tokenizer(cfg, notes) as tokenizer:
+            result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source,
+                          thresholds, folder_format, floor_runner, tokenizer)
     except TimeLimitExceeded as exc:
         raise Fp8ExportError(
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
@@ -192,8 +193,37 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     return result
 
 
+@contextlib.contextmanager
+def _reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
+    """The reference's tokenizer, opened (in its limited child process) before the models load:
+    a hostile one fails in a second, and it loads while they do. One child serves the samples'
+    encoding and the report's decoding. None without a tokenizer; with token-id data, a
+    tokenizer that is refused only costs the report its decoded text (said in a note; False).
+    """
+    from fp8export.inputs.samples import TEXT_SUFFIXES
+    from fp8export.inputs.tokenizer import has_tokenizer, open_tokenizer
+    from fp8export.verify.data import tokenizer_folder
+
+    folder = tokenizer_folder(cfg.reference)
+    if not has_tokenizer(folder):
+        yield None
+        return
+    try:
+        tokenizer = open_tokenizer(folder, for_file=cfg.data)
+    except Fp8ExportError as exc:
+        if cfg.data is None or cfg.data.suffix.lower() in TEXT_SUFFIXES:
+            raise
+        info(f"Note: the report shows token ids instead of text: {exc}")
+        notes.append(f"The report shows token ids instead of text: {exc}")
+        yield False  # tried and refused: not opened again for the report
+        return
+    with tokenizer:
+        yield tokenizer
+
+
 def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
-         thr_source: str, thresholds, folder_format, floor_runner=None) -> VerifyResult:
+         thr_source: str, thresholds, folder_format, floor_runner=None,
+         tokenizer=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
     from fp8export.verify.data import load_verify_samples
@@ -225,7 +255,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         task = task_of(ref_cfg)
         data_cfg = getattr(ref_runner, "data_config", None) or ref_cfg
         samples, data_info = load_verify_samples(cfg.data, cfg.reference, data_cfg,
-                                                 samples=cfg.samples, seq_len=cfg.seq_len)
+                                                 samples=cfg.samples, seq_len=cfg.seq_len,
+                                                 tokenizer=tokenizer or None)
         head = getattr(ref_runner, "output_activation", "linear")  # Keras heads: probabilities
         if data_info.get("note"):
             notes.append(data_info["note"])
@@ -308,9 +339,17 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
     notes.append(family_note + ".")
     worst = [] if family is MetricFamily.EMBEDDINGS else worst_samples(
         compared["per_sample"], samples.input_ids,
-        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg)
+        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg,
+        tokenizer=tokenizer)
     head = header(cfg, reference=ref_desc, candidate=cand_desc, kind=kind, data=data_info,
                   backend=cand_runner.backend)
+    edited = head["candidate"].get("edited_after_convert")
+    if edited:
+        info(f"Note: the FP8 folder was edited after convert ({', '.join(edited[:5])} differ "
+             "from what convert wrote).")
+        notes.append(f"The FP8 folder was edited after convert: {len(edited)} file(s) differ "
+                     f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
+                     "report judges the folder as it is now, not the converted one.")
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
