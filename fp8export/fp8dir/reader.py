@@ -327,7 +327,9 @@ def read_fp8_folder(path: str | Path) -> Fp8Folder:
     tensors = open_folder_tensors(folder)
     try:
         if kind == "fp8export":
-            manifest = _our_manifest(folder, read_manifest(folder), config, tensors)
+            raw = read_manifest(folder)
+            _validate(folder, raw, config, tensors)
+            manifest = _our_manifest(folder, raw, config, tensors)
         else:
             from fp8export.fp8dir.foreign import foreign_manifest
 
@@ -339,6 +341,18 @@ def read_fp8_folder(path: str | Path) -> Fp8Folder:
         raise
     return Fp8Folder(folder, config, manifest, tensors, FolderLayers(entries, tensors),
                      folder_format(manifest, config))
+
+
+def _validate(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
+              tensors: FolderTensors) -> None:
+    """fp8dir.validate's checks on a folder convert wrote, before anything is built from it:
+    every FP8 tensor a listed layer's own weight, every scale a sane float equal to the
+    manifest's, config.json's quantization_config the manifest's."""
+    from fp8export.fp8dir.validate import validate_folder
+
+    infos = {n: (i.dtype, tuple(i.shape)) for n, i in tensors.infos.items()}
+    validate_folder(folder, manifest, config, infos,
+                    lambda name: tensors[name].float().reshape(-1).numpy())
 
 
 def fp8_folder_kind(path: str | Path) -> str | None:

@@ -61,11 +61,12 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
         if dtype != "F8_E4M3" or len(shape) != 2:
             raise _bad(folder, f"layer {layer}: {weight} is {dtype} {list(shape)}, not a 2-D "
                                "F8_E4M3 tensor")
-        for suffix in ("weight_scale",) + (("input_scale",) if entry.get("input_scale")
-                                           is not None else ()):
-            if f"{layer}.{suffix}" not in tensors:
-                raise _bad(folder, f"layer {layer}: {layer}.{suffix} is missing, so its FP8 "
-                                   "values cannot be scaled")
+        if weight_scale_name(layer, tensors) is None:
+            raise _bad(folder, f"layer {layer}: {layer}.weight_scale is missing, so its FP8 "
+                               "values cannot be scaled")
+        if entry.get("input_scale") is not None and f"{layer}.input_scale" not in tensors:
+            raise _bad(folder, f"layer {layer}: {layer}.input_scale is missing, so its FP8 "
+                               "values cannot be scaled")
         stray = f"{layer}.input_scale"
         if stray in tensors and entry.get("input_scale") is None:
             raise _bad(folder, f"layer {layer}: tensor {stray} is stored but the manifest says "
@@ -76,6 +77,15 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
         raise _bad(folder, f"{len(unlisted)} FP8 tensor(s) belong to no layer of the manifest "
                            f"({', '.join(unlisted[:3])}): their raw codes would be used "
                            "unscaled")
+
+
+def weight_scale_name(layer: str, tensors: Mapping[str, Any]) -> str | None:
+    """The layer's weight scale tensor: ``weight_scale``, or the fine-grained dialect's
+    ``weight_scale_inv`` (block scales written with ``--format vllm``); None if neither."""
+    for name in (f"{layer}.weight_scale", f"{layer}.weight_scale_inv"):
+        if name in tensors:
+            return name
+    return None
 
 
 def check_scale(folder: Path, name: str, dtype: str, values: Any,
@@ -128,12 +138,12 @@ def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[s
     check_layers(folder, quantized, tensors)
     for layer, entry in quantized.items():
         entry = entry or {}
-        for suffix in ("weight_scale", "input_scale"):
-            name = f"{layer}.{suffix}"
+        for key, name in (("weight_scale", weight_scale_name(layer, tensors)),
+                          ("input_scale", f"{layer}.input_scale")):
             if name in tensors:
-                # per-channel: the manifest records the largest row scale, compared as well;
-                # a scale of another dtype is refused before its values are read
+                # per-channel and block: the manifest records the largest scale, compared as
+                # well; a scale of another dtype is refused before its values are read
                 dtype = tensors[name][0]
                 check_scale(folder, name, dtype,
-                            values(name) if dtype in SCALE_DTYPES else [1.0], entry.get(suffix))
+                            values(name) if dtype in SCALE_DTYPES else [1.0], entry.get(key))
     check_config(folder, config, manifest)

@@ -58,7 +58,7 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
         infos = ck.tensors()
         if manifest is not None or any(i.dtype in FP8 for i in infos):
             result = _fp8_folder(ck, infos, manifest)
-            _folder_format(result, p)
+            _folder_format(result, p, ours=manifest is not None)
         else:
             result = _checkpoint(ck, infos)
         result.notes[:0] = list(getattr(ck, "notes", []))
@@ -320,8 +320,11 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
             result.notes.insert(0, note)
 
 
-def _folder_format(result: InspectResult, path: Path) -> None:
-    """What the one reader makes of the folder: producer, dialect, granularity, activations."""
+def _folder_format(result: InspectResult, path: Path, ours: bool) -> None:
+    """What the one reader makes of the folder: producer, dialect, granularity, activations.
+    A folder convert wrote (``ours``) that the reader refuses (edited or damaged) is an error,
+    as it is for every other command; one another tool wrote in a form fp8export cannot run is
+    still shown, with the reason in a note."""
     from fp8export.fp8dir.reader import read_fp8_folder
 
     try:
@@ -329,6 +332,8 @@ def _folder_format(result: InspectResult, path: Path) -> None:
             fmt = folder.format
             extra = [str(n) for n in folder.manifest.get("notes") or []] if not fmt.ours else []
     except Fp8ExportError as exc:
+        if ours:
+            raise
         result.notes.append(f"fp8export cannot run this folder: {exc}")
         return
     from fp8export.config import OutputFormat

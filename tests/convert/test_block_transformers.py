@@ -115,6 +115,10 @@ def test_a_misread_scale_is_far_outside_those_bounds(fine_grained, batch, tmp_pa
     name = "model.layers.2.mlp.down_proj.weight_scale_inv"
     tensors[name] = fault(tensors[name])
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    # the manifest agrees with the edit (else the reader refuses the folder as edited)
+    manifest = json.loads((bad / "fp8export.json").read_text())
+    manifest["quantized"][name.rsplit(".", 1)[0]]["weight_scale"] = float(tensors[name].max())
+    (bad / "fp8export.json").write_text(json.dumps(manifest))
     wrong = _logits(load_fp8_model(bad, dtype=torch.float32, mode="emulate")[0], batch)
     assert rel_l2(tf, wrong) > bound
 

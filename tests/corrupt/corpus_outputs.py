@@ -219,19 +219,8 @@ def escapes_in_an_error_message(root, cid):
 
 
 # ------------------------------------------------------------------- edited FP8 folders
-# The checks exist (fp8export/fp8dir/validate.py, tests/fp8dir/test_validate.py); the FP8-folder
-# reader that export-onnx, verify, inspect and the runtime share is being reworked elsewhere, and
-# runs them once it calls validate_folder. Until then these cases are strict xfails: the day the
-# reader refuses them they pass, and the xfail must go.
-WIRING = ("needs the one FP8-folder reader (fp8dir/reader.py, used by export-onnx, verify, "
-          "inspect and the runtime) to call fp8dir.validate.validate_folder: ")
-
-
-def known_bug(reason: str):
-    def mark(fn):
-        fn.xfail = WIRING + reason
-        return fn
-    return mark
+# The one FP8-folder reader (fp8export/fp8dir/reader.py, used by export-onnx, verify, inspect and
+# the runtime) runs fp8dir/validate.py's checks on every folder convert wrote.
 
 
 def _edited(root: Path, cid: str, edit_manifest=None, edit_header=None, edit_config=None,
@@ -279,7 +268,6 @@ def _inspect(cid, folder, expect, note):
 
 
 @case
-@known_bug("every FP8 tensor must be a listed layer's weight")
 def fp8_manifest_drops_a_layer(root, cid):
     folder = _edited(root, cid, edit_manifest=lambda m: m["quantized"].pop(O_PROJ))
     out = _out(root, cid, ".onnx")
@@ -290,7 +278,6 @@ def fp8_manifest_drops_a_layer(root, cid):
 
 
 @case
-@known_bug("a layer's weight must be its own <layer>.weight")
 def fp8_layer_points_at_another_weight(root, cid):
     def edit(m):
         m["quantized"][O_PROJ]["weight"] = "model.layers.0.mlp.down_proj.weight"
@@ -301,7 +288,6 @@ def fp8_layer_points_at_another_weight(root, cid):
 
 
 @case
-@known_bug("an input_scale only where the manifest records static activations")
 def fp8_stray_input_scale(root, cid):
     folder = _edited(root, cid, add_f32={f"{O_PROJ}.input_scale": 1e-30})
     return _inspect(cid, folder, [f"{O_PROJ}.input_scale", "dynamic"],
@@ -309,7 +295,6 @@ def fp8_stray_input_scale(root, cid):
 
 
 @case
-@known_bug("a scale is a float tensor (F32/F16/BF16)")
 def fp8_weight_scale_bool(root, cid):
     def header(h):
         h[f"{O_PROJ}.weight_scale"].update(dtype="BOOL", shape=[4])
@@ -320,14 +305,12 @@ def fp8_weight_scale_bool(root, cid):
 
 
 @case
-@known_bug("a scale lies within 1e-12 .. 1e12 and equals the manifest's")
 def fp8_weight_scale_huge(root, cid):
     return _inspect(cid, _edited(root, cid, edit_values={f"{O_PROJ}.weight_scale": 3e38}),
                     [f"{O_PROJ}.weight_scale", "outside"], "a weight_scale of 3e38")
 
 
 @case
-@known_bug("every FP8 tensor must be a listed layer's weight (E4M3 only)")
 def fp8_embedding_as_e5m2(root, cid):
     def header(h):
         entry = h["model.embed_tokens.weight"]
@@ -339,7 +322,6 @@ def fp8_embedding_as_e5m2(root, cid):
 
 
 @case
-@known_bug("config.json's quantization_config must be the manifest's")
 def fp8_config_without_quantization_config(root, cid):
     folder = _edited(root, cid, edit_config=lambda c: c.pop("quantization_config"))
     report = _out(root, cid, "-report")
@@ -350,7 +332,6 @@ def fp8_config_without_quantization_config(root, cid):
 
 
 @case
-@known_bug("config.json's quantization_config must be the manifest's")
 def fp8_config_ignores_everything(root, cid):
     def edit(c):
         c["quantization_config"]["ignore"] = ["re:.*"]
