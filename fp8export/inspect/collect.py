@@ -243,8 +243,6 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
             row.fused_group = group if isinstance(group, str) else None
             if manifest is not None and not entry:
                 notes.append(f"{info.name}: quantized but not listed in {MANIFEST}")
-            elif entry and row.scale is not None:
-                _cross_check(info.name, row.scale, entry.get("weight_scale"), notes)
         else:
             role = "float" if info.dtype in FLOAT else "other"
             row = _row(info, role)
@@ -371,15 +369,6 @@ def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:
         return tensor_amax(codes * expand_blocks(scale, tuple(codes.shape), (bn, bk)))
     # per-channel: one scale per output row ([out], [out, 1])
     return tensor_amax(codes * scale.reshape(-1, *([1] * (codes.dim() - 1))))
-
-
-def _cross_check(name: str, stored: float, recorded: Any, notes: list[str]) -> None:
-    value = _num(recorded)
-    if value is None:
-        return
-    if not math.isclose(stored, value, rel_tol=1e-6):
-        notes.append(f"{name}: weight_scale in the file is {stored:.6g} but {MANIFEST} records "
-                     f"{value:.6g}; the folder was modified after convert")
 
 
 # ------------------------------------------------------------------------------------ ONNX
