@@ -14,10 +14,13 @@ with ``fp8export calibrate`` and reused through ``--calib-amax``, so the two wei
 granularities see the same activation ranges) followed by one ``fp8export verify`` on the same
 evaluation samples. Recipes:
 
-* weights: ``tensor`` (one scale per tensor, q/k/v and gate/up share the group max) or
-  ``channel`` (one scale per output row);
+* weights: ``tensor`` (one scale per tensor, q/k/v and gate/up share the group max),
+  ``channel`` (one scale per output row) or ``block`` (one per 128x128 tile, DeepSeek-V3's
+  format);
 * activations: ``static`` (calibrated per-tensor input scales; calibrator ``max``,
   ``percentile`` or ``mse``), ``dynamic-tensor`` or ``dynamic-token`` (computed at run time);
+  block weights run with ``dynamic-group`` (per token and group of 128 input elements), their
+  only activation scheme;
 * rounding: ``nearest`` or ``gptq`` (``--weight-rounding gptq`` on the calibration text);
 * method (the ``accuracy`` set, bench/recipe_methods.py; not shipped by convert): ``smooth``
   (activation smoothing folded into the checkpoint before convert, α per fold site by the
@@ -59,12 +62,17 @@ def _row(weights, activations, calibrator=None, rounding="nearest", method=None,
 
 def recipes(which: str) -> list[dict]:
     """``full``: every calibrator; ``core``: static with ``max`` only; ``quick``: core without
-    dynamic per-tensor; ``kv``: the default recipe with and without an FP8 KV cache;
-    ``accuracy``: the recipe methods against today's best (per-tensor weights, per-token
-    inputs) and the static default, all measured in one run."""
+    dynamic per-tensor; ``kv``: the default recipe with and without an FP8 KV cache; ``block``:
+    the block recipe alone (added to models measured before on the same data); ``accuracy``:
+    the recipe methods against today's best (per-tensor weights, per-token inputs) and the
+    static default, all measured in one run."""
     kv = {"weights": "tensor", "activations": "static", "calibrator": "max", "kv_cache": "fp8"}
+    block = {"weights": "block", "activations": "dynamic-group", "calibrator": None,
+             "kv_cache": "none"}
     if which == "kv":
         return [dict(kv, kv_cache="none"), kv]
+    if which == "block":
+        return [block]
     if which == "accuracy":
         return [_row("tensor", "dynamic-token"), _row("tensor", "static", "max"),
                 _row("channel", "dynamic-token"),
@@ -84,6 +92,7 @@ def recipes(which: str) -> list[dict]:
                     continue
                 out.append({"weights": weights, "activations": act, "calibrator": method,
                             "kv_cache": "none"})
+    out.append(block)
     out.append(kv)  # the cost of an FP8 KV cache, on the default recipe
     return out
 
@@ -135,7 +144,8 @@ def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path
             calib_data=calib if r["kv_cache"] == "fp8" or gptq else None,
             calib_samples=args.calib_samples, seq_len=args.seq_len,
             weight_rounding="gptq" if gptq else "nearest",
-            dynamic_activations="token" if r["activations"] == "dynamic-token" else "tensor"))
+            dynamic_activations={"dynamic-token": "token", "dynamic-group": "group"}.get(
+                r["activations"], "tensor")))
         if r.get("method") == "scale-search":
             facts = search_weight_scales(out, model, calib, samples=args.calib_samples,
                                          seq_len=args.seq_len)
@@ -294,9 +304,11 @@ def markdown(doc: dict) -> str:
                 lines += [f"`{r['recipe']}`: {json.dumps(r['method_facts'], sort_keys=True)}",
                           ""]
     d = doc["setup"]
-    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load "
-                      f"{m.get('setup', {}).get('load_avg_1m_at_start', '?')} at start, "
-                      f"{m.get('setup', {}).get('load_avg_1m_at_end', '?')} at end)"
+    def loads(m):  # rows measured in several runs carry the load of their own run
+        found = sorted({r.get("load_avg_1m_at_start") for r in m["rows"]} - {None})
+        return ", ".join(map(str, found)) or m.get("setup", {}).get("load_avg_1m_at_start", "?")
+
+    sizes = ", ".join(f"{m['model']} {m['samples']} (machine load {loads(m)})"
                       for m in doc["models"])
     lines += [f"Data: {d['seq_len']}-token samples of each model's eval text ({sizes} samples); "
               f"calibration {d['calib_samples']} samples. Machine: {doc['machine']['cores']} "
@@ -309,11 +321,13 @@ def main() -> None:
     ap.add_argument("--model", action="append", default=[], metavar="LABEL=PATH[,CALIB,EVAL]",
                     help="more models (HF folders); calibration/eval text default to the "
                          "sample's. Real models run the core recipe set (--recipes-real)")
-    ap.add_argument("--recipes-real", choices=("full", "core", "quick", "kv", "accuracy"),
-                    default="core")
-    ap.add_argument("--recipes", choices=("full", "core", "quick", "kv", "accuracy"),
-                    help="the recipe set for every model (default: full for the sample, "
-                         "--recipes-real for the others)")
+    sets = ("full", "core", "quick", "kv", "block", "accuracy")
+    ap.add_argument("--recipes-real", choices=sets, default="core")
+    ap.add_argument("--recipes-sample", choices=sets, default="full",
+                    help="the recipe set of the shipped sample model")
+    ap.add_argument("--recipes", choices=sets,
+                    help="the recipe set for every model (overrides --recipes-sample and "
+                         "--recipes-real)")
     ap.add_argument("--fresh", action="store_true",
                     help="replace each measured model's earlier rows instead of merging")
     ap.add_argument("--no-sample", action="store_true", help="skip the shipped sample model")
@@ -327,7 +341,8 @@ def main() -> None:
     args = ap.parse_args()
 
     calib, data = SAMPLE / "data" / "calib.txt", SAMPLE / "data" / "eval.txt"
-    models = [] if args.no_sample else [("sample", SAMPLE / "model", calib, data, "full")]
+    models = [] if args.no_sample else [("sample", SAMPLE / "model", calib, data,
+                                         args.recipes_sample)]
     for spec in args.model:
         label, _, rest = spec.partition("=")
         parts = rest.split(",")
@@ -347,8 +362,13 @@ def main() -> None:
         for label, path, c, e, which in models:
             which = "quick" if args.quick else (args.recipes or which)
             result = run_model(label, path, c, e, args, Path(tmp), which)
+            for row in result["rows"]:
+                row["load_avg_1m_at_start"] = doc["machine"]["load_avg_1m_at_start"]
             before = None if args.fresh else next((m for m in kept if m["model"] == label),
                                                   None)
+            for row in (before or {}).get("rows", []):
+                row.setdefault("load_avg_1m_at_start", before.get("setup", {}).get(
+                    "load_avg_1m_at_start"))
             if before is not None and before.get("samples") == result["samples"]:
                 # rows of other recipes measured earlier on the same data are kept
                 names = {r["recipe"] for r in result["rows"]}

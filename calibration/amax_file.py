@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
-from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
+from fp8export.io.atomic import write_file_atomic
 from fp8export.io.guarded import AMAX, WEIGHTS, open_input, read_json_object
+from fp8export.io.outputs import claim_output_file
 from fp8export.scales.ranges import ActivationRange
 
 if TYPE_CHECKING:
@@ -61,20 +62,34 @@ def source_hashes(checkpoint: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_output(path: Path, force: bool, checkpoint: Path | None = None) -> None:
-    """Refuse to replace an existing file without ``--force``, and to write inside the
-    ``checkpoint`` being calibrated (checked before any work)."""
+def check_amax_checkpoint(path: str | Path, hashes: dict[str, str]) -> None:
+    """Refuse an amax file recorded for other weights than ``hashes`` (name relative to the
+    checkpoint → sha256 of the weight files being converted). Files that record no checkpoint
+    are taken as they are."""
     p = Path(path)
-    if checkpoint is not None:
-        refuse_inside_input(p, checkpoint)
-    if p.is_dir():
-        raise Fp8ExportError(f"{p}: is a folder; -o/--output takes a file path like amax.json.")
-    if p.exists() and not force:
-        raise Fp8ExportError(f"{p}: already exists. Pass --force to replace it, or choose "
-                             "another -o/--output path.")
+    doc = read_json_object(p, AMAX)
+    recorded = (doc.get("checkpoint") or {}).get("files") if isinstance(doc.get("checkpoint"),
+                                                                        dict) else None
+    if not isinstance(recorded, dict) or not recorded:
+        return
+    differ = sorted(n for n in set(recorded) | set(hashes) if recorded.get(n) != hashes.get(n))
+    if differ:
+        name = differ[0]
+        was, now = str(recorded.get(name) or "absent")[:12], str(hashes.get(name) or "absent")[:12]
+        raise Fp8ExportError(
+            f"{p}: recorded for another checkpoint: its weight file {name!r} had sha256 {was}…, "
+            f"the one being converted has {now}… ({len(differ)} file(s) differ). Activation "
+            "ranges measured on other weights would give wrong input scales; run `fp8export "
+            "calibrate` on this checkpoint.")
+
+
+def check_output(path: Path, force: bool, inputs: tuple[Path | None, ...] = ()) -> None:
+    """Refuse, before any work, an output that is or holds one of ``inputs`` (the checkpoint,
+    the data), or that replaces anything but a regular file, or anything without ``--force``."""
+    p = Path(path)
+    claim_output_file(p, inputs=inputs, force=force)
     if not p.parent.exists():
         raise Fp8ExportError(f"{p.parent}: the output folder does not exist; create it first.")
-    probe_writable(p)
 
 
 def amax_document(result: CalibrationResult) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8export._progress import info, stage
@@ -114,40 +115,56 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
     # every path before torch loads: a typo costs milliseconds, not a model load
     check_checkpoint_path(cfg.checkpoint)
     check_data_file(cfg.calib_data)
+    if cfg.output is not None:
+        from fp8export.calibration.amax_file import check_output
+
+        check_output(cfg.output, cfg.force, (cfg.checkpoint, cfg.calib_data))
     import torch
 
     fit_torch()  # the CPU threads fitted to this machine, before the model loads
 
-    from fp8export.calibration.amax_file import check_output
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.models import load_model_placed
     from fp8export.moe import unfuse_experts
     from fp8export.placement import parse_max_memory, resolve_device
 
-    if cfg.output is not None:
-        check_output(cfg.output, cfg.force, cfg.checkpoint)
     method = str(cfg.calib_method)
     calibrator_class(method)
     get_calibrator(method, **cfg.method_options())  # validate options before loading
     device = resolve_device(cfg.device)
-    with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
-        model, config, spread = load_model_placed(
-            cfg.checkpoint, device, parse_max_memory(cfg.max_memory), dtype=torch.bfloat16)
-        unfuse_experts(model, mode="all")  # MoE: every expert sees every token
-    input_device = torch.device(spread.main_device if spread is not None else device)
-    notes = [spread.note()] if spread is not None else []
-    if spread is not None:
-        device = ",".join(spread.devices)
-    try:
-        return _calibrate_loaded(cfg, known_groups, model, config, input_device, notes, device,
-                                 method)
-    finally:
+    # Text is tokenised by the checkpoint's tokenizer in a child process: opened before the
+    # model loads, so a hostile tokenizer fails in a second and a good one loads meanwhile.
+    with _tokenizer_for(cfg) as tokenizer:
+        with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
+            model, config, spread = load_model_placed(
+                cfg.checkpoint, device, parse_max_memory(cfg.max_memory), dtype=torch.bfloat16)
+            unfuse_experts(model, mode="all")  # MoE: every expert sees every token
+        input_device = torch.device(spread.main_device if spread is not None else device)
+        notes = [spread.note()] if spread is not None else []
         if spread is not None:
-            spread.close()
+            device = ",".join(spread.devices)
+        try:
+            return _calibrate_loaded(cfg, known_groups, model, config, input_device, notes,
+                                     device, method, tokenizer)
+        finally:
+            if spread is not None:
+                spread.close()
+
+
+def _tokenizer_for(cfg: CalibrateConfig):
+    """The checkpoint's open tokenizer when the data is text, else a context of None."""
+    import contextlib
+
+    from fp8export.inputs.samples import TEXT_SUFFIXES
+    from fp8export.inputs.tokenizer import open_tokenizer
+
+    if not cfg.checkpoint.is_dir() or Path(cfg.calib_data).suffix.lower() not in TEXT_SUFFIXES:
+        return contextlib.nullcontext(None)
+    return open_tokenizer(cfg.checkpoint, for_file=Path(cfg.calib_data))
 
 
 def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_device, notes,
-                      device: str, method: str) -> CalibrationResult:
+                      device: str, method: str, tokenizer=None) -> CalibrationResult:
     from fp8export.calibration.amax_file import source_hashes, write_amax_file
     from fp8export.calibration.calibrators import get_calibrator
     from fp8export.calibration.observe import amaxes_from_stats, observe
@@ -174,7 +191,7 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     tok_dir = cfg.checkpoint if cfg.checkpoint.is_dir() else None
     samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
                            seq_len=cfg.seq_len, max_positions=max_positions(config),
-                           vocab_size=vocab_size(config))
+                           vocab_size=vocab_size(config), tokenizer=tokenizer)
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
         notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
                      f"--calib-samples {cfg.calib_samples})")

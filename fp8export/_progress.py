@@ -1,5 +1,10 @@
 """Progress that shows on a terminal and stays quiet in CI logs (DESIGN.md).
 
+Everything printed that may carry text from a file (tensor names, manifest notes, paths, error
+messages) goes through :func:`printable` (:func:`echo`, :func:`info`, the stage lines): a
+checkpoint can name a tensor ``"\x1b]0;…\x07"`` or put ``"\x1b[2J"`` in a note, and a terminal
+or a CI log viewer would obey it (set the window title, clear the screen, draw a fake PASSED).
+
 Two shapes, one rule. On a terminal (stderr a TTY, ``CI`` and ``FP8EXPORT_NO_PROGRESS`` unset)
 a step shows live: a tqdm bar for loops, a line with the elapsed seconds for single long calls
 (:func:`stage`), both erased when done. Elsewhere — CI logs, pipes — each stage prints exactly
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -21,6 +27,34 @@ T = TypeVar("T")
 
 STAGE_PREFIX = "[stage] "
 _TICK_S = 0.5
+# Every character a terminal may act on instead of showing: C0 controls but tab and newline,
+# DEL and C1 controls (0x9b is CSI on its own), Unicode format characters (bidi overrides,
+# zero-width), line/paragraph separators and lone surrogates: Unicode categories Cc, Cf, Zl, Zp,
+# Cs (a test checks this list against unicodedata).
+_UNPRINTABLE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891"
+    "\u08e2\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ud800-\udfff"
+    "\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U00013438\U0001bca0-\U0001bca3"
+    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+        else f"\\U{code:08x}"
+
+
+def printable(text: object) -> str:
+    """``text`` with every character a terminal would act on shown as an escape (``\\x1b``,
+    ``\\u202e``); newlines and tabs kept."""
+    return _UNPRINTABLE.sub(_escape, str(text))
+
+
+def echo(message: object = "", err: bool = False) -> None:
+    """``click.echo`` of :func:`printable` text: how commands print results."""
+    import click
+
+    click.echo(printable(message), err=err)
 
 
 def progress_enabled() -> bool:
@@ -41,7 +75,8 @@ def progress(
         return
     from tqdm import tqdm  # lazy: tqdm is light, but keep --help import-free
 
-    yield from tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
+    yield from tqdm(iterable, total=total, desc=printable(desc), unit=unit, leave=False,
+                    dynamic_ncols=True)
 
 
 @contextlib.contextmanager
@@ -53,6 +88,7 @@ def stage(desc: str) -> Iterator[None]:
         return
     done = threading.Event()
     start = time.perf_counter()
+    desc = printable(desc)
 
     def tick() -> None:
         while not done.wait(_TICK_S):
@@ -72,4 +108,4 @@ def stage(desc: str) -> Iterator[None]:
 
 def info(message: str) -> None:
     """A one-line notice for the user on stderr (kept in CI logs)."""
-    print(message, file=sys.stderr, flush=True)
+    print(printable(message), file=sys.stderr, flush=True)

@@ -6,12 +6,15 @@ a frozen config, call one function in ``fp8export.api`` and render the result. T
 maps outcomes to the exit codes of the CLI contract and ends every run of a command with a
 ``PASSED | <cmd> | <s>`` or ``FAILED | <cmd> | <s>`` line on stderr: Fp8ExportError → 1 with one
 message and no traceback, usage errors (click's and UsageError) → 2, VerificationFailed → 3,
-Ctrl-C → 130. Any other exception is a bug: its traceback is printed, then ``FAILED``, exit 1.
+Ctrl-C → 130, SIGTERM/SIGHUP → 128 + the signal (unwound like Ctrl-C, so temporary outputs are
+removed). Any other exception is a bug: its traceback is printed, then ``FAILED``, exit 1.
 ``--help`` and ``--version`` print no status line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 import traceback
@@ -19,6 +22,7 @@ import traceback
 import click
 
 from fp8export import __version__
+from fp8export._progress import printable
 from fp8export.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -26,6 +30,7 @@ from fp8export.errors import (
     EXIT_USAGE,
     EXIT_VERIFY_FAILED,
     Fp8ExportError,
+    Terminated,
     UsageError,
     VerificationFailed,
 )
@@ -79,6 +84,39 @@ COMMANDS = {
 }
 
 
+def _raise_terminated(signum, frame):
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the cleanup short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _unwind_on_termination():
+    """SIGTERM and SIGHUP (a job killed, a terminal closed) unwind like Ctrl-C, so the hidden
+    temporary outputs are removed instead of left behind. Only where the signal has its
+    default action (``nohup`` keeps SIGHUP ignored) and in the main thread; restored after."""
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _raise_terminated)
+        except ValueError:  # not the main thread: leave the defaults
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _terminated(exc: BaseException) -> Terminated | None:
+    while exc is not None:
+        if isinstance(exc, Terminated):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _command_name(argv: list[str]) -> str:
     """The command a command line runs (its first non-option word), for the status line."""
     for arg in argv:
@@ -107,26 +145,29 @@ class LazyGroup(click.Group):
         name = _command_name(argv)
         start = time.perf_counter()
         try:
-            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            with _unwind_on_termination():
+                rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as exc:  # usage errors (2) and click's file errors (1)
             exc.show()
             code = exc.exit_code
         except UsageError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {printable(exc)}", err=True)
             click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
             code = EXIT_USAGE
         except Fp8ExportError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"Error: {printable(exc)}", err=True)
             code = EXIT_BAD_INPUT
         except VerificationFailed as exc:
-            click.echo(f"Verification failed: {exc}", err=True)
+            click.echo(f"Verification failed: {printable(exc)}", err=True)
             code = EXIT_VERIFY_FAILED
-        except (click.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
-            click.echo("\nInterrupted: outputs are written atomically, nothing was left "
+        except (click.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C into Abort
+            term = _terminated(exc)
+            what = f"Terminated by {signal.Signals(term.signum).name}" if term else "Interrupted"
+            click.echo(f"\n{what}: outputs are written atomically, nothing was left "
                        "half-written.", err=True)
-            code = EXIT_INTERRUPTED
+            code = 128 + term.signum if term else EXIT_INTERRUPTED
         except Exception:  # a bug in fp8export: keep the traceback for the report
-            traceback.print_exc()
+            click.echo(printable(traceback.format_exc()).rstrip("\n"), err=True)
             code = EXIT_BAD_INPUT
         else:
             if isinstance(rv, int):  # --help, --version: click's own exits, not a run

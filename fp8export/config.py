@@ -34,6 +34,35 @@ class StrEnum(str, Enum):
         raise UsageError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
 
 
+DEFAULT_BLOCK = (128, 128)
+"""Block size (rows of the output dimension x columns of the input dimension) of
+``--weight-granularity block``: DeepSeek-V3's, Qwen3-FP8's and compressed-tensors' FP8_BLOCK."""
+
+
+def parse_block_size(value: str | int | tuple | list | None) -> tuple[int, int] | None:
+    """``"128"``, ``"128x128"``, ``"128,64"``, ``128`` or ``(128, 64)`` → ``(bn, bk)``; None stays
+    None. Raises ValueError for anything else (sizes must be positive integers)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        parts = [value, value]
+    elif isinstance(value, (tuple, list)):
+        parts = list(value)
+    else:
+        text = str(value).strip().lower().replace("x", ",").replace("*", ",")
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) == 1:
+            parts = parts * 2
+        try:
+            parts = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"block size {value!r} is not N or NxK") from None
+    if len(parts) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0
+                                  for p in parts):
+        raise ValueError(f"block size {value!r} is not two positive integers")
+    return int(parts[0]), int(parts[1])
+
+
 def sibling_output(source: Path, tail: str) -> Path:
     """Default output beside ``source``: ``<name><tail>`` (folder) or ``<stem><tail>`` (file)."""
     stem = source.name if source.is_dir() else source.stem
@@ -66,20 +95,25 @@ class OutputFormat(StrEnum):
 
 
 class WeightGranularity(StrEnum):
-    """One weight scale per tensor, or one per output channel (``convert --weight-granularity``)."""
+    """One weight scale per tensor, per output channel, or per ``bn x bk`` block
+    (``convert --weight-granularity``)."""
 
     TENSOR = "tensor"
     CHANNEL = "channel"
+    BLOCK = "block"  # DeepSeek-V3 / Qwen3-FP8 / compressed-tensors FP8_BLOCK, 128x128 default
 
 
 class DynamicActivations(StrEnum):
     """How layers without a static input scale scale their input at run time
-    (``convert --dynamic-activations``): one amax per tensor, or one per token (row). Per
-    token is the default: what vLLM runs for dynamic inputs (compressed-tensors always; its
-    native fp8 dialect on GPUs with CUTLASS FP8)."""
+    (``convert --dynamic-activations``): one amax per tensor, one per token (row), or one per
+    token and group of ``block_size[1]`` input elements (block-scaled weights only). Per token
+    is the default for tensor and channel weights: what vLLM runs for dynamic inputs
+    (compressed-tensors always; its native fp8 dialect on GPUs with CUTLASS FP8); per group for
+    block weights, their only scheme."""
 
     TENSOR = "tensor"
     TOKEN = "token"
+    GROUP = "group"
 
 
 class WeightRounding(StrEnum):
@@ -142,8 +176,10 @@ class ConvertConfig:
     include: tuple[str, ...] = ()
     fuse_scales: bool = True
     weight_granularity: WeightGranularity = WeightGranularity.TENSOR
-    dynamic_activations: DynamicActivations = DynamicActivations.TOKEN
+    # None: token, or group for block weights (resolved in __post_init__)
+    dynamic_activations: DynamicActivations | None = None
     weight_rounding: WeightRounding = WeightRounding.NEAREST
+    block_size: tuple[int, int] | None = None  # (bn, bk) of block granularity; (128, 128)
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
@@ -162,9 +198,11 @@ class ConvertConfig:
                            ("dynamic_activations", DynamicActivations),
                            ("weight_rounding", WeightRounding), ("kv_cache", KvCache)):
             option = f"--{name.replace('_', '-')}"
-            object.__setattr__(self, name, enum.parse(getattr(self, name), option))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "include", tuple(self.include))
+        self._check_block()
         no_calib_source = self.calib_data is None and self.calib_amax is None
         if self.scales is ScalesMode.CALIBRATE and no_calib_source:
             raise UsageError(
@@ -221,6 +259,51 @@ class ConvertConfig:
         if self.accuracy_samples is not None and self.accuracy_budget is None:
             raise UsageError("--accuracy-samples sets how many samples --accuracy-budget "
                              "measures on; give --accuracy-budget KL too, or drop it.")
+
+    def _check_block(self) -> None:
+        """Block granularity: a block size (default 128x128) and activations quantized
+        dynamically per token group of ``bk``, which is what every engine that loads
+        block-scaled FP8 runs (vLLM's ``weight_block_size`` requires ``activation_scheme:
+        dynamic``; compressed-tensors' FP8_BLOCK declares ``group`` inputs)."""
+        block = self.weight_granularity is WeightGranularity.BLOCK
+        try:
+            size = parse_block_size(self.block_size)
+        except ValueError as exc:
+            raise UsageError(f"--block-size: {exc}; give N or NxK, e.g. 128x128.") from None
+        if size is not None and not block:
+            raise UsageError("--block-size sets the blocks of --weight-granularity block; add "
+                             "--weight-granularity block or drop --block-size.")
+        object.__setattr__(self, "block_size", (size or DEFAULT_BLOCK) if block else None)
+        if not block:
+            if self.dynamic_activations is DynamicActivations.GROUP:
+                raise UsageError("--dynamic-activations group goes with --weight-granularity "
+                                 "block (its group size is the block's input size).")
+            if self.dynamic_activations is None:
+                object.__setattr__(self, "dynamic_activations", DynamicActivations.TOKEN)
+            return
+        if self.dynamic_activations in (DynamicActivations.TOKEN, DynamicActivations.TENSOR):
+            raise UsageError("--weight-granularity block quantizes activations per token group "
+                             "of the block's input size (what vLLM and transformers run for "
+                             "block-scaled FP8); drop --dynamic-activations "
+                             f"{self.dynamic_activations}.")
+        object.__setattr__(self, "dynamic_activations", DynamicActivations.GROUP)
+        if self.format is OutputFormat.MODELOPT:
+            raise UsageError("--format modelopt cannot hold block weight scales (ModelOpt's "
+                             "quant_algo FP8 is per-tensor with static inputs). Use --format "
+                             "compressed-tensors (strategy: block) or --format vllm "
+                             "(weight_block_size, as DeepSeek-V3 ships).")
+        why = ("--weight-granularity block quantizes activations dynamically per token group "
+               "(vLLM's weight_block_size requires activation_scheme dynamic)")
+        if self.scales in (ScalesMode.HISTORY, ScalesMode.CALIBRATE) or self.calib_amax:
+            raise UsageError(f"{why}, so static input scales cannot be used: drop --scales "
+                             f"{self.scales}{' and --calib-amax' if self.calib_amax else ''}.")
+        if self.weight_scales_from_history:
+            raise UsageError("--weight-scales-from-history gives one scale per tensor; "
+                             "--weight-granularity block computes one per block from the "
+                             "weights. Drop one of them.")
+        if self.accuracy_budget is not None:
+            raise UsageError("--accuracy-budget is not available with --weight-granularity "
+                             "block yet; use --exclude to keep layers in high precision.")
 
     @property
     def resolved_output(self) -> Path:

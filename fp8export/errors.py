@@ -36,3 +36,12 @@ class VerificationFailed(Exception):
     def __init__(self, message: str, result: object | None = None):
         super().__init__(message)
         self.result = result
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: unwinds exactly like Ctrl-C, so every temporary output is
+    removed on the way out; the CLI exits 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -92,6 +92,13 @@ def hf_config(config: dict[str, Any], source: Path):
 
     where = config_file(source)
     validate_config(config, where)
+    for key in ("attn_implementation", "_attn_implementation"):
+        chosen = config.get(key)
+        if chosen not in (None, "eager", "sdpa"):
+            hub = isinstance(chosen, str) and "/" in chosen
+            info(f"Note: {where}: {key} {str(chosen)[:80]!r} ignored"
+                 + (" (a Hub kernel: code downloaded and run at load time)" if hub else "")
+                 + "; the model runs with transformers' built-in attention.")
     cfg = {k: v for k, v in config.items() if k not in _DROPPED_KEYS}
     model_type = cfg.pop("model_type", None)
     if not model_type:
@@ -198,11 +205,9 @@ def model_key(model, name: str, renamings: list | None = None) -> str:
     (no converter: a per-expert weight keeps its expert index)."""
     if renamings is None:
         renamings = weight_conversions(model)[0]
-    if not renamings:
-        return name
-    from transformers.core_model_loading import apply_renamings
-
-    return apply_renamings(name, renamings)
+    for renaming in renamings:  # each rule in turn, as transformers applies them at load
+        name, _ = renaming.rename_source_key(name)
+    return name
 
 
 def module_names(model, modules) -> dict[str, str]:

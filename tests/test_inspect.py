@@ -185,9 +185,10 @@ def test_fp8_folder_reads_scales_and_manifest(tmp_path):
     assert not any("modified" in n for n in result.notes)
 
 
-def test_fp8_folder_scale_disagreeing_with_manifest_is_noted(tmp_path):
+def test_fp8_folder_scale_disagreeing_with_manifest_is_refused(tmp_path):
     d, *_ = make_fp8_folder(tmp_path, manifest_scale_factor=2.0)
-    assert any("modified after convert" in n for n in inspect(d).notes)
+    with pytest.raises(Fp8ExportError, match="weight_scale is .* but the manifest records"):
+        inspect(d)
 
 
 def test_fp8_folder_without_manifest(tmp_path):

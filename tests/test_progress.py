@@ -70,3 +70,51 @@ def test_the_cli_on_a_real_terminal_shows_bars_not_stage_lines():
     assert "\r" in err and "tensor" in err  # tqdm's bar over the tensors
     assert "[stage]" not in err
     assert err.strip().splitlines()[-1].startswith("PASSED | inspect | ")
+
+
+def test_printable_escapes_every_character_a_terminal_acts_on():
+    import unicodedata
+
+    acts = [chr(c) for c in range(0x110000) if c not in (9, 10)
+            and unicodedata.category(chr(c)) in ("Cc", "Cf", "Zl", "Zp", "Cs")]
+    text = "".join(acts)
+    shown = _progress.printable(text)
+    assert all(unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp", "Cs") for ch in shown)
+    assert _progress.printable("name\x1b]0;owned\x07\x1b[2J\x9b31m\u202e\tok\n") == \
+        "name\\x1b]0;owned\\x07\\x1b[2J\\x9b31m\\u202e\tok\n"
+    assert _progress.printable("plain text, ünïcödé, 中文") == "plain text, ünïcödé, 中文"
+
+
+def test_commands_print_only_through_printable():
+    """Everything a command prints may carry text from a file: it goes through echo()/info()
+    (printable), never click.echo or print directly."""
+    import ast
+
+    root = REPO / "fp8export"
+    offenders = []
+    for path in [*sorted((root / "commands").glob("*.py")), root / "cli.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = (f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute)
+                        and isinstance(f.value, ast.Name) else getattr(f, "id", ""))
+                if name in ("click.echo", "print") and not (
+                        node.args and isinstance(node.args[0], (ast.JoinedStr, ast.Constant))
+                        and "printable" in ast.unparse(node.args[0])
+                        or node.args and isinstance(node.args[0], ast.Call)
+                        and "printable" in ast.unparse(node.args[0])
+                        or path.name == "cli.py" and _constant_text(node)):
+                    offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not offenders, offenders
+
+
+def _constant_text(node) -> bool:
+    """A message built only from constants and the command's own name/status (cli.py)."""
+    import ast
+
+    arg = node.args[0] if node.args else None
+    if isinstance(arg, ast.Constant):
+        return True
+    return isinstance(arg, ast.JoinedStr) and all(
+        isinstance(v, ast.Constant) or ast.unparse(v.value) in ("name", "status", "code", "what")
+        or "perf_counter" in ast.unparse(v.value) for v in arg.values)

@@ -94,7 +94,9 @@ def test_recipe_table_is_recipes_json():
     assert len(rows) >= 6
     for weights, act, calib, kv, sample, smol in rows:
         activations = {"static": "static", "dynamic-tensor": "dynamic-tensor",
-                       "dynamic-token": "dynamic-token"}[act]
+                       "dynamic-token": "dynamic-token",
+                       "dynamic per token group (128)": "dynamic-group"}[act]
+        weights = weights.split()[0]  # "block 128x128": the block size is the recipe's default
         s = _recipe(models["sample"], weights, activations, calib, kv)
         assert sample == ("–" if s is None else
                           f"{s['top1_agreement']:.4f} / {s['kl_mean']:.2e}"), (weights, act, kv)
@@ -135,7 +137,8 @@ def test_onnx_size_ratios_are_onnx_export_json():
     ratios = {r["dtype"]: r["size_ratio"] for r in _json("onnx_export.json")["rows"]}
     assert f"FP8/plain file size {ratios['fp16']:.2f} (fp16), {ratios['fp32']:.2f} (fp32)" \
         in README
-    assert f"the fp16\nFP8 graph is {ratios['fp16']:.2f}× the plain fp16 export" in README
+    assert f"the fp16 FP8 graph is {ratios['fp16']:.2f}× the plain fp16 export" \
+        in " ".join(README.split())  # as read, whatever the line breaks
 
 
 def test_fault_injection_table_is_fault_injection_json():
@@ -217,7 +220,8 @@ def _numbers(value) -> list[float]:
 
 
 @pytest.mark.parametrize(("start", "end", "sources", "not_results"), [
-    ("- **FP8 GPU runtime vs bf16**", "- **Calibration overhead**", ["gpu_fp8.md"], []),
+    ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**", ["gpu_fp8.md"], []),
+    ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **Multi-GPU calibrate / verify**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15"]),  # model size, target
     ("- **Multi-GPU calibrate / verify**", "- **Transformer Engine reader**", ["multi_gpu.md"],

@@ -19,6 +19,7 @@ from fp8export.checkpoint.safetensors_reader import SafetensorsFile
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.torch_reader import TorchFile
 from fp8export.errors import Fp8ExportError
+from fp8export.io.descriptors import reserve
 from fp8export.io.guarded import INDEX, read_json
 from fp8export.io.paths import check_symlink, contained
 
@@ -64,6 +65,7 @@ class WeightFilesCheckpoint(Checkpoint):
         self._infos: list[TensorInfo] = []
         self._by_name: dict[str, TensorInfo] = {}
         self._scratch: torch.Tensor | None = None
+        reserve(len(files), f"{path}: reading its {len(files)} weight files")
         try:
             for file_path in files:
                 wf = open_weight_file(file_path)

@@ -44,7 +44,7 @@ from fp8export.io.safezip import SafeZip, copy_member
 IN_MEMORY_H5_BYTES = 512 * 2**20  # larger weights files go to a bounded temporary copy
 MAX_JSON_BYTES = 64 * 2**20
 MAX_DEPTH = 64  # layer nesting; deeper files are hostile (and would exhaust the recursion)
-H5_BOMB_RATIO = 1000  # declared bytes per stored byte beyond which a dataset is refused
+H5_BOMB_RATIO = 200  # declared per stored bytes (beyond 1 MiB) refused; Keras does not compress
 _DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64", "int32": "I32",
            "int64": "I64", "int8": "I8", "uint8": "U8", "int16": "I16", "bool": "BOOL"}
 # Variable names of layers whose save order is fixed (keras/src/layers/...: build order).
@@ -549,7 +549,14 @@ def _check_dataset(ds: h5py.Dataset, where: str) -> None:
                              "numeric.")
     declared = int(np.prod(ds.shape, dtype=np.float64) * ds.dtype.itemsize)
     stored = ds.id.get_storage_size()
-    if declared > 64 * 2**20 and declared > H5_BOMB_RATIO * max(stored, 1):
+    if declared and not stored:
+        # HDF5 allocates a dataset's storage when it is first written; reading one that never
+        # was gives its fill value, for any declared size: a small file of such datasets would
+        # become gigabytes of output. Keras writes every variable it saves.
+        raise Fp8ExportError(f"{where}: {ds.name} declares {declared} bytes but was never "
+                             "written (no data stored; reading it would give the fill value). "
+                             "The file is corrupt or crafted; re-save the model.")
+    if declared > 2**20 and declared > H5_BOMB_RATIO * stored:
         raise Fp8ExportError(f"{where}: {ds.name} declares {declared} bytes but stores "
                              f"{stored}; refusing to expand it.")
 

@@ -112,6 +112,11 @@ def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, An
         v = config.get(key)
         if v is not None and not isinstance(v, dict):
             raise _bad(path, where + key, v, "a JSON object")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise _bad(path, where + "num_key_value_heads", kv,
+                   f"a divisor of num_attention_heads ({heads}): each key/value head serves a "
+                   "whole group of query heads")
     label2id = config.get("label2id") or {}
     if not all(_is_int(i) and 0 <= i < SIZE_LIMITS["num_labels"] for i in label2id.values()):
         raise _bad(path, where + "label2id", label2id, "label names mapped to class indices")

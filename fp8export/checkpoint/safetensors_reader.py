@@ -44,6 +44,9 @@ DTYPE_BYTES = {
 }
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+# Larger than any real tensor's dimension or rank; far below int64 overflow.
+MAX_DIM = 1 << 40
+MAX_RANK = 16
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,11 @@ def _entry(path: Path, name: str, spec: Any) -> _Entry:
     if (not isinstance(shape, list)
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if any(d > MAX_DIM for d in shape) or len(shape) > MAX_RANK:
+        # beside a 0 the byte count still matches (0 elements), but no reader or writer can
+        # represent such a shape (an int64 overflows at 2^63)
+        raise bad(f"shape {shape!r} has a dimension above 2^40 or more than {MAX_RANK} "
+                  "dimensions; no real tensor has")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from fp8export._progress import echo
+
 
 @click.command("build-engine",
                short_help="ONNX -> TensorRT FP8 engine (written to TensorRT 10/11; not run here)")
@@ -54,16 +56,16 @@ def command(model, output, shapes, workspace_gib, optimization_level, timing_cac
         timing_cache=timing_cache, force=force, trtexec=trtexec,
     )
     if print_command:
-        click.echo(shlex.join(trtexec_command_for(cfg)))
+        echo(shlex.join(trtexec_command_for(cfg)))
         return
     result = api.build_engine(cfg)
     via = " via trtexec" if result.builder == "trtexec" else ""
-    click.echo(f"engine: {result.engine}  (TensorRT {result.tensorrt_version}{via}, {result.gpu}, "
+    echo(f"engine: {result.engine}  (TensorRT {result.tensorrt_version}{via}, {result.gpu}, "
                f"CC {result.compute_capability}, {result.build_seconds:.1f}s)")
-    click.echo(f"FP8 GEMMs: {result.fp8_gemms}")
+    echo(f"FP8 GEMMs: {result.fp8_gemms}")
     if result.fallback_gemms:
         click.secho(f"WARNING: {len(result.fallback_gemms)} quantized GEMM(s) did NOT run in FP8: "
                     + ", ".join(result.fallback_gemms), fg="yellow", err=True)
     for note in result.notes:
-        click.echo(f"note: {note}", err=True)
-    click.echo(f"report: {result.report}")
+        echo(f"note: {note}", err=True)
+    echo(f"report: {result.report}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from fp8export._progress import echo
 from fp8export.placement import MAX_MEMORY_HELP
 
 _CHOICES = {"case_sensitive": False}
@@ -60,13 +61,13 @@ def command(checkpoint, calib_data, output, calib_method, percentile, calib_samp
     cfg = CalibrateConfig(**{**cfg.__dict__, "output": cfg.resolved_output})
     result = api.calibrate(cfg)
     opts = "".join(f", {k}={v}" for k, v in result.options.items())
-    click.echo(f"calibrated {len(result.amax)} layers with {result.method}{opts} on "
+    echo(f"calibrated {len(result.amax)} layers with {result.method}{opts} on "
                f"{result.samples} samples ({result.tokens} tokens, {result.device}, "
                f"{result.seconds:.1f}s)")
     if result.missing:
-        click.echo(f"warning: {len(result.missing)} layers received no input and have no amax: "
+        echo(f"warning: {len(result.missing)} layers received no input and have no amax: "
                    + ", ".join(result.missing[:8]) + (" ..." if len(result.missing) > 8 else ""),
                    err=True)
     for note in result.notes:
-        click.echo(f"note: {note}", err=True)
-    click.echo(f"amax: {cfg.output}")
+        echo(f"note: {note}", err=True)
+    echo(f"amax: {cfg.output}")

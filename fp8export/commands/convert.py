@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from fp8export._progress import echo
+
 
 def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
@@ -65,17 +67,23 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--no-fuse-scales", is_flag=True,
               help="Give q/k/v and gate/up projections their own scales (default: they share "
                    "the group max, as vLLM and TensorRT-LLM run them).")
-@click.option("--weight-granularity", type=_choice("tensor", "channel"), default="tensor",
-              show_default=True,
-              help="One weight scale per tensor, or one per output channel (weight_scale "
-                   "[out, 1]; compressed-tensors strategy channel; --format compressed-tensors "
-                   "only). Which is more accurate depends on the model: measure with verify.")
-@click.option("--dynamic-activations", type=_choice("tensor", "token"), default="token",
-              show_default=True,
+@click.option("--weight-granularity", type=_choice("tensor", "channel", "block"),
+              default="tensor", show_default=True,
+              help="One weight scale per tensor, one per output channel (weight_scale [out, 1]; "
+                   "compressed-tensors strategy channel; --format compressed-tensors only), or "
+                   "one per block of --block-size (DeepSeek-V3 / Qwen3-FP8 format: "
+                   "compressed-tensors strategy block, or --format vllm weight_block_size with "
+                   "weight_scale_inv; activations dynamic per token group). Which is more "
+                   "accurate depends on the model: measure with verify.")
+@click.option("--block-size", metavar="NxK",
+              help="Block of --weight-granularity block: N output rows x K input columns, or N "
+                   "for NxN. Default: 128x128 (what DeepSeek-V3, Qwen3-FP8 and vLLM use).")
+@click.option("--dynamic-activations", type=_choice("tensor", "token", "group"),
               help="Layers without a static input scale quantize their input at run time with "
-                   "one scale per token (what vLLM runs for dynamic inputs), or one per tensor. "
-                   "Declared in config.json (compressed-tensors strategy) and fp8export.json; "
-                   "verify runs what the folder declares.")
+                   "one scale per token (default: what vLLM runs for dynamic inputs), one per "
+                   "tensor, or one per token and group of the block's K columns (block "
+                   "granularity, where it is the default and the only choice). Declared in "
+                   "config.json and fp8export.json; verify runs what the folder declares.")
 @click.option("--weight-rounding", type=_choice("nearest", "gptq"), default="nearest",
               show_default=True,
               help="nearest: each weight to its nearest E4M3 value. gptq: E4M3 codes chosen "
@@ -104,12 +112,14 @@ def _choice(*values: str) -> click.Choice:
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
                    "worker.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder (built first, "
-                                           "swapped in only when complete).")
+@click.option("--force", is_flag=True, help="Replace an earlier output folder of fp8export (or "
+                                           "an empty one; built first, swapped in only when "
+                                           "complete).")
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
-            fmt, exclude, include, no_fuse_scales, weight_granularity, dynamic_activations,
-            weight_rounding, kv_cache, device, accuracy_samples, accuracy_budget, workers,
+            fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
+            dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
+            accuracy_budget, workers,
             force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
@@ -135,7 +145,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
-        weight_rounding=weight_rounding, kv_cache=kv_cache,
+        weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
     )
@@ -144,6 +154,10 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
 
 def _activation_line(result) -> str:
     if result.activation_scheme == "dynamic":
+        group = next((n for n in result.notes if n.startswith("activations: dynamic per token "
+                                                              "group")), None)
+        if group:
+            return group
         plain = next((n for n in result.notes if n.startswith("weights only")), None)
         return (plain or "activations: dynamic") + "; per-token FP8 scales are computed at run time"
     sources: dict[str, int] = {}
@@ -165,20 +179,21 @@ def render(result) -> None:
     loaders = " and ".join(result.loaded_by)
     # "only" wherever transformers, the most common loader, would not load it right
     only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
-    click.echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
-    click.echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
-    click.echo(_activation_line(result))
+    echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
+    echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
+    echo(_activation_line(result))
     if result.kv_cache:
-        click.echo(f"kv cache: {result.kv_cache}")
+        echo(f"kv cache: {result.kv_cache}")
     kept = result.excluded_by_reason()
-    click.echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
+    echo(f"kept in source precision: {len(result.excluded)} tensor(s)")
     by_reason: dict[str, list[str]] = {}
     for name, reason in result.excluded.items():
         by_reason.setdefault(reason, []).append(name)
     for reason, count in kept.items():
         names = by_reason[reason]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        click.echo(f"  {count:4d}  {reason}: {shown}")
+        echo(f"  {count:4d}  {reason}: {shown}")
     for note in result.notes:
-        if not note.startswith("weights only"):  # already said on the activations line
-            click.echo(f"note: {note}")
+        if not note.startswith(("weights only", "activations: dynamic per token group")):
+            # already said on the activations line
+            echo(f"note: {note}")

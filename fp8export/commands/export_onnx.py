@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from fp8export._progress import echo
+
 
 @click.command("export-onnx",
                short_help="FP8 folder -> ONNX Q/DQ graph (checked against TensorRT's FP8 rules)")
@@ -37,20 +39,20 @@ def command(fp8_dir, output, dtype, opset, force, as_json):
     if as_json:
         import json
 
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        echo(json.dumps(result.to_dict(), indent=2))
         return
     size = result.file_bytes / 2**20
-    click.echo(f"wrote {result.output} ({size:.1f} MiB, {result.dtype}, opset {result.opset}, "
+    echo(f"wrote {result.output} ({size:.1f} MiB, {result.dtype}, opset {result.opset}, "
                f"IR {result.ir_version}, output '{result.output_name}', {result.seconds:.1f}s)")
     if result.external_data:
-        click.echo(f"external data: {result.external_data}")
+        echo(f"external data: {result.external_data}")
     total = len(result.fp8_gemms) + len(result.sixteen_bit)
-    click.echo(f"FP8-eligible GEMMs (TensorRT): {len(result.fp8_gemms)} of {total} quantized")
+    echo(f"FP8-eligible GEMMs (TensorRT): {len(result.fp8_gemms)} of {total} quantized")
     if result.sixteen_bit and not result.weight_only:  # weight-only: one note says why
         click.secho(f"16-bit GEMMs: {len(result.sixteen_bit)} (TensorRT will run these in 16-bit)",
                     fg="yellow", err=True)
         for layer, reason in result.sixteen_bit.items():
-            click.echo(f"  {layer}: {reason}", err=True)
+            echo(f"  {layer}: {reason}", err=True)
     for note in result.notes:
         if not note.startswith("TensorRT will run"):
-            click.echo(f"note: {note}", err=True)
+            echo(f"note: {note}", err=True)

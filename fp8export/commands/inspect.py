@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from fp8export._progress import echo
+
 
 @click.command("inspect", short_help="tables and plots of checkpoints, FP8 folders, ONNX graphs")
 @click.argument("path", type=click.Path(path_type=str))
@@ -29,9 +31,9 @@ def command(path: str, plot: str | None, force: bool, as_json: bool) -> None:
 
     result = api.inspect(path, plot=plot, as_json=as_json, force=force)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+        echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:
-        click.echo(result.to_text())
+        echo(result.to_text())
     if not result.ok:
         raise Fp8ExportError(f"{path}: the ONNX graph fails the checks listed above; re-export "
                              "it with fp8export export-onnx.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from fp8export._progress import echo
 from fp8export.placement import MAX_MEMORY_HELP
 
 THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metric: bound "
@@ -117,7 +118,7 @@ def _summary(result) -> None:
     if "accuracy_candidate" in m:  # a classifier scored against the data's labels
         parts.append(f"accuracy={m['accuracy_candidate']:.4g} (reference "
                      f"{m['accuracy_reference']:.4g})")
-    click.echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
+    echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
                f"backend {result.backend}{runs_at}, judged by {result.family}; "
                + ", ".join(parts))
     floor = result.noise_floor
@@ -126,19 +127,19 @@ def _summary(result) -> None:
         shown = [f"{k}={f[k]:.4g}" for k in ("cosine_min", "top1_agreement",
                                               "neighbor_agreement", "kl_mean", "ppl_ratio")
                  if k in f]
-        click.echo(f"  noise floor ({floor['reference_dtype']} reference vs "
+        echo(f"  noise floor ({floor['reference_dtype']} reference vs "
                    f"{floor['against']}): " + ", ".join(shown))
     for f in result.failures:
-        click.echo(f"  failed: {f['message']}")
+        echo(f"  failed: {f['message']}")
     conf = result.confidence or {}
     if conf:
-        click.echo(f"  verdict {conf['verdict']} ({conf['level']:.0%} bootstrap intervals over "
-                   f"{conf['samples']} samples, {conf['tokens']:,} tokens)"
-                   + ("" if conf["warnings"] else ": every check is decided"))
+        echo(f"  verdict {conf['verdict']} ({conf['level']:.0%} bootstrap intervals over "
+             f"{conf['samples']} samples, {conf['tokens']:,} tokens)"
+             + ("" if conf["warnings"] else ": every check is decided"))
         for w in conf["warnings"]:
-            click.echo(f"  warning: {w}")
+            echo(f"  warning: {w}")
     if result.per_layer:
         worst = result.per_layer[0]
-        click.echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
+        echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
     if result.reports:
-        click.echo(f"  report: {result.reports.get('report.md')}")
+        echo(f"  report: {result.reports.get('report.md')}")

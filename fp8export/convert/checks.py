@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from fp8export.checkpoint.source import check_checkpoint_path
 from fp8export.config import ConvertConfig
-from fp8export.io.atomic import check_output_target, refuse_inside_input
+from fp8export.fp8dir.manifest import MANIFEST_NAME
+from fp8export.io.outputs import claim_output_folder
 
 
 def check_inputs(cfg: ConvertConfig) -> None:
@@ -18,9 +19,9 @@ def check_inputs(cfg: ConvertConfig) -> None:
     from fp8export.inputs.samples import check_data_file
 
     check_checkpoint_path(cfg.checkpoint)
-    out = cfg.resolved_output
-    check_output_target(out, cfg.force)
-    refuse_inside_input(out, cfg.checkpoint)
+    claim_output_folder(cfg.resolved_output, inputs=(cfg.checkpoint, cfg.calib_data,
+                                                     cfg.calib_amax),
+                        force=cfg.force, marker=MANIFEST_NAME)
     if cfg.calib_data is not None:
         check_data_file(cfg.calib_data)
     if cfg.calib_amax is not None:

@@ -68,6 +68,7 @@ from fp8export.fp8dir.formats import (
     loaded_by,
     quantization_config,
     scale_shape,
+    weight_scale_name,
 )
 from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
@@ -86,6 +87,7 @@ from fp8export.io.atomic import (
     AtomicDir,
     fsync_dir,
 )
+from fp8export.io.descriptors import reserve
 from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.keras_model.config import is_keras_config
@@ -209,6 +211,45 @@ def _per_channel(cfg: ConvertConfig) -> bool:
     return cfg.weight_granularity is WeightGranularity.CHANNEL
 
 
+def _block(cfg: ConvertConfig) -> tuple[int, int] | None:
+    """``(bn, bk)`` of ``--weight-granularity block``, else None."""
+    return cfg.block_size if cfg.weight_granularity is WeightGranularity.BLOCK else None
+
+
+def _block_notes(cfg: ConvertConfig, sel: Selection) -> list[str]:
+    """Block granularity: refuse weights stored ``[in, out]``; name the layers with partial
+    edge blocks (transformers refuses them) and the fused members vLLM cannot merge (it needs
+    every member's rows to be a multiple of the block's)."""
+    block = _block(cfg)
+    if block is None:
+        return []
+    in_out = [t.module for t in sel.targets if t.layout == "in_out"]
+    if in_out:
+        raise Fp8ExportError(
+            f"--weight-granularity block scales [out, in] tiles, but {len(in_out)} weight(s) are "
+            f"stored [in, out] (GPT-2 Conv1D): {_listed(in_out)}. No engine loads block scales "
+            "for that layout; use --weight-granularity channel or tensor, or --exclude them.")
+    notes = []
+    edges = sorted(t.module for t in sel.targets
+                   if t.shape[0] % block[0] or t.shape[1] % block[1])
+    if edges:
+        notes.append(
+            f"{len(edges)} layer(s) have a dimension that is not a multiple of the {block[0]}x"
+            f"{block[1]} block: their edge blocks are partial (scale grid ceil(out/bn) x "
+            "ceil(in/bk), each block's scale from its own elements, as vLLM and SGLang run "
+            "them); transformers refuses such weights (its FineGrainedFP8 CPU path and "
+            f"compressed-tensors' group activations need exact multiples): {_listed(edges)}")
+    ragged = sorted(t.module for t in sel.targets
+                    if t.fused_group and t.shape[0] % block[0])
+    if ragged:
+        notes.append(
+            f"vLLM merges fused projections (q/k/v, gate/up) into one layer and refuses block "
+            f"scales whose {block[0]} rows do not divide every member's output rows "
+            f"(validate_fp8_block_shape): {_listed(ragged)}; for vLLM pick a --block-size "
+            "that divides them")
+    return notes
+
+
 def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
                            weight_scales: dict, weight_source: dict) -> list[str]:
     """Replace weight scales by history-derived ones where a weight history exists (on request).
@@ -327,10 +368,10 @@ def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
         # The parallel writer knows per-tensor weight scales of the source's own weights only:
-        # per-channel scales, KV cache scales and rounded weights take the general path (one
-        # tensor at a time).
-        simple = not _per_channel(cfg) and cfg.kv_cache is not KvCache.FP8 \
-            and cfg.weight_rounding is WeightRounding.NEAREST
+        # per-channel and block scales, KV cache scales and rounded weights take the general
+        # path (one tensor at a time).
+        simple = cfg.weight_granularity is WeightGranularity.TENSOR \
+            and cfg.kv_cache is not KvCache.FP8 and cfg.weight_rounding is WeightRounding.NEAREST
         run = _Run(fast_path_files(ckpt) if simple else None, early,
                    cfg.workers or default_workers(), timings)
         run.lap("open checkpoint")
@@ -365,6 +406,7 @@ class _Scales:
     kv_entry: dict[str, Any] | None = None  # the manifest's kv_cache entry
     search: Any = None  # the accuracy-budget search, to measure the written folder
     budget: dict[str, Any] | None = None  # its result
+    block: tuple[int, int] | None = None  # (bn, bk) when the weight scales are block grids
     rounding: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> GPTQ facts
     rounding_entry: dict[str, Any] | None = None  # the manifest's weight_rounding entry
 
@@ -376,6 +418,10 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
     run.lap("scan (hash + amax)")
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
+    if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
+        from fp8export.calibration.amax_file import check_amax_checkpoint
+
+        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
@@ -397,11 +443,12 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     kv, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     dynamic = sorted(set(sel.modules) - set(input_scales))
     scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic,
-                     kv, kv_after, kv_entry, search, budget,
+                     kv, kv_after, kv_entry, search, budget, _block(cfg),
                      {m: f for m, f in rounding.items() if m in weight_scales}, rounding_entry)
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format), kv_after=kv_after)
+                        scale_shape(cfg.format), kv_after=kv_after,
+                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None))
     run.lap("scales + plan")
     return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
@@ -411,6 +458,7 @@ def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selec
     sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
                          fuse_scales=cfg.fuse_scales)
     notes.extend(sel.notes)
+    notes.extend(_block_notes(cfg, sel))
     if not sel.targets:
         raise Fp8ExportError(
             f"{cfg.checkpoint}: no linear weights to quantize (family "
@@ -436,7 +484,8 @@ def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[
                               desc="scanning weights", unit="tensor"))
         # scan_weights drops each weight before loading the next: a reused buffer is safe.
         scan = scan_weights(sel.targets, getattr(ckpt, "load_scratch", ckpt.load), sel.groups,
-                            on_step=lambda: next(ticks, None), per_channel=_per_channel(cfg))
+                            on_step=lambda: next(ticks, None), per_channel=_per_channel(cfg),
+                            block=_block(cfg))
     _finish(ticks)
     if scan.nonfinite:
         raise Fp8ExportError(
@@ -463,6 +512,13 @@ def weight_scale_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, scan
 def activation_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str]
                     ) -> tuple[dict[str, ActivationRange], dict[str, Any]]:
     """Static input ranges (history, calibration or none) and the input scales they give."""
+    if _block(cfg) is not None:
+        if cfg.calib_data is not None and cfg.kv_cache is not KvCache.FP8:
+            notes.append("--calib-data is not used: block-scaled layers quantize their inputs "
+                         "dynamically per token group")
+        notes.append(f"activations: dynamic per token group of {cfg.block_size[1]} (what vLLM, "
+                     "SGLang and transformers run for block-scaled FP8)")
+        return {}, {}
     ranges, more = resolve_activation_ranges(cfg, ckpt, sel.modules,
                                              groups=sel.groups if cfg.fuse_scales else None)
     notes.extend(more)
@@ -479,7 +535,7 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
-                                  kv_cache=scales.kv_entry is not None,
+                                  kv_cache=scales.kv_entry is not None, block=_block(cfg),
                                   dynamic_strategy=str(cfg.dynamic_activations))
     if dynamic:
         which = "this folder has no static input scales" if not static else \
@@ -494,7 +550,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                      "dialect on GPUs with CUTLASS FP8); the default --dynamic-activations "
                      "token verifies what it runs")
     # first: it decides who can load the folder
-    notes[:0] = format_notes(cfg.format, keras=is_keras_config(ckpt.config))
+    notes[:0] = format_notes(cfg.format, block=_block(cfg) is not None,
+                             keras=is_keras_config(ckpt.config))
     if any(p.name == MODULES_JSON and p.parent == ckpt.path for p in ckpt.aux_files):
         notes.append(SENTENCE_TRANSFORMERS_NOTE)
     if ckpt.config and "quantization_config" in ckpt.config:
@@ -508,8 +565,12 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
     """Shards, configs, loader files and manifest into a temporary sibling, read back, then
     renamed into place; an OSError leaves nothing behind."""
     n_out = sum(len(p.entries) for p in plans)
+    # the source files stay open, and each output shard is written through two descriptors
+    reserve(len(ckpt.source_files) + 2 * len(plans),
+            f"{cfg.checkpoint}: writing {len(plans)} output shards from {len(ckpt.source_files)} "
+            "weight files")
     ticks = iter(progress(range(n_out), total=n_out, desc="writing", unit="tensor"))
-    atomic = AtomicDir(out, cfg.force)
+    atomic = AtomicDir(out, cfg.force, marker=MANIFEST_NAME)
     try:
         with atomic as tmp:
             if run.files is not None:
@@ -531,12 +592,14 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                                    workers=run.workers)
             else:
                 sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
-                                     record=record, early=early, kv_scales=scales.kv)
+                                     record=record, early=early, kv_scales=scales.kv,
+                                     block=scales.block)
             run.lap("read-back")
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans, scales.rounding)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
+            manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -569,7 +632,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, is_keras_config(ckpt.config)),
+        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, block=_block(cfg) is not None,
+                                                 keras=is_keras_config(ckpt.config)),
         accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
 
 
@@ -581,10 +645,10 @@ def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _
     with ThreadPoolExecutor(1, "fp8export-verify") as verify_pool:
         record = write_shards(
             tmp, plans, ckpt, scales.weight, scales.input, kv_scales=scales.kv,
-            on_tensor=lambda: next(ticks, None),
+            on_tensor=lambda: next(ticks, None), block=scales.block,
             on_file=lambda plan, rec: early.__setitem__(plan.file_name, verify_pool.submit(
                 verify_shard, tmp, plan, ckpt, scales.weight, scales.input, record=rec,
-                kv_scales=scales.kv)))
+                kv_scales=scales.kv, block=scales.block)))
         for fut in early.values():
             fut.exception()  # wait, inside the pool's lifetime
     return record, early
@@ -630,6 +694,24 @@ def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
         fsync_dir(sub)  # publish() syncs the top folder only
 
 
+def _written_files(folder: Path, workers: int) -> list[dict[str, Any]]:
+    """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
+    what verify compares to tell a folder edited after convert. From the page cache, files in
+    parallel (sha256 runs without the GIL)."""
+    files = sorted((p for p in folder.rglob("*") if p.is_file()),
+                   key=lambda p: p.relative_to(folder).as_posix())
+    with ThreadPoolExecutor(max(1, min(workers, len(files)))) as pool:
+        digests = list(pool.map(file_sha256, files))
+    return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
+            for p, d in zip(files, digests)]
+
+
+def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
+    """``{name relative to the checkpoint: sha256}`` of its weight files (as amax.json keys)."""
+    return {e["name"]: e["sha256"] for e in source_files_entry(ckpt.path, ckpt.source_files,
+                                                               hashes)}
+
+
 def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
               qconfig: dict[str, Any], layers: list[dict[str, Any]], notes: list[str]
               ) -> dict[str, Any]:
@@ -641,10 +723,12 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
-        "loaded_by": loaded_by(cfg.format, is_keras_config(ckpt.config)),
+        "loaded_by": loaded_by(cfg.format, block=_block(cfg) is not None,
+                               keras=is_keras_config(ckpt.config)),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
         "weight_granularity": str(cfg.weight_granularity),
         "dynamic_activations": str(cfg.dynamic_activations),
+        **({"block_size": list(cfg.block_size)} if _block(cfg) else {}),
         "dynamic_activation_layers": scales.dynamic,
         "quantization_config": qconfig,
         "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}

@@ -22,8 +22,9 @@ from typing import Any
 from fp8export._progress import stage
 from fp8export.engine.shapes import ShapeRange, default_profile, read_graph
 from fp8export.errors import Fp8ExportError, UsageError
-from fp8export.io.atomic import probe_writable, refuse_inside_input, write_file_atomic
+from fp8export.io.atomic import write_file_atomic
 from fp8export.io.guarded import TIMING_CACHE, read_input
+from fp8export.io.outputs import check_file_target, claim_output_file, refuse_overlap
 
 MIN_FP8_CC = (8, 9)  # Ada 8.9, Hopper 9.0, Blackwell 10.x/12.x
 
@@ -145,12 +146,19 @@ def _plan(cfg: BuildEngineConfig, *, for_print: bool = False) -> _Plan:
         raise Fp8ExportError(
             f"{cfg.onnx}: no such ONNX file. Make one with `fp8export export-onnx`.")
     out = cfg.resolved_output
-    refuse_inside_input(out, cfg.onnx)
-    if cfg.timing_cache is not None:
-        refuse_inside_input(cfg.timing_cache, cfg.onnx, "--timing-cache")
-    if out.exists() and not cfg.force and not for_print:
-        raise Fp8ExportError(f"{out} exists; pass --force to replace it.")
-    probe_writable(out)
+    from fp8export.engine.trtexec import layer_info_path, log_path
+
+    # the engine, its build report and trtexec's layer information and log
+    written = [out, Path(f"{out}.build.json"), layer_info_path(out), log_path(out)]
+    for path in written:
+        if for_print:  # only the command is printed: nothing is replaced yet
+            refuse_overlap(path, [cfg.onnx])
+        else:
+            claim_output_file(path, inputs=[cfg.onnx], force=cfg.force)
+    if cfg.timing_cache is not None:  # read and rewritten by design: never one of the others
+        refuse_overlap(cfg.timing_cache, [cfg.onnx, *written], "--timing-cache")
+        if cfg.timing_cache.exists() or cfg.timing_cache.is_symlink():
+            check_file_target(cfg.timing_cache, True, "--timing-cache")
     inputs, longest = read_graph(cfg.onnx)
     profile = default_profile(inputs, list(cfg.shapes), max_positions=longest)
     return _Plan(out, profile, _structural_check(cfg.onnx))

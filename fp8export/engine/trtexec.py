@@ -160,7 +160,7 @@ def run_trtexec(cmd: list[str], log: Path) -> float:
     Returns the wall time. Raises Fp8ExportError naming the log when trtexec fails; an interrupt
     stops trtexec before it is re-raised.
     """
-    from fp8export._progress import info, progress_enabled
+    from fp8export._progress import info, printable, progress_enabled
 
     echo = progress_enabled()
     info(f"building with {cmd[0]} (log: {log})")
@@ -183,7 +183,7 @@ def run_trtexec(cmd: list[str], log: Path) -> float:
             for line in proc.stdout:
                 out.write(line)
                 if echo:
-                    sys.stderr.write(line)
+                    sys.stderr.write(printable(line))
             rc = proc.wait()
         except BaseException:
             proc.kill()

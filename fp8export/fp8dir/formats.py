@@ -14,6 +14,17 @@ Facts come from ``reference/fp8_checkpoint_formats.md``:
 - modelopt: ``hf_quant_config.json`` (``quant_algo: FP8``, ``exclude_modules``) plus the same
   content in config.json as ModelOpt's ``convert_hf_config.py`` writes it; ModelOpt FP8 is
   static-only (vLLM's ModelOpt loader needs ``input_scale``) and scales are 0-dim.
+
+Block-scaled weights (``--weight-granularity block``) in two dialects, both with activations
+quantized dynamically per token group of ``bk``:
+- compressed-tensors: weights ``strategy: block, block_structure: [bn, bk]``, inputs
+  ``strategy: group, group_size: bk, dynamic: true`` (llm-compressor's FP8_BLOCK preset), scale
+  tensor ``weight_scale [ceil(out/bn), ceil(in/bk)]``.
+- vllm: the fine-grained dialect DeepSeek-V3 and the Qwen3-FP8 releases ship, ``quant_method:
+  fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [bn, bk]``, scale tensor
+  ``weight_scale_inv`` (a dequantization factor despite the name). vLLM and SGLang serve it and
+  transformers loads it as ``FineGrainedFP8Config`` (it reads ``ignored_layers`` as
+  ``modules_to_not_convert``).
 """
 
 from __future__ import annotations
@@ -78,6 +89,22 @@ MODELOPT_NOT_TRANSFORMERS = (
     "transformers (and vLLM) use the default --format compressed-tensors.")
 
 
+def loaded_by(fmt: OutputFormat, block: bool = False, keras: bool = False) -> list[str]:
+    """Runtimes that load a folder of ``fmt`` (block-scaled or not) as what it is (``keras``:
+    its config.json is a Keras model config, which only fp8export rebuilds)."""
+    if keras:
+        return list(KERAS_LOADERS)
+    if block and fmt is OutputFormat.VLLM:
+        return ["vllm", "sglang", "transformers (FineGrainedFP8)"]
+    return list(LOADED_BY[fmt])
+
+
+def weight_scale_name(fmt: OutputFormat, block: bool = False) -> str:
+    """The suffix of a quantized module's weight scale tensor: ``weight_scale``, or the
+    fine-grained dialect's ``weight_scale_inv`` for block-scaled ``--format vllm``."""
+    return "weight_scale_inv" if block and fmt is OutputFormat.VLLM else "weight_scale"
+
+
 def dialect_of(quantization_config: Any) -> str | None:
     """The dialect a config.json's ``quantization_config`` is written in, None if there is none.
 
@@ -102,19 +129,16 @@ KERAS_SOURCE = (
     "with fp8export verify against the .keras reference.")
 
 
-def loaded_by(fmt: OutputFormat, keras: bool = False) -> list[str]:
-    """The runtimes that load a folder of dialect ``fmt`` as what it is (``keras``: its
-    config.json is a Keras model config)."""
-    return list(KERAS_LOADERS if keras else LOADED_BY[fmt])
-
-
-def format_notes(fmt: OutputFormat, keras: bool = False) -> list[str]:
+def format_notes(fmt: OutputFormat, block: bool = False, keras: bool = False) -> list[str]:
     """What a user must know about the dialect they wrote (said by convert and the manifest,
-    inspect and verify): which runtime would load it wrongly, or not at all."""
+    inspect and verify): which runtime would load it wrongly, or not at all. ``block``: block
+    weight scales (the vllm dialect is then the fine-grained one transformers reads too);
+    ``keras``: its config.json is a Keras model config."""
     if keras:
         return [KERAS_SOURCE]
-    return {OutputFormat.VLLM: [VLLM_ONLY],
-            OutputFormat.MODELOPT: [MODELOPT_NOT_TRANSFORMERS]}.get(fmt, [])
+    if fmt is OutputFormat.VLLM:
+        return [] if block else [VLLM_ONLY]
+    return [MODELOPT_NOT_TRANSFORMERS] if fmt is OutputFormat.MODELOPT else []
 
 
 def scale_shape(fmt: OutputFormat) -> tuple[int, ...]:
@@ -134,9 +158,19 @@ def _names(modules: list[str], limit: int = 5) -> str:
 
 
 def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str],
-                    per_channel: bool = False) -> None:
-    """Raise when ``fmt`` cannot express this mix of static and dynamic layers, or
-    per-channel weight scales (only compressed-tensors declares them: ``strategy: channel``)."""
+                    per_channel: bool = False, block: tuple[int, int] | None = None) -> None:
+    """Raise when ``fmt`` cannot express this mix of static and dynamic layers, per-channel
+    weight scales (only compressed-tensors declares them: ``strategy: channel``), or block
+    scales (compressed-tensors ``strategy: block``, vllm ``weight_block_size``)."""
+    if block is not None and fmt is OutputFormat.MODELOPT:
+        raise Fp8ExportError(
+            "--format modelopt cannot hold block weight scales: ModelOpt's quant_algo FP8 is "
+            "per-tensor with static inputs (0-dim scales). Use --format compressed-tensors "
+            "(strategy: block) or --format vllm (weight_block_size, as DeepSeek-V3 ships).")
+    if block is not None and static:
+        raise Fp8ExportError(
+            f"block weight scales run with dynamic per-token-group activations, but "
+            f"{len(static)} layer(s) have static input scales ({_names(static)}).")
     if per_channel and fmt is not OutputFormat.COMPRESSED_TENSORS:
         why = ("vLLM's quant_method fp8 loader allocates one weight scale per shard "
                "(per-tensor) or a block grid" if fmt is OutputFormat.VLLM else
@@ -161,15 +195,17 @@ def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str],
 
 def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[str],
                         ignore: list[str], tool_version: str, per_channel: bool = False,
-                        kv_cache: bool = False, dynamic_strategy: str = "token"
-                        ) -> dict[str, Any]:
+                        kv_cache: bool = False, block: tuple[int, int] | None = None,
+                        dynamic_strategy: str = "token") -> dict[str, Any]:
     """The ``quantization_config`` object for config.json (sorted lists, no timestamps).
     ``dynamic_strategy``: how compressed-tensors' dynamic inputs are declared ("token" or
-    "tensor")."""
-    check_supported(fmt, static, dynamic, per_channel)
+    "tensor"; block weights declare their own per-group inputs)."""
+    check_supported(fmt, static, dynamic, per_channel, block)
     weights = dict(_CT_WEIGHTS, strategy="channel") if per_channel else dict(_CT_WEIGHTS)
     dynamic_input = dict(_CT_DYNAMIC_INPUT, strategy=dynamic_strategy)
     ignore = sorted(ignore)
+    if block is not None:
+        return _block_config(fmt, block, ignore, kv_cache)
     if fmt is OutputFormat.VLLM:
         return {"quant_method": "fp8", "activation_scheme": activation_scheme(static, dynamic),
                 "ignored_layers": ignore, **({"kv_cache_scheme": "static"} if kv_cache else {})}
@@ -192,6 +228,25 @@ def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[s
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
             "kv_cache_scheme": dict(_CT_KV) if kv_cache else None,
+            "global_compression_ratio": None}
+
+
+def _block_config(fmt: OutputFormat, block: tuple[int, int], ignore: list[str],
+                  kv_cache: bool) -> dict[str, Any]:
+    bn, bk = block
+    if fmt is OutputFormat.VLLM:
+        # DeepSeek-V3's config plus the ignore list (vLLM reads ignored_layers; transformers
+        # takes it as modules_to_not_convert)
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [bn, bk], "ignored_layers": ignore,
+                **({"kv_cache_scheme": "static"} if kv_cache else {})}
+    weights = dict(_CT_WEIGHTS, strategy="block", block_structure=[bn, bk])
+    inputs = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": bk,
+              "symmetric": True, "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": _ct_group(["Linear"], inputs, weights)},
+            "ignore": ignore, "kv_cache_scheme": dict(_CT_KV) if kv_cache else None,
             "global_compression_ratio": None}
 
 

@@ -88,6 +88,31 @@ def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MANIFEST_BASE_BYTES = 1 << 20
+MANIFEST_BYTES_PER_TENSOR = 16 << 10
+_TENSOR_KEY = b'"data_offsets"'
+
+
+def _tensor_count(folder: Path) -> int:
+    """Tensors in the folder's safetensors files, counted in their headers (not parsed: the
+    readers validate them; this only sizes the manifest)."""
+    import struct
+
+    from fp8export.io.guarded import WEIGHTS, open_input
+
+    count = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        try:
+            with open_input(shard, WEIGHTS, root=folder) as f:
+                head = f.read(8)
+                size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                if size <= 100 << 20:
+                    count += f.read(size).count(_TENSOR_KEY)
+        except Fp8ExportError:  # the readers say what is wrong with it
+            continue
+    return count
+
+
 def _bad_manifest(path: Path, what: str) -> Fp8ExportError:
     return Fp8ExportError(f"{path}: {what}; the manifest is corrupt or was edited. Re-run "
                           "`fp8export convert`.")
@@ -98,10 +123,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     ``quantized`` map (module → entry with a string ``weight``, a known ``layout``, numeric or
     null scales), ``excluded``, ``notes`` and ``source`` have the types every reader relies on.
     """
-    from fp8export.io.guarded import MANIFEST, read_json_object
+    from fp8export.io.guarded import MANIFEST, FileKind, read_json_object
 
     path = Path(folder) / MANIFEST_NAME
-    doc = read_json_object(path, MANIFEST, root=folder, what="fp8export manifest")
+    # Sized by the model it describes: Python holds a JSON value in ~60 bytes, so 250 MB of
+    # "[]" would take 6.5 GB; a real manifest is under 2 KiB per tensor.
+    tensors = _tensor_count(Path(folder))
+    limit = min(MANIFEST.max_bytes, MANIFEST_BASE_BYTES + MANIFEST_BYTES_PER_TENSOR * tensors)
+    kind = FileKind(f"fp8export manifest for {tensors} tensors", limit)
+    doc = read_json_object(path, kind, root=folder, what="fp8export manifest")
     quantized = doc.get("quantized", {})
     if not isinstance(quantized, dict):
         raise _bad_manifest(path, "'quantized' is not an object of module entries")

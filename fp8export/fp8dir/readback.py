@@ -38,6 +38,7 @@ from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, WriteRecord, scale_of
 from fp8export.io.hashing import digest
 from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+from fp8export.numerics.block import blocks_roundtrip_sqnr
 from fp8export.numerics.channel import channels_roundtrip_sqnr
 from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
 
@@ -49,7 +50,8 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                   *, record: WriteRecord | None = None,
                   min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
                   early: dict[str, Future] | None = None,
-                  kv_scales: dict[str, np.float32] | None = None) -> dict[str, float]:
+                  kv_scales: dict[str, np.float32] | None = None,
+                  block: tuple[int, int] | None = None) -> dict[str, float]:
     """Check ``out_dir`` against the plan; return the SQNR (dB) of each module read back.
 
     With ``record`` (what :func:`~fp8export.fp8dir.write.write_shards` returned), every
@@ -66,7 +68,7 @@ def verify_output(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
         else:
             found, values = verify_shard(out_dir, plan, ckpt, weight_scales, input_scales,
                                          record=record, min_sqnr_db=min_sqnr_db,
-                                         kv_scales=kv_scales)
+                                         kv_scales=kv_scales, block=block)
         problems.extend(found)
         sqnr.update(values)
     index = out_dir / INDEX_NAME
@@ -96,17 +98,19 @@ def verify_shard(out_dir: Path, plan: ShardPlan, ckpt: Checkpoint,
                  weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32], *,
                  record: WriteRecord | None = None, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB,
                  kv_scales: dict[str, np.float32] | None = None,
+                 block: tuple[int, int] | None = None,
                  ) -> tuple[list[str], dict[str, float]]:
     """Read one written shard back (see the module docstring): (problems, module -> SQNR)."""
     sqnr: dict[str, float] = {}
     return _verify_shard(out_dir / plan.file_name, plan, ckpt, weight_scales, input_scales,
-                         record, min_sqnr_db, sqnr, kv_scales), sqnr
+                         record, min_sqnr_db, sqnr, kv_scales, block), sqnr
 
 
 def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                   weight_scales: dict[str, np.float32], input_scales: dict[str, np.float32],
                   record: WriteRecord | None, min_sqnr_db: float,
-                  sqnr: dict[str, float], kv_scales: dict | None = None) -> list[str]:
+                  sqnr: dict[str, float], kv_scales: dict | None = None,
+                  block: tuple[int, int] | None = None) -> list[str]:
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -163,10 +167,11 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                     problems.append(f"{fname}: {name} differs from the per-channel scales that "
                                     "were computed")
                 if entry.kind == "weight_scale":
-                    disk_scale[entry.source] = value
+                    disk_scale[entry.source] = values.reshape(shape) if block is not None \
+                        else value
             elif entry.kind == "weight":
                 problem = _check_weight(entry, raw, disk_scale, ckpt, record, min_sqnr_db, sqnr,
-                                        fname)
+                                        fname, block)
                 if problem:
                     problems.append(problem)
             del raw
@@ -249,7 +254,7 @@ class _DiskReader:
 
 def _check_weight(entry, raw, disk_scale: dict[str, Any], ckpt: Checkpoint,
                   record: WriteRecord | None, min_sqnr_db: float, sqnr: dict[str, float],
-                  fname: str) -> str | None:
+                  fname: str, block: tuple[int, int] | None = None) -> str | None:
     name = entry.tensor.name
     module = name[: -len(".weight")]
     scale = disk_scale.get(module)
@@ -261,7 +266,9 @@ def _check_weight(entry, raw, disk_scale: dict[str, Any], ckpt: Checkpoint,
             return f"{name}: no SQNR was recorded when it was written"
     else:
         q = raw.view(ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
-        if np.ndim(scale):
+        if np.ndim(scale) == 2:
+            value = blocks_roundtrip_sqnr(ckpt.load(entry.source), q, scale, block)
+        elif np.ndim(scale):
             value = channels_roundtrip_sqnr(ckpt.load(entry.source), q, scale, entry.layout)
         else:
             value = roundtrip_sqnr(ckpt.load(entry.source), q, scale)

@@ -107,13 +107,25 @@ def open_folder_tensors(path: str | Path) -> FolderTensors:
 
 @dataclass(frozen=True)
 class QuantLayer:
-    """One quantized linear of the manifest, with its stored tensors."""
+    """One quantized linear of the folder, with its stored tensors."""
 
     name: str  # module path, e.g. "model.layers.0.self_attn.q_proj"
     weight: torch.Tensor  # float8_e4m3fn, stored layout
     layout: str  # "out_in" | "in_out"
-    weight_scale: float | torch.Tensor  # dequantization factor; float32 [out] per channel
+    weight_scale: float | torch.Tensor  # dequantization factor; float32 [out] per channel,
+    # [ceil(out/bn), ceil(in/bk)] per block
     input_scale: float | None  # static activation scale, None when activations are dynamic
+    block: tuple[int, int] | None = None  # (bn, bk) of a block-scaled weight
+    dynamic: str = "tensor"  # without input_scale: "tensor" | "token" | "group" (per token
+    # and group of ``group_size`` input elements)
+    group_size: int | None = None
+
+    @property
+    def granularity(self) -> str:
+        """"tensor", "channel" or "block"."""
+        if self.block is not None:
+            return "block"
+        return "tensor" if isinstance(self.weight_scale, float) else "channel"
 
     @property
     def weight_out_in(self) -> torch.Tensor:
@@ -122,10 +134,15 @@ class QuantLayer:
 
     @property
     def weight_scale_out_in(self) -> float | torch.Tensor:
-        """The weight scale broadcastable against :attr:`weight_out_in` ``[out, in]``."""
+        """The weight scale broadcastable against :attr:`weight_out_in` ``[out, in]`` (a block
+        grid is expanded over its tiles)."""
         import torch
 
+        from fp8export.numerics.block import expand_blocks
+
         ws = self.weight_scale
+        if self.block is not None:
+            return expand_blocks(ws, tuple(self.weight_out_in.shape), self.block)
         return ws[:, None] if isinstance(ws, torch.Tensor) else ws
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -142,8 +159,11 @@ class _LayerEntry:
     name: str
     weight: str  # tensor name of the E4M3 weight
     layout: str
-    weight_scale: float | torch.Tensor  # float32 [out] per channel
+    weight_scale: float | torch.Tensor  # float32 [out] per channel, [gr, gc] per block
     input_scale: float | None
+    block: tuple[int, int] | None = None
+    dynamic: str = "tensor"
+    group_size: int | None = None
 
 
 class FolderLayers(Mapping[str, QuantLayer]):
@@ -155,7 +175,7 @@ class FolderLayers(Mapping[str, QuantLayer]):
     def __getitem__(self, name: str) -> QuantLayer:
         e = self._entries[name]
         return QuantLayer(e.name, self._tensors[e.weight], e.layout, e.weight_scale,
-                          e.input_scale)
+                          e.input_scale, e.block, e.dynamic, e.group_size)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -167,23 +187,66 @@ class FolderLayers(Mapping[str, QuantLayer]):
         return len(self._entries)
 
 
+@dataclass(frozen=True)
+class FolderFormat:
+    """What kind of FP8 folder this is, as the reader found it (inspect and verify print it)."""
+
+    producer: str  # "fp8export 0.1.0", "compressed-tensors 0.19.0", "modelopt 0.47.0", ...
+    dialect: str  # "compressed-tensors" | "vllm" (quant_method fp8) | "modelopt"
+    granularity: str  # weights: "tensor" | "channel" | "block" | "mixed"
+    block_size: tuple[int, int] | None
+    activations: str  # "static" | "dynamic" | "mixed"
+    dynamic: str | None  # how dynamic layers scale their input: "tensor" | "token" | "group"
+    group_size: int | None  # of "group"
+    ours: bool  # written by fp8export convert (has fp8export.json)
+
+    def describe(self) -> str:
+        """One line: ``compressed-tensors, block 128x128 weights, dynamic per-token-group(128)
+        activations (written by compressed-tensors 0.19.0)``."""
+        weights = self.granularity
+        if self.block_size:
+            weights += f" {self.block_size[0]}x{self.block_size[1]}"
+        acts = self.activations
+        if self.dynamic and self.activations != "static":
+            acts += {"group": " per-token-group", "none": " (weight-only layers: none)"}.get(
+                self.dynamic, f" per-{self.dynamic}")
+            acts += f"({self.group_size})" if self.group_size else ""
+        return (f"{self.dialect}, {weights} weights, {acts} activations "
+                f"(written by {self.producer})")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["block_size"] = list(self.block_size) if self.block_size else None
+        return d
+
+
 @dataclass
 class Fp8Folder:
-    """An opened FP8 folder. Use as a context manager: ``close`` releases the file handles."""
+    """An opened FP8 folder. Use as a context manager: ``close`` releases the file handles.
+
+    ``manifest`` is fp8export.json for a folder convert wrote, or the same structure built from
+    the config and the tensors of a folder another tool wrote; either way every entry of
+    ``manifest["quantized"]`` names its ``weight_scale_tensor`` and ``input_scale_tensor`` (or
+    null) and carries its ``block_size``, ``dynamic`` and ``group_size``.
+    """
 
     path: Path
     config: dict[str, Any]
     manifest: dict[str, Any]
     tensors: FolderTensors  # every stored tensor, as stored, read on lookup
     layers: FolderLayers  # manifest order
+    format: FolderFormat | None = None
 
     def model_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """State dict for the transformers model: quantized weights dequantized, scales dropped."""
         drop = set()
         state: dict[str, torch.Tensor] = {}
+        quantized = self.manifest.get("quantized") or {}
         for name, layer in self.layers.items():
             state[f"{name}.weight"] = layer.dequantized(dtype)
-            drop.update({f"{name}.weight_scale", f"{name}.input_scale"})
+            entry = quantized.get(name) or {}
+            drop.update({entry.get("weight_scale_tensor") or f"{name}.weight_scale",
+                         entry.get("input_scale_tensor") or f"{name}.input_scale"})
         for name in self.tensors:
             if name in state or name in drop:
                 continue
@@ -206,14 +269,30 @@ def layout_axis(entry: dict[str, Any]) -> int:
     return 1 if entry.get("layout", "out_in") == "in_out" else 0
 
 
-def _weight_scale(t: torch.Tensor, tensor_name: str, folder: Path, out_features: int,
+def _weight_scale(t: torch.Tensor, tensor_name: str, folder: Path, shape: tuple[int, int],
+                  layout: str = "out_in", block: tuple[int, int] | None = None,
                   ) -> float | torch.Tensor:
-    """A per-tensor scale (float), or per-channel scales (float32 ``[out]``, from ``[out, 1]``)."""
+    """A per-tensor scale (float), per-channel scales (float32 ``[out]``, from ``[out]`` or
+    ``[out, 1]``), or a block grid (float32 ``[ceil(out/bn), ceil(in/bk)]``)."""
     import torch
 
-    if t.numel() == 1 or t.numel() != out_features:
-        return _scalar_scale(t, tensor_name, folder, "one value, or one per output channel")
-    v = t.to(torch.float32).reshape(-1).clone()
+    from fp8export.numerics.block import grid_shape
+
+    out_features = shape[1] if layout == "in_out" else shape[0]
+    if block is not None:
+        want = grid_shape((shape[1], shape[0]) if layout == "in_out" else shape, block)
+        if tuple(t.shape) != want:
+            raise Fp8ExportError(
+                f"{folder}: {tensor_name} has shape {tuple(t.shape)}, but a {shape[0]}x"
+                f"{shape[1]} weight in blocks of {block[0]}x{block[1]} needs a {want[0]}x"
+                f"{want[1]} grid. The folder is corrupt or was edited; re-convert it.")
+        v = t.to(torch.float32).clone()
+    elif t.numel() == 1 or t.numel() != out_features or t.dim() > 2 or (
+            t.dim() == 2 and t.shape[1] != 1):
+        return _scalar_scale(t, tensor_name, folder,
+                             "one value, one per output channel, or a block grid")
+    else:
+        v = t.to(torch.float32).reshape(-1).clone()
     if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
         raise Fp8ExportError(
             f"{folder}: {tensor_name} holds a scale that is not a positive finite number "
@@ -225,8 +304,8 @@ def _scalar_scale(t: torch.Tensor, tensor_name: str, folder: Path,
                   allowed: str = "one value") -> float:
     if t.numel() != 1:
         raise Fp8ExportError(
-            f"{folder}: {tensor_name} has shape {tuple(t.shape)}; export-onnx supports {allowed}."
-            " Re-convert the folder with `fp8export convert`.")
+            f"{folder}: {tensor_name} has shape {tuple(t.shape)}; fp8export reads {allowed}. "
+            "Re-convert the folder with `fp8export convert`.")
     value = float(t.float().reshape(()))
     if not math.isfinite(value) or value <= 0.0:
         raise Fp8ExportError(
@@ -236,24 +315,128 @@ def _scalar_scale(t: torch.Tensor, tensor_name: str, folder: Path,
 
 
 def read_fp8_folder(path: str | Path) -> Fp8Folder:
-    """Open and validate an FP8 folder written by ``fp8export convert`` (reads the headers and
-    the scales; weights are read when a consumer looks them up)."""
+    """Open and validate an FP8 folder (reads the headers and the scales; weights are read when
+    a consumer looks them up): one written by ``fp8export convert``, or one another tool wrote
+    in a dialect this reader knows (compressed-tensors, ``quant_method: fp8`` with or without
+    ``weight_block_size``, ModelOpt FP8), described from its config and tensors."""
     folder = Path(path)
-    manifest = read_folder_manifest(folder)
+    kind = fp8_folder_kind(folder)
+    if kind is None:
+        read_folder_manifest(folder)  # raises the "not an FP8 folder" error
     config = read_folder_config(folder)
-    quantized = manifest.get("quantized")
-    if not isinstance(quantized, dict) or not quantized:
-        raise Fp8ExportError(
-            f"{folder / MANIFEST_NAME}: no 'quantized' layers listed, so there is nothing to "
-            "export in FP8. Re-run `fp8export convert` (check --exclude/--include).")
     tensors = open_folder_tensors(folder)
     try:
-        entries = {name: _layer_entry(folder, name, entry or {}, tensors)
-                   for name, entry in quantized.items()}
+        if kind == "fp8export":
+            raw = read_manifest(folder)
+            _validate(folder, raw, config, tensors)
+            manifest = _our_manifest(folder, raw, config, tensors)
+        else:
+            from fp8export.fp8dir.foreign import foreign_manifest
+
+            manifest = foreign_manifest(folder, config, tensors)
+        entries = {name: _layer_entry(folder, name, entry, tensors)
+                   for name, entry in manifest["quantized"].items()}
     except BaseException:
         tensors.close()
         raise
-    return Fp8Folder(folder, config, manifest, tensors, FolderLayers(entries, tensors))
+    return Fp8Folder(folder, config, manifest, tensors, FolderLayers(entries, tensors),
+                     folder_format(manifest, config))
+
+
+def _validate(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
+              tensors: FolderTensors) -> None:
+    """fp8dir.validate's checks on a folder convert wrote, before anything is built from it:
+    every FP8 tensor a listed layer's own weight, every scale a sane float equal to the
+    manifest's, config.json's quantization_config the manifest's."""
+    from fp8export.fp8dir.validate import validate_folder
+
+    infos = {n: (i.dtype, tuple(i.shape)) for n, i in tensors.infos.items()}
+    validate_folder(folder, manifest, config, infos,
+                    lambda name: tensors[name].float().reshape(-1).numpy())
+
+
+def fp8_folder_kind(path: str | Path) -> str | None:
+    """``"fp8export"`` (written by convert: fp8export.json), ``"foreign"`` (no manifest, but
+    config.json or hf_quant_config.json declares FP8 in a dialect the reader knows), or None.
+    Reads the small JSON files only, through the guarded opener."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if (p / MANIFEST_NAME).is_file():
+        return "fp8export"
+    from fp8export.fp8dir.foreign import declared_fp8
+
+    return "foreign" if declared_fp8(p) else None
+
+
+def folder_format(manifest: dict[str, Any], config: dict[str, Any]) -> FolderFormat:
+    """The :class:`FolderFormat` of a normalized manifest."""
+    from fp8export.fp8dir.formats import dialect_of
+
+    quantized = manifest.get("quantized") or {}
+    kinds = set()
+    blocks = set()
+    for entry in quantized.values():
+        kinds.add(entry.get("granularity", "tensor"))
+        if entry.get("block_size"):
+            blocks.add(tuple(entry["block_size"]))
+    dynamic = sorted({e["dynamic"] for e in quantized.values() if not e.get("input_scale_tensor")})
+    groups = {e.get("group_size") for e in quantized.values() if e.get("dynamic") == "group"}
+    tool = manifest.get("tool") or {}
+    producer = manifest.get("producer") or f"{tool.get('name', 'fp8export')} " \
+                                            f"{tool.get('version', '')}".strip()
+    return FolderFormat(
+        producer=str(producer),
+        dialect=dialect_of(config.get("quantization_config")) or str(
+            manifest.get("output_format")),
+        granularity=kinds.pop() if len(kinds) == 1 else "mixed",
+        block_size=blocks.pop() if len(blocks) == 1 else None,
+        activations=str(manifest.get("activation_scheme")),
+        dynamic=dynamic[0] if len(dynamic) == 1 else ("mixed" if dynamic else None),
+        group_size=groups.pop() if len(groups) == 1 else None,
+        ours=not manifest.get("foreign"))
+
+
+def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
+                  tensors: FolderTensors) -> dict[str, Any]:
+    """fp8export.json with every quantized entry completed (see :class:`Fp8Folder`)."""
+    quantized = manifest.get("quantized") or {}  # none: every layer kept in high precision
+    granularity = manifest.get("weight_granularity", "tensor")
+    block = None
+    if granularity == "block":
+        block = _manifest_block(folder, manifest.get("block_size"))
+    dynamic = manifest.get("dynamic_activations", "tensor")
+    if dynamic not in ("tensor", "token", "group") or (dynamic == "group") != (block is not None):
+        raise Fp8ExportError(f"{folder / MANIFEST_NAME}: dynamic_activations {str(dynamic)[:20]!r}"
+                             f" does not fit weight_granularity {str(granularity)[:20]!r}. "
+                             "Re-run `fp8export convert`.")
+    out = {}
+    for name, entry in quantized.items():
+        entry = dict(entry or {})
+        wscale = [n for n in (f"{name}.weight_scale", f"{name}.weight_scale_inv") if n in tensors]
+        iname = f"{name}.input_scale"
+        entry.update(
+            weight_scale_tensor=wscale[0] if len(wscale) == 1 else f"{name}.weight_scale",
+            input_scale_tensor=iname if iname in tensors else None,
+            block_size=list(block) if block else None, dynamic=dynamic,
+            group_size=block[1] if block else None)
+        entry.setdefault("granularity", granularity if granularity in ("block", "channel")
+                         else "tensor")
+        if entry["input_scale_tensor"] is None and entry.get("input_scale") is not None:
+            raise Fp8ExportError(
+                f"{folder}: layer {name}: the manifest records a static input scale but tensor "
+                f"{iname} is missing. Re-run `fp8export convert`.")
+        out[name] = entry
+    return {**manifest, "quantized": out}
+
+
+def _manifest_block(folder: Path, value: Any) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16 for v in value)):
+        raise Fp8ExportError(f"{folder / MANIFEST_NAME}: weight_granularity is block but "
+                             f"block_size is {str(value)[:40]!r}, not two positive integers. "
+                             "Re-run `fp8export convert`.")
+    return value[0], value[1]
 
 
 def _layer_entry(folder: Path, name: str, entry: dict[str, Any], tensors: FolderTensors
@@ -268,22 +451,20 @@ def _layer_entry(folder: Path, name: str, entry: dict[str, Any], tensors: Folder
         raise Fp8ExportError(
             f"{folder}: layer {name}: {wname} is {dtype} {tuple(info.shape)}, expected a 2-D "
             "F8_E4M3 tensor. Re-run `fp8export convert`.")
-    sname = f"{name}.weight_scale"
+    sname = entry["weight_scale_tensor"]
     if sname not in tensors:
         raise Fp8ExportError(
             f"{folder}: layer {name}: scale tensor {sname} is missing, so its FP8 weight "
             "cannot be dequantized. Re-run `fp8export convert` (or exclude the layer).")
-    wscale = _weight_scale(tensors[sname], sname, folder, info.shape[layout_axis(entry)])
-    iname = f"{name}.input_scale"
-    iscale = None
-    if iname in tensors:
-        iscale = _scalar_scale(tensors[iname], iname, folder)
-    elif entry.get("input_scale") is not None:
-        raise Fp8ExportError(
-            f"{folder}: layer {name}: the manifest records a static input scale but tensor "
-            f"{iname} is missing. Re-run `fp8export convert`.")
     layout = entry.get("layout", "out_in")
     if layout not in ("out_in", "in_out"):
         raise Fp8ExportError(f"{folder}: layer {name}: unknown layout {layout!r} (expected "
                              "out_in or in_out).")
-    return _LayerEntry(name, wname, layout, wscale, iscale)
+    block = tuple(entry["block_size"]) if entry.get("block_size") else None
+    if block is not None and layout != "out_in":
+        raise Fp8ExportError(f"{folder}: layer {name}: block scales need an [out, in] weight.")
+    wscale = _weight_scale(tensors[sname], sname, folder, tuple(info.shape), layout, block)
+    iname = entry.get("input_scale_tensor")
+    iscale = _scalar_scale(tensors[iname], iname, folder) if iname else None
+    return _LayerEntry(name, wname, layout, wscale, iscale, block, entry["dynamic"],
+                       entry.get("group_size"))

@@ -5,7 +5,8 @@ file (``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` for se
 ``model.safetensors.index.json``). Inside a shard, tensors keep the source order; a quantized
 ``<m>.weight`` (F8_E4M3, source layout) is followed by ``<m>.weight_scale`` and, with static
 activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a per-channel
-``weight_scale`` is ``[out, 1]``).
+``weight_scale`` is ``[out, 1]``, a block one ``[ceil(out/bn), ceil(in/bk)]`` and named
+``weight_scale_inv`` in the fine-grained vllm dialect).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
 from fp8export.io.safetensors_dtypes import TORCH_TO_ST
+from fp8export.numerics.block import quantize_blocks_sqnr
 from fp8export.numerics.channel import quantize_channels_sqnr
 from fp8export.scales.select import Target
 from fp8export.scales.weights import quantize_weight_sqnr
@@ -55,9 +57,12 @@ def shard_names(n: int) -> list[str]:
 
 def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dict[str, np.float32],
                 input_scales: dict[str, np.float32], scale_shape: tuple[int, ...],
-                kv_after: dict[str, list[str]] | None = None) -> list[ShardPlan]:
+                kv_after: dict[str, list[str]] | None = None,
+                weight_scale_name: str = "weight_scale") -> list[ShardPlan]:
     """The output files and their tensors, in order. ``targets`` is keyed by weight name.
-    ``kv_after``: KV-cache scale tensors to write right after a source tensor (by its name)."""
+    ``kv_after``: KV-cache scale tensors to write right after a source tensor (by its name).
+    ``weight_scale_name``: the suffix of the weight scale tensors (``formats.weight_scale_name``).
+    """
     infos = {i.name: i for i in ckpt.tensors()}
     groups = ckpt.shard_groups()
     plans = [ShardPlan(name, src) for name, (src, _) in zip(shard_names(len(groups)), groups)]
@@ -78,12 +83,15 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
                                         "weight", name, t.layout))
             extra = ["weight_scale"] + (["input_scale"] if t.module in input_scales else [])
             for kind in extra:
-                scale_name = f"{t.module}.{kind}"
+                scale_name = f"{t.module}.{weight_scale_name if kind == 'weight_scale' else kind}"
                 if scale_name in infos:
                     clashes.append(scale_name)
                 shape = scale_shape
-                if kind == "weight_scale" and np.ndim(weight_scales[t.module]):
+                ndim = np.ndim(weight_scales[t.module])
+                if kind == "weight_scale" and ndim == 1:
                     shape = (np.size(weight_scales[t.module]), 1)  # per channel: [out, 1]
+                elif kind == "weight_scale" and ndim == 2:
+                    shape = tuple(np.shape(weight_scales[t.module]))  # per block: the grid
                 plan.entries.append(Planned(PlannedTensor(scale_name, "F32", shape),
                                             kind, t.module))
             plan.entries.extend(kv)
@@ -140,11 +148,12 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
                  *, kv_scales: dict[str, np.float32] | None = None,
                  on_tensor: Callable[[], None] | None = None,
                  on_file: Callable[[ShardPlan, WriteRecord], None] | None = None,
-                 ) -> WriteRecord:
+                 block: tuple[int, int] | None = None) -> WriteRecord:
     """Write every shard, one tensor in memory at a time; return the digests and SQNRs.
 
     ``on_file(plan, record)`` is called when a shard is complete and fsynced (read-back of that
-    shard can start while the next one is written).
+    shard can start while the next one is written). ``block``: the ``(bn, bk)`` of block-scaled
+    weights (their scales are ``[gr, gc]`` grids).
     """
     record = WriteRecord()
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
@@ -169,7 +178,9 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             module = weight_module[entry.source]
             w = load_scratch(entry.source)  # dropped before the next weight is loaded
             scale = weight_scales[module]
-            if np.ndim(scale):
+            if np.ndim(scale) == 2:
+                q, record.sqnr[module] = quantize_blocks_sqnr(w, scale, block)
+            elif np.ndim(scale):
                 q, record.sqnr[module] = quantize_channels_sqnr(w, scale, entry.layout)
             else:
                 q, record.sqnr[module] = quantize_weight_sqnr(w, scale, out=pool.get(w.numel()))

@@ -18,6 +18,7 @@ always gives the same batches (calibration is deterministic bit for bit).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ MAX_LINE_BYTES = 1 << 20
 MAX_SAMPLES = 1_000_000
 MAX_TOKENS_PER_SAMPLE = 1 << 20
 MAX_LABEL = (1 << 31) - 1
+# Token data read from a token file, at most: 1 GiB is 134 M int64 ids, thousands of times what
+# calibration or verification uses.
+MAX_TOKEN_BYTES = 1 << 30
 
 _FORMATS_HINT = (
     "Give a .txt file (one sample a line), a .jsonl file (a 'text' field a line), or a "
@@ -113,7 +117,8 @@ def check_data_file(path: str | Path) -> Path:
 
 def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: int | None = None,
                  seq_len: int | None = None, max_positions: int | None = None,
-                 vocab_size: int | None = None, num_labels: int | None = None) -> Samples:
+                 vocab_size: int | None = None, num_labels: int | None = None,
+                 tokenizer=None) -> Samples:
     """Read ``path`` into :class:`Samples`.
 
     Args:
@@ -126,6 +131,8 @@ def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: i
             truncated to ``min(seq_len, max_positions)`` with a notice.
         vocab_size: the model's vocabulary; every token id must be in ``[0, vocab_size)``.
         num_labels: classes of a sequence classifier; sequence labels must be below it.
+        tokenizer: an open :func:`~fp8export.inputs.tokenizer.open_tokenizer` of
+            ``tokenizer_dir`` to use (and leave open); by default one is opened and closed here.
 
     Raises:
         Fp8ExportError: missing / empty / unreadable / binary file, unknown suffix, text that
@@ -149,7 +156,7 @@ def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: i
             raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
         if suffix in TEXT_SUFFIXES:
             ids, labels, pad_id = _tokenise(p, _text_samples(p, f, suffix), tokenizer_dir,
-                                            max_samples, bounds)
+                                            max_samples, bounds, tokenizer)
         else:
             ids, labels = _read_tokens(p, f, suffix, max_samples, bounds)
             pad_id = _pad_id_of(tokenizer_dir, vocab_size)
@@ -308,11 +315,24 @@ def _text_samples(p: Path, f: IO[bytes], suffix: str) -> Iterator[tuple[str, Any
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise Fp8ExportError(
                 f"{p}:{lineno}: needs a string 'text' field, e.g. {{\"text\": \"...\"}}.")
+        _check_unicode(obj["text"], f"{p}:{lineno}")
         yield obj["text"], obj.get("label")
 
 
-def _load_tokenizer(p: Path, tokenizer_dir: Path | None):
-    from fp8export.inputs.tokenizer import load_tokenizer
+def _check_unicode(text: str, where: str) -> None:
+    """JSON's ``\\ud800`` escapes make lone surrogates, which are not Unicode text (no UTF-8
+    encoding exists for them; the tokenizer cannot take them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise Fp8ExportError(
+            f"{where}: the text holds {text[exc.start]!r} at character {exc.start}, a lone "
+            "surrogate (an escape like \\ud800 without its pair), which is not Unicode text. "
+            "Fix the line.") from exc
+
+
+def _open_tokenizer(p: Path, tokenizer_dir: Path | None):
+    from fp8export.inputs.tokenizer import open_tokenizer
 
     if tokenizer_dir is None:
         raise Fp8ExportError(
@@ -320,51 +340,80 @@ def _load_tokenizer(p: Path, tokenizer_dir: Path | None):
             "(a single weights file was given). Pass a Hugging Face folder with tokenizer files, "
             "or give pre-tokenised .npz / .safetensors data with 'input_ids'.")
     tdir = Path(tokenizer_dir)
-    return load_tokenizer(tdir.parent if tdir.is_file() else tdir, for_file=p)
+    return open_tokenizer(tdir.parent if tdir.is_file() else tdir, for_file=p)
+
+
+# Lines go to the tokenizer process in batches of at most this many lines / bytes.
+BATCH_LINES = 256
+BATCH_BYTES = 1 << 20
+
+
+def _encoded(p: Path, texts: Iterator[tuple[str, Any]], tok, wanted
+             ) -> Iterator[tuple[str, Any, list]]:
+    """``(text, label, ids)`` per line, tokenised a batch at a time. A batch holds at most
+    ``wanted()`` lines (the samples still needed), so no line past them is read."""
+    lineno = 0
+    while True:
+        batch: list[tuple[str, Any]] = []
+        size = 0
+        limit = min(BATCH_LINES, wanted())
+        while len(batch) < limit and size < BATCH_BYTES:
+            item = next(texts, None)
+            if item is None:
+                break
+            batch.append(item)
+            size += len(item[0])
+        if not batch:
+            return
+        what = f"tokenising {p.name} lines {lineno + 1}-{lineno + len(batch)}"
+        ids = tok.encode([text for text, _ in batch], what)
+        lineno += len(batch)
+        for (text, label), row in zip(batch, ids):
+            yield text, label, row
 
 
 def _tokenise(p: Path, texts: Iterator[tuple[str, Any]], tokenizer_dir: Path | None,
-              max_samples: int | None, bounds: _Bounds):
-    tok = _load_tokenizer(p, tokenizer_dir)
+              max_samples: int | None, bounds: _Bounds, tokenizer=None):
     label2id: dict[str, int] | None = None
-    try:
-        n_special = int(tok.num_special_tokens_to_add(pair=False))
-    except Exception:  # slow tokenizers without the method: count nothing as special
-        n_special = 0
     ids: list[list[int]] = []
     labels: list[Any] | None = None
     labelled: bool | None = None
     skipped = lines = 0
-    # Pull a line only when another sample is wanted: nothing past them is read.
-    while max_samples is None or len(ids) < max_samples:
-        item = next(texts, None)
-        if item is None:
-            break
-        text, label = item
-        lines += 1
-        bounds.check_count(lines)
-        if labelled is None:
-            labelled = label is not None
-            labels = [] if labelled else None
-        elif labelled != (label is not None):
-            raise Fp8ExportError(
-                f"{p}: some lines have a 'label' and some do not (sample {lines} "
-                f"{'has none' if labelled else 'has one'}). Give a label on every line or on "
-                "none.")
-        enc = tok(text, add_special_tokens=True, truncation=False)["input_ids"]
-        # A line that yields only the special tokens (BOS/CLS/SEP) carries no text for the
-        # statistics: skip it, and fail below if that leaves nothing.
-        if len(enc) <= n_special:
-            skipped += 1
-            continue
-        row = [int(t) for t in enc]
-        bounds.check_ids(len(ids), min(row), max(row), text=True)
-        ids.append(row)
-        if labels is not None:
-            if label2id is None:
-                label2id = _label2id(tokenizer_dir)
-            labels.append(bounds.check_label(len(ids) - 1,
-                                             _label_value(p, label, label2id, len(ids) - 1)))
+    opened = contextlib.nullcontext(tokenizer) if tokenizer is not None \
+        else _open_tokenizer(p, tokenizer_dir)
+    with opened as tok:
+        n_special = tok.facts["num_special"]
+        encoded = _encoded(p, texts, tok, lambda: BATCH_LINES if max_samples is None
+                           else max_samples - len(ids))
+        # Stop pulling once enough samples are in: nothing past the batch holding them is read.
+        while max_samples is None or len(ids) < max_samples:
+            item = next(encoded, None)
+            if item is None:
+                break
+            _, label, enc = item
+            lines += 1
+            bounds.check_count(lines)
+            if labelled is None:
+                labelled = label is not None
+                labels = [] if labelled else None
+            elif labelled != (label is not None):
+                raise Fp8ExportError(
+                    f"{p}: some lines have a 'label' and some do not (sample {lines} "
+                    f"{'has none' if labelled else 'has one'}). Give a label on every line or on "
+                    "none.")
+            # A line that yields only the special tokens (BOS/CLS/SEP) carries no text for the
+            # statistics: skip it, and fail below if that leaves nothing.
+            if len(enc) <= n_special:
+                skipped += 1
+                continue
+            bounds.check_ids(len(ids), min(enc), max(enc), text=True)
+            ids.append(enc)
+            if labels is not None:
+                if label2id is None:
+                    label2id = _label2id(tokenizer_dir)
+                labels.append(bounds.check_label(len(ids) - 1,
+                                                 _label_value(p, label, label2id, len(ids) - 1)))
+        facts = tok.facts
     if not lines:
         raise Fp8ExportError(f"{p}: holds no samples (only blank lines). {_FORMATS_HINT}")
     if not ids:
@@ -374,11 +423,8 @@ def _tokenise(p: Path, texts: Iterator[tuple[str, Any]], tokenizer_dir: Path | N
             "encoding and that it is the right tokenizer.")
     if skipped:
         info(f"Note: {p}: {skipped} lines tokenised to nothing and were skipped.")
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pad = int(pad) if isinstance(pad, int) else 0
-    if pad < 0 or (bounds.vocab_size and pad >= bounds.vocab_size):
-        pad = 0  # padded positions are masked out; the id only has to be a valid index
-    return ids, labels, pad
+    pad = facts["pad_token_id"] if facts["pad_token_id"] is not None else facts["eos_token_id"]
+    return ids, labels, _valid_pad(pad, bounds.vocab_size, f"{tokenizer_dir} (its tokenizer)")
 
 
 def _label2id(tokenizer_dir: Path | None) -> dict[str, int]:
@@ -412,39 +458,60 @@ _INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 _MAX_NPZ_RATIO = 1000
 
 
-def _npy_array(p: Path, name: str, data: bytes):
-    """One ``.npy`` member, its header checked against its length before anything is allocated
-    (``np.load`` would allocate what the header declares, then find the data short)."""
-    import io
-
-    import numpy as np
+def _npy_header(p: Path, name: str, stream: IO[bytes]):
+    """``(shape, fortran_order, dtype)`` of a ``.npy`` member, read from its stream."""
     from numpy.lib import format as npy
 
-    buf = io.BytesIO(data)
     try:
-        version = npy.read_magic(buf)
+        version = npy.read_magic(stream)
         if version == (1, 0):
-            shape, fortran, dtype = npy.read_array_header_1_0(buf)
+            shape, fortran, dtype = npy.read_array_header_1_0(stream)
         elif version == (2, 0):
-            shape, fortran, dtype = npy.read_array_header_2_0(buf)
+            shape, fortran, dtype = npy.read_array_header_2_0(stream)
         else:
-            shape, fortran, dtype = npy._read_array_header(buf, version)
-    except (ValueError, TypeError, SyntaxError, OverflowError) as exc:
+            shape, fortran, dtype = npy._read_array_header(stream, version)
+    except (ValueError, TypeError, SyntaxError, OverflowError, EOFError) as exc:
         raise Fp8ExportError(f"{p}: member {name!r} is not a readable .npy array ({exc}). "
                              f"{_FORMATS_HINT}") from exc
     if dtype.hasobject:
         raise Fp8ExportError(f"{p}: {name!r} holds Python objects; refused (token ids are "
                              "integers). Save a plain integer array.")
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise Fp8ExportError(f"{p}: {name!r} has the structured dtype {dtype}; token ids, "
+                             "masks and labels are plain integer arrays. Save them so.")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise Fp8ExportError(f"{p}: {name!r} declares shape {tuple(shape)}; sizes must be "
+                             "integers >= 0. The file is corrupt.")
+    return tuple(shape), fortran, dtype
+
+
+def _npy_member(p: Path, name: str, stream: IO[bytes], stored: int):
+    """One ``.npy`` member, its header checked against the member's size before anything is
+    allocated (``np.load`` would allocate what the header declares), and never more than
+    :data:`MAX_TOKEN_BYTES` of data: a zip member can inflate a few megabytes into gigabytes
+    within any plausible compression ratio."""
+    import numpy as np
+
+    shape, fortran, dtype = _npy_header(p, name, stream)
     count = 1
     for d in shape:
         count *= int(d)
     need = count * dtype.itemsize
-    if need != len(data) - buf.tell():
+    if need != stored - stream.tell():
         raise Fp8ExportError(
-            f"{p}: {name!r} declares shape {tuple(shape)} ({need} bytes) but holds "
-            f"{len(data) - buf.tell()} bytes; the file is corrupt.")
-    arr = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
-    return arr.reshape(shape, order="F" if fortran else "C")
+            f"{p}: {name!r} declares shape {shape} ({need} bytes) but holds "
+            f"{stored - stream.tell()} bytes; the file is corrupt.")
+    if need > MAX_TOKEN_BYTES:
+        raise Fp8ExportError(
+            f"{p}: {name!r} holds {need} bytes of token data (limit {MAX_TOKEN_BYTES}: "
+            "calibration and verification use thousands of samples, not hundreds of millions "
+            "of tokens); refused before decompressing it. Give a smaller file.")
+    data = stream.read(need)
+    if len(data) != need:
+        raise Fp8ExportError(f"{p}: {name!r} ends early ({len(data)} of {need} bytes); the "
+                             "file is corrupt.")
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape,
+                                                                  order="F" if fortran else "C")
 
 
 def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
@@ -473,13 +540,28 @@ def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
                     f"{p}: {key!r} declares {member.file_size} bytes from "
                     f"{member.compress_size} compressed; refused (a zip bomb or a corrupt file).")
             try:
-                data = zf.read(member)
+                with zf.open(member) as stream:
+                    out[key] = _npy_member(p, key, _Counted(stream), member.file_size)
             except errors as exc:
                 raise Fp8ExportError(f"{p}: cannot read {key!r} ({type(exc).__name__}: {exc}). "
                                      f"{_FORMATS_HINT}") from exc
-            out[key] = _npy_array(p, key, data)
     out["__found__"] = found
     return out
+
+
+class _Counted:
+    """A read-only stream that knows how far it has read (zip member streams do not)."""
+
+    def __init__(self, raw: IO[bytes]):
+        self.raw, self.pos = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.pos += len(data)
+        return data
+
+    def tell(self) -> int:
+        return self.pos
 
 
 def _safetensors_arrays(p: Path) -> dict[str, Any]:
@@ -492,6 +574,12 @@ def _safetensors_arrays(p: Path) -> dict[str, Any]:
         for key in ("input_ids", "attention_mask", "labels"):
             if key not in dtypes:
                 continue
+            begin, end = sf.spans[key]
+            if end - begin > MAX_TOKEN_BYTES:
+                raise Fp8ExportError(
+                    f"{p}: {key!r} holds {end - begin} bytes of token data (limit "
+                    f"{MAX_TOKEN_BYTES}: calibration and verification use thousands of samples);"
+                    " refused. Give a smaller file.")
             t = sf.load(key)
             out[key] = (t.numpy() if dtypes[key] in _INT_DTYPES else t.float().numpy())
         return out
@@ -524,6 +612,9 @@ def _read_tokens(p: Path, f: IO[bytes], suffix: str, max_samples: int | None, bo
     mask = arrays.get("attention_mask")
     if mask is not None:
         mask = np.asarray(mask)
+        if mask.dtype.kind not in "biuf":
+            raise Fp8ExportError(f"{p}: 'attention_mask' has dtype {mask.dtype}; a mask holds "
+                                 "numbers (or booleans), 1 for tokens and 0 for padding.")
         if mask.ndim == 1:
             mask = mask[None, :]
         if mask.shape != ids.shape:
@@ -570,8 +661,7 @@ def _read_tokens(p: Path, f: IO[bytes], suffix: str, max_samples: int | None, bo
 
 
 def _pad_id_of(tokenizer_dir: Path | None, vocab_size: int | None = None) -> int:
-    """The pad id from the checkpoint's configs (0 if none, or if it is not a valid token id:
-    padded positions are masked anyway, but still go through the embedding)."""
+    """The pad id from the checkpoint's configs (0 if none; see :func:`_valid_pad`)."""
     if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
         return 0
     folder = Path(tokenizer_dir)
@@ -585,7 +675,21 @@ def _pad_id_of(tokenizer_dir: Path | None, vocab_size: int | None = None) -> int
             if isinstance(v, list):
                 v = v[0] if v else None
             if isinstance(v, int) and not isinstance(v, bool):
-                return v if 0 <= v < (vocab_size or MAX_LABEL + 1) else 0
+                return _valid_pad(v, vocab_size, f"{path} ({key})")
+    return 0
+
+
+def _valid_pad(pad: int | None, vocab_size: int | None, source: str) -> int:
+    """``pad`` if it is a token id of the model, else 0, said once: padded positions are masked
+    out, but they still go through the embedding, so the id must index a row of it (a tokenizer
+    whose pad token was added after the model's vocabulary was fixed has one beyond it)."""
+    if pad is None:
+        return 0
+    limit = vocab_size or MAX_LABEL + 1
+    if 0 <= pad < limit:
+        return int(pad)
+    info(f"Note: {source}: pad token id {pad} is outside the model's vocabulary (0..{limit - 1});"
+         " batches are padded with id 0 instead (padded positions are masked out).")
     return 0
 
 

@@ -9,6 +9,11 @@ capped, JSON depth- and integer-checked), ``tokenizer_config.json`` is rewritten
 keys that name code or files, ``config.json`` is reduced to its ``model_type``, and the
 tokenizer is loaded from there with ``trust_remote_code=False`` and ``local_files_only=True``.
 
+``tokenizer.json`` is checked against what real tokenizers use
+(:mod:`fp8export.inputs.tokenizer_rules`), and the tokenizer runs in a child process with memory
+and CPU-time limits (:mod:`fp8export.inputs.tokenizer_process`): it is native code fed by the
+checkpoint, and once it runs our own limits and error handling would not apply.
+
 A tokenizer that exists only as custom code (``auto_map`` names ``AutoTokenizer`` and
 ``tokenizer_class`` is not a class transformers ships) is refused, naming the entry.
 """
@@ -77,8 +82,13 @@ def _model_facts(folder: Path) -> tuple[str | None, list[str]]:
     return (model_type if model_type in CONFIG_MAPPING_NAMES else None), remote
 
 
-def load_tokenizer(folder: Path, *, for_file: Path | None = None):
-    """The tokenizer of the checkpoint folder ``folder`` (see the module docstring)."""
+def open_tokenizer(folder: Path, *, for_file: Path | None = None,
+                   memory_bytes: int | None = None, seconds: float | None = None):
+    """The tokenizer of the checkpoint folder ``folder``, running in a child process with
+    limits (:class:`~fp8export.inputs.tokenizer_process.TokenizerProcess`; see the module
+    docstring). Close it, or use it as a context manager."""
+    from fp8export.inputs.tokenizer_process import REQUEST_SECONDS, TokenizerProcess
+
     folder = Path(folder)
     vocab = _present(folder, VOCABULARIES)
     if not vocab:
@@ -105,25 +115,35 @@ def load_tokenizer(folder: Path, *, for_file: Path | None = None):
             "fp8export never runs code from a checkpoint (trust_remote_code=False). Save a "
             "tokenizer of a class transformers ships (tokenizer.json), or give pre-tokenised "
             ".npz / .safetensors data with 'input_ids'.")
-    import transformers
+    name = str(folder / "tokenizer.json") if (folder / "tokenizer.json") in vocab \
+        else f"{folder} (its tokenizer)"
+    try:
+        with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
+            _private_copy(folder, Path(tmp), tok_cfg, model_type)
+            # the child has read everything it needs once loaded: the copy goes right after
+            return TokenizerProcess(Path(tmp), name, memory_bytes=memory_bytes,
+                                    seconds=seconds or REQUEST_SECONDS)
+    except OSError as exc:  # a full or unwritable TMPDIR, a fork that the system refused
+        raise Fp8ExportError(
+            f"{folder}: cannot prepare the tokenizer ({exc.strerror or exc}; it is loaded from "
+            f"a private copy in {tempfile.gettempdir()}). Free space there, or point TMPDIR "
+            "elsewhere.") from exc
 
-    with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
-        private = Path(tmp)
-        for src in _present(folder, TOKENIZER_FILES):
-            dest = copy_input(src, private / src.name, TOKENIZER, root=folder)
-            if dest.suffix == ".json":
-                parse_json(dest.read_bytes(), src, src.name)  # depth/integer limits
-        (private / TOKENIZER_CONFIG).write_text(json.dumps(_safe_tokenizer_config(tok_cfg)),
-                                                encoding="utf-8")
-        if model_type:
-            (private / "config.json").write_text(json.dumps({"model_type": model_type}),
-                                                 encoding="utf-8")
-        try:
-            return transformers.AutoTokenizer.from_pretrained(
-                str(private), local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # transformers/tokenizers raise many types on bad files
-            text = str(exc).strip().replace(tmp, str(folder))
-            first = text.splitlines()[0][:300] if text else ""
-            raise Fp8ExportError(
-                f"{folder}: cannot load the tokenizer ({type(exc).__name__}: {first}). Check the "
-                "tokenizer files in the checkpoint folder.") from exc
+
+def _private_copy(folder: Path, private: Path, tok_cfg: dict[str, Any],
+                  model_type: str | None) -> None:
+    """The tokenizer files transformers may read, copied through the guarded opener and
+    checked (JSON limits; tokenizer.json against :mod:`~fp8export.inputs.tokenizer_rules`)."""
+    from fp8export.inputs.tokenizer_rules import check_tokenizer_json
+
+    for src in _present(folder, TOKENIZER_FILES):
+        dest = copy_input(src, private / src.name, TOKENIZER, root=folder)
+        if dest.suffix == ".json":
+            doc = parse_json(dest.read_bytes(), src, src.name)  # depth/integer limits
+            if src.name == "tokenizer.json":
+                check_tokenizer_json(doc, src)
+    (private / TOKENIZER_CONFIG).write_text(json.dumps(_safe_tokenizer_config(tok_cfg)),
+                                            encoding="utf-8")
+    if model_type:
+        (private / "config.json").write_text(json.dumps({"model_type": model_type}),
+                                             encoding="utf-8")

@@ -50,7 +50,7 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
     if plot is not None:  # a bad --plot path fails before the (possibly long) inspection
         from fp8export.inspect.plot import check_plot_target
 
-        check_plot_target(Path(plot), force)
+        check_plot_target(Path(plot), force, source=p)
     from fp8export.checkpoint.source import open_checkpoint
 
     manifest = manifest_if_any(p)
@@ -58,13 +58,14 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
         infos = ck.tensors()
         if manifest is not None or any(i.dtype in FP8 for i in infos):
             result = _fp8_folder(ck, infos, manifest)
+            _folder_format(result, p, ours=manifest is not None)
         else:
             result = _checkpoint(ck, infos)
         result.notes[:0] = list(getattr(ck, "notes", []))
     if plot is not None:
         from fp8export.inspect.plot import write_plot
 
-        write_plot(result, Path(plot), force=force)
+        write_plot(result, Path(plot), force=force, source=p)
         result.plot = str(plot)
     return result
 
@@ -196,7 +197,7 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                      "this inspect reads version 1, fields may be missing")
     names = {i.name for i in infos}
     scales = {i.name: ck.load(i.name).float() for i in infos
-              if i.name.endswith((".weight_scale", ".input_scale")) and i.dtype in FLOAT}
+              if i.name.endswith(_WEIGHT_SCALES + _INPUT_SCALES) and i.dtype in FLOAT}
 
     for info in infos:
         module = info.name.rsplit(".", 1)[0]
@@ -205,7 +206,7 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
             row = _row(info, "scale")
             values = scales[info.name]
             value = float(values.max()) if values.numel() else float("nan")
-            if info.name.endswith(".weight_scale"):
+            if info.name.endswith(_WEIGHT_SCALES):
                 row.scale = value
             else:
                 row.input_scale = value
@@ -216,7 +217,8 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
         elif info.dtype in FP8 and info.name.endswith(".weight"):
             row = _row(info, "quantized")
             q = ck.load(info.name)
-            ws = scales.get(f"{module}.weight_scale")
+            ws = next((scales[n] for n in (f"{module}{s}" for s in _WEIGHT_SCALES)
+                       if n in scales), None)
             if ws is None:
                 row.amax = tensor_amax(q)
                 row.note = "no weight_scale tensor: amax is of the raw FP8 codes"
@@ -224,10 +226,15 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
             else:
                 row.scale = float(ws.max())
                 row.amax = _dequantized_amax(q, ws)
-                if ws.numel() > 1:
+                if ws.dim() == 2 and ws.shape[1] > 1 or ws.dim() == 2 and q.dim() == 2 \
+                        and ws.shape[0] < q.shape[0]:
+                    row.note = (f"block scales, grid {ws.shape[0]}x{ws.shape[1]}; the largest "
+                                "is shown")
+                elif ws.numel() > 1:
                     row.note = f"{ws.numel()} per-channel scales; the largest is shown"
             del q
-            ins = scales.get(f"{module}.input_scale")
+            ins = next((scales[n] for n in (f"{module}{s}" for s in _INPUT_SCALES)
+                        if n in scales), None)
             row.input_scale = float(ins.max()) if ins is not None and ins.numel() else None
             row.sqnr_db = _num(entry.get("weight_sqnr_db"))
             row.scale_source = entry.get("weight_scale_source")
@@ -236,8 +243,6 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
             row.fused_group = group if isinstance(group, str) else None
             if manifest is not None and not entry:
                 notes.append(f"{info.name}: quantized but not listed in {MANIFEST}")
-            elif entry and row.scale is not None:
-                _cross_check(info.name, row.scale, entry.get("weight_scale"), notes)
         else:
             role = "float" if info.dtype in FLOAT else "other"
             row = _row(info, role)
@@ -307,10 +312,47 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
     s["output_format"] = dialect or s.get("output_format")
     known = {str(f): f for f in OutputFormat}
     keras = is_keras_config(config)
-    s["loaded_by"] = loaded_by(known[dialect], keras) if dialect in known else None
-    for note in format_notes(known[dialect], keras) if dialect in known else []:
+    s["loaded_by"] = loaded_by(known[dialect], keras=keras) if dialect in known else None
+    for note in format_notes(known[dialect], keras=keras) if dialect in known else []:
         if note not in result.notes:
             result.notes.insert(0, note)
+
+
+def _folder_format(result: InspectResult, path: Path, ours: bool) -> None:
+    """What the one reader makes of the folder: producer, dialect, granularity, activations.
+    A folder convert wrote (``ours``) that the reader refuses (edited or damaged) is an error,
+    as it is for every other command; one another tool wrote in a form fp8export cannot run is
+    still shown, with the reason in a note."""
+    from fp8export.fp8dir.reader import read_fp8_folder
+
+    try:
+        with read_fp8_folder(path) as folder:
+            fmt = folder.format
+            extra = [str(n) for n in folder.manifest.get("notes") or []] if not fmt.ours else []
+    except Fp8ExportError as exc:
+        if ours:
+            raise
+        result.notes.append(f"fp8export cannot run this folder: {exc}")
+        return
+    from fp8export.config import OutputFormat
+    from fp8export.fp8dir.formats import VLLM_ONLY, loaded_by
+
+    s = result.summary
+    s.update(format=fmt.describe(), producer=fmt.producer, weight_granularity=fmt.granularity,
+             block_size=fmt.to_dict()["block_size"], activations=fmt.activations,
+             dynamic_activations=fmt.dynamic, group_size=fmt.group_size,
+             written_by_fp8export=fmt.ours)
+    s["activation_scheme"] = s.get("activation_scheme") or fmt.activations
+    s["output_format"] = s.get("output_format") or fmt.dialect
+    if fmt.granularity == "block" and fmt.dialect == str(OutputFormat.VLLM):
+        # the fine-grained dialect: transformers reads it as what it is
+        s["loaded_by"] = loaded_by(OutputFormat.VLLM, block=True)
+        result.notes[:] = [n for n in result.notes if n != VLLM_ONLY]
+    result.notes.extend(n for n in extra if n not in result.notes)
+
+
+_WEIGHT_SCALES = (".weight_scale", ".weight_scale_inv")
+_INPUT_SCALES = (".input_scale", ".activation_scale")
 
 
 def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:
@@ -319,17 +361,14 @@ def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:
     codes = q.float().abs()
     if scale.numel() == 1:
         return tensor_amax(codes) * float(scale.reshape(()))
+    if scale.dim() == 2 and codes.dim() == 2 and scale.shape[1] > 1:  # a block grid
+        from fp8export.numerics.block import expand_blocks
+
+        bn = -(-codes.shape[0] // scale.shape[0])
+        bk = -(-codes.shape[1] // scale.shape[1])
+        return tensor_amax(codes * expand_blocks(scale, tuple(codes.shape), (bn, bk)))
     # per-channel: one scale per output row ([out], [out, 1])
     return tensor_amax(codes * scale.reshape(-1, *([1] * (codes.dim() - 1))))
-
-
-def _cross_check(name: str, stored: float, recorded: Any, notes: list[str]) -> None:
-    value = _num(recorded)
-    if value is None:
-        return
-    if not math.isclose(stored, value, rel_tol=1e-6):
-        notes.append(f"{name}: weight_scale in the file is {stored:.6g} but {MANIFEST} records "
-                     f"{value:.6g}; the folder was modified after convert")
 
 
 # ------------------------------------------------------------------------------------ ONNX

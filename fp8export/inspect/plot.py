@@ -150,8 +150,11 @@ def figure(result: InspectResult) -> Figure:
     return Figure(f"{Path(result.path).name}: {what}", panels, notes, share_x=True)
 
 
-def check_plot_target(path: Path, force: bool = False) -> None:
-    """Refuse an unknown extension, or an existing file without ``force`` (before any work)."""
+def check_plot_target(path: Path, force: bool = False, source: Path | None = None) -> None:
+    """Refuse an unknown extension, a path that is or holds the inspected ``source``, or an
+    existing file without ``force`` or that is not a regular file (before any work)."""
+    from fp8export.io.outputs import check_file_target, refuse_overlap
+
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         what = repr(path.suffix) if path.suffix else "a name without extension"
@@ -165,15 +168,15 @@ def check_plot_target(path: Path, force: bool = False) -> None:
         except ImportError as exc:
             raise missing("matplotlib", "--plot to a .png file; a .svg file needs nothing",
                           exc) from exc
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         raise Fp8ExportError(f"{path}: is a folder. Give a file name for --plot, e.g. "
                              f"{path / 'scales.svg'}.")
-    if path.exists() and not force:
-        raise Fp8ExportError(f"{path}: already exists. Pass --force to replace it, or choose "
-                             "another --plot path.")
+    refuse_overlap(path, [source], "--plot")
+    check_file_target(path, force, "--plot")
 
 
-def write_plot(result: InspectResult, path: Path, force: bool = False) -> None:
+def write_plot(result: InspectResult, path: Path, force: bool = False,
+               source: Path | None = None) -> None:
     """Write the figure to ``path``: ``.svg`` (built in) or ``.png`` (needs matplotlib).
 
     Raises:
@@ -183,7 +186,7 @@ def write_plot(result: InspectResult, path: Path, force: bool = False) -> None:
     from fp8export.io.atomic import write_file_atomic
 
     path = Path(path)
-    check_plot_target(path, force)
+    check_plot_target(path, force, source)
     suffix = path.suffix.lower()
     fig = figure(result).drawable()
     if fig is None:

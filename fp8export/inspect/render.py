@@ -63,7 +63,16 @@ def render_text(result: InspectResult) -> str:
     if result.kind == "fp8-folder":
         lines.append(f"  quantized     {s['quantized']} FP8 weights, "
                      f"{s['high_precision_weights']} 2-D weights kept in high precision")
-        lines.append(f"  activations   {s.get('activation_scheme') or 'unknown'} "
+        if s.get("weight_granularity"):
+            block = s.get("block_size")
+            lines.append(f"  weights       {s['weight_granularity']} scales"
+                         + (f", {block[0]}x{block[1]} blocks" if block else ""))
+        dynamic = s.get("dynamic_activations")
+        how = ""
+        if dynamic and s.get("activation_scheme") != "static":
+            how = " per token group" if dynamic == "group" else f" per {dynamic}"
+            how += f" of {s['group_size']}" if s.get("group_size") else ""
+        lines.append(f"  activations   {s.get('activation_scheme') or 'unknown'}{how} "
                      f"({s['static_input_scales']} static input scales)")
         if s.get("kv_cache"):
             lines.append(f"  kv cache      {s['kv_cache']}")
@@ -72,6 +81,8 @@ def render_text(result: InspectResult) -> str:
             only = "" if any(n.startswith("transformers") for n in loaders or ()) else " only"
             where = f" (loads in {' and '.join(loaders)}{only})" if loaders else ""
             lines.append(f"  format        {s['output_format']}{where}")
+        if s.get("producer"):
+            lines.append(f"  written by    {s['producer']}")
     else:
         lines.append(f"  FP8 weights   {s['fp8_candidates']} would be quantized "
                      "(scale = amax / 448), "

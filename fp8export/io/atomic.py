@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from fp8export.errors import Fp8ExportError
+from fp8export.io.guarded import file_type_name
+from fp8export.io.outputs import check_folder_target
 
 
 def fsync_dir(path: Path) -> None:
@@ -43,12 +46,25 @@ def _create_private(path: Path) -> int:
     return os.open(path, flags, OUTPUT_MODE)
 
 
+def _refuse_special(path: Path) -> None:
+    """Only a regular file is ever replaced: not a link, a FIFO, a device or a folder."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else file_type_name(mode)
+        raise Fp8ExportError(f"{path}: is {what}; fp8export replaces only regular files. "
+                             "Choose another output path.")
+
+
 def write_file_atomic(path: Path, data: bytes, what: str = "the file") -> None:
     """Write ``data`` to ``path`` via a hidden temporary sibling, fsync, then rename: a crash
     leaves the old file or the new one, never half of one. The temporary name is random and
     created exclusively (a planted symlink is not followed); any OSError (read-only folder, full
     disk) is an Fp8ExportError and leaves nothing behind."""
     path = Path(path)
+    _refuse_special(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
     try:
         fd = _create_private(tmp)
@@ -56,6 +72,7 @@ def write_file_atomic(path: Path, data: bytes, what: str = "the file") -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _refuse_special(path)  # it may have appeared meanwhile
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
@@ -67,57 +84,6 @@ def write_file_atomic(path: Path, data: bytes, what: str = "the file") -> None:
             os.unlink(tmp)
 
 
-def probe_writable(output: Path, option: str = "-o/--output") -> None:
-    """Fail before any work when ``output`` cannot be written: create and remove a random file
-    in the folder that will hold it (or its nearest existing ancestor, which would)."""
-    output = Path(output)
-    folder = output if output.is_dir() else output.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    probe = folder / f".{output.name}.probe-{secrets.token_hex(8)}"
-    try:
-        os.close(_create_private(probe))
-        os.unlink(probe)
-    except OSError as exc:
-        raise Fp8ExportError(f"{output}: cannot write there ({exc.strerror or exc}). Choose "
-                             f"another {option}, or fix the folder's permissions or space."
-                             ) from exc
-
-
-# Files a checkpoint given as a single file still reads from beside it.
-READ_BESIDE = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "tokenizer.model", "generation_config.json", "model.safetensors.index.json",
-               "pytorch_model.bin.index.json")
-
-
-def refuse_inside_input(output: Path, source: Path, option: str = "-o/--output") -> None:
-    """Refuse an output that would land inside (or replace, or contain) the input ``source``:
-    a folder input owns everything under it; a file input owns itself and the files read
-    from beside it (config, tokenizer, index)."""
-    out, src = Path(output).resolve(), Path(source).resolve()
-    inside = out == src or out in src.parents
-    if src.is_dir():
-        inside = inside or src in out.parents
-    else:
-        beside = (*READ_BESIDE, f"{src.name}.data")  # and an ONNX graph's external data
-        inside = inside or (out.parent == src.parent and out.name in beside)
-    if inside:
-        raise Fp8ExportError(
-            f"{output}: {option} would write inside, contain or replace the input {source}; "
-            "fp8export never writes into its input. Choose a path beside it.")
-
-
-def check_output_target(target: Path, force: bool) -> None:
-    """Refuse to touch an existing output without ``force``, and never replace a file."""
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise Fp8ExportError(f"{target}: exists and is not a folder; fp8export replaces only "
-                             "folders it wrote. Choose another -o/--output path.")
-    if target.exists() and not force:
-        raise Fp8ExportError(f"{target}: already exists. Pass --force to replace it (the new "
-                             "folder is built first; the old one is removed only on success), "
-                             "or choose another -o/--output path.")
-
-
 class AtomicDir:
     """Context manager: ``with AtomicDir(target, force) as tmp: ...; publish()``.
 
@@ -125,28 +91,32 @@ class AtomicDir:
     Leaving the block without publishing (an exception, or no call) deletes ``tmp``.
     """
 
-    def __init__(self, target: Path, force: bool = False):
+    def __init__(self, target: Path, force: bool = False, *, marker: str):
         self.target = Path(target)
         self.force = force
+        self.marker = marker  # the file that marks a folder as ours (replaceable with force)
         self.tmp: Path | None = None
         self.published = False
 
     def __enter__(self) -> Path:
-        check_output_target(self.target, self.force)
+        check_folder_target(self.target, self.force, self.marker)
         parent = self.target.parent
+        self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             self.tmp.mkdir()
         except OSError as exc:
             raise Fp8ExportError(f"{parent}: cannot create the output folder there "
                                  f"({exc.strerror or exc}). Check the path and permissions."
                                  ) from exc
+        except BaseException:  # an interrupt inside __enter__: __exit__ will not run
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return self.tmp
 
     def publish(self) -> Path:
         assert self.tmp is not None, "publish() outside the with-block"  # programming error
-        check_output_target(self.target, self.force)  # it may have appeared meanwhile
+        check_folder_target(self.target, self.force, self.marker)  # it may have changed
         fsync_dir(self.tmp)
         old: Path | None = None
         if self.target.exists():

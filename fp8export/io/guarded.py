@@ -63,7 +63,8 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXE
     | getattr(os, "O_NOCTTY", 0)
 
 
-def _file_type(mode: int) -> str:
+def file_type_name(mode: int) -> str:
+    """What a non-regular file is, in words ("a FIFO (named pipe)", "a character device" …)."""
     for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISDIR, "a folder")):
@@ -98,9 +99,9 @@ def open_input(path: str | Path, kind: FileKind, *, root: str | Path | None = No
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise Fp8ExportError(f"{p}: is {_file_type(st.st_mode)}, not a regular file; refused "
-                                 f"(a {kind.what} must be an ordinary file). Replace it with the "
-                                 "real file.")
+            raise Fp8ExportError(f"{p}: is {file_type_name(st.st_mode)}, not a regular file; "
+                                 f"refused (a {kind.what} must be an ordinary file). Replace it "
+                                 "with the real file.")
         if root is not None:
             real = _opened_path(fd)
             if real is not None and not any(real == r or real.is_relative_to(r)

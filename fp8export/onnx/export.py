@@ -30,8 +30,8 @@ import contextlib
 import io
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -339,23 +339,27 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     """Save ``proto`` to ``output`` atomically (temp folder + rename), external data > 2 GB.
 
     ``check_fn(path)`` runs on the temporary file before it is renamed into place; if it raises,
-    nothing is left behind. The temporary folder has a random name and is created exclusively
-    (``mkdtemp``), so nothing planted beside the output is followed. Any OSError (read-only or
-    full location) becomes an Fp8ExportError. Returns ``(output, data_path or None)``.
+    nothing is left behind. The temporary folder has a random name and is created exclusively,
+    so nothing planted beside the output is followed. Any OSError (read-only or full location)
+    becomes an Fp8ExportError. Returns ``(output, data_path or None)``.
     """
     import onnx
+
+    from fp8export.io.outputs import check_file_target
 
     output = Path(output)
     data_name = output.name + ".data"
     data_path = output.parent / data_name
-    if output.exists() and not force:
-        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
+    for path in (output, data_path):  # again at write time: either may have appeared meanwhile
+        check_file_target(path, force)
     external = _initializer_bytes(proto) > EXTERNAL_DATA_BYTES
-    tmp: Path | None = None
+    # Named before it is created: an interrupt (SIGINT/SIGTERM) right after the mkdir still
+    # finds it in the finally below.
+    tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(8)}"
     moved_data = False
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        tmp.mkdir(mode=0o700)  # exclusive: fails if anything is there
         tmp_model = tmp / output.name
         if external:
             onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
@@ -377,8 +381,7 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
                              "nothing was written. Check the path, its permissions and the free "
                              "space.") from exc
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return output, (data_path if external else None)
 
 
@@ -414,21 +417,24 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
 
     from fp8export.fp8dir.manifest import kv_cache_line
     from fp8export.fp8dir.reader import read_fp8_folder
-    from fp8export.io.atomic import probe_writable, refuse_inside_input
+    from fp8export.io.outputs import claim_output_file
     from fp8export.keras_model.config import is_keras_config
     from fp8export.onnx.check import check_model
     from fp8export.onnx.qdq import rewrite_qdq
 
     start = time.perf_counter()
     output = cfg.resolved_output
-    if output.exists() and not cfg.force:
-        raise Fp8ExportError(f"{output} exists; pass --force to overwrite it.")
     if output.suffix != ".onnx":
         raise Fp8ExportError(f"-o {output}: the output must be a .onnx file name.")
-    refuse_inside_input(output, cfg.fp8_dir)
-    probe_writable(output)
+    for path in (output, output.with_name(output.name + ".data")):  # the graph, its weights
+        claim_output_file(path, inputs=[cfg.fp8_dir], force=cfg.force)
     with stage(f"reading the FP8 folder {cfg.fp8_dir}"):
         folder = read_fp8_folder(cfg.fp8_dir)
+    if not folder.layers:
+        folder.close()
+        raise Fp8ExportError(
+            f"{cfg.fp8_dir}: no quantized layers, so there is nothing to export in FP8. Re-run "
+            "`fp8export convert` (check --exclude/--include).")
     with folder:  # its tensors are read while tracing and rewriting
         keras = is_keras_config(folder.config)
         kv = kv_cache_line(folder.manifest.get("kv_cache"))

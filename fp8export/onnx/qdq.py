@@ -10,7 +10,8 @@ For each quantized linear ``<m>`` of the FP8 folder, around its MatMul (or Gemm)
 
 * the weight is the folder's E4M3 bytes, pre-transposed to the orientation the GEMM reads, so no
   Transpose sits between the DQ and the GEMM (ModelOpt's ``fp8_exporter.py`` does the same);
-* per-tensor (scalar) scales, or for per-channel weights a 1-D scale along the stored weight's
+* per-tensor (scalar) scales, for block weights a blocked DQ (``block_size`` along the input
+  axis, see ``_weight_scale_for``), or for per-channel weights a 1-D scale along the stored weight's
   output-channel axis with an all-zero zero point of the same shape (ONNX requires the zero
   point to match the scale's shape; TensorRT takes per-channel weight DQ), ``axis`` always
   written (TensorRT 10.1 defaulted a missing axis to 0, later parsers to 1), an all-zero
@@ -40,6 +41,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -239,14 +241,14 @@ def _bias_as_row(gemm, inits: Mapping, consumers: dict, name: str, new_inits: li
 
 
 def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResult):
-    """A scalar scale, or a 1-D per-channel one (a float32 tensor of the output channels)."""
+    """A scalar scale, a 1-D per-channel one, or a 2-D block one (float32 values)."""
     from onnx import numpy_helper
 
     want = np.asarray(value, dtype=np.float32)
     cast = want.astype(np_dtype(sdtype))
     back = cast.astype(np.float32)
     if not np.all(np.isfinite(back)) or not np.all(back > 0.0):
-        shown = value if want.ndim == 0 else "a per-channel scale"
+        shown = value if want.ndim == 0 else "a per-channel or block scale"
         raise Fp8ExportError(
             f"layer {layer}: scale {shown!r} is not representable as a positive {sdtype} "
             f"(TensorRT needs positive scales of the activation dtype). Export with --dtype fp32, "
@@ -254,6 +256,27 @@ def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResu
     rounding = float(np.max(np.abs(back - want) / want))
     result.max_scale_rounding = max(result.max_scale_rounding, rounding)
     return numpy_helper.from_array(np.asarray(cast), name)
+
+
+def _weight_scale_for(layer, read_as: str) -> tuple[Any, int, dict[str, int]]:
+    """(scale, axis, extra DQ attributes) of a layer's weight DequantizeLinear.
+
+    Per tensor: a scalar; per channel: 1-D along the stored weight's output-channel axis. Per
+    ``bn x bk`` block: ONNX blocks run along one axis (``block_size``, opset 21), so the weight
+    is blocked along its input axis (K) in blocks of ``bk`` and each block scale is repeated over
+    the ``bn`` output channels of its tile: ``[ceil(K/bk), N]`` for a MatMul weight ``[K, N]``
+    (``axis=0``), ``[N, ceil(K/bk)]`` for ``Gemm(transB=1)`` ``[N, K]`` (``axis=1``). The same
+    values, so the same dequantized weight.
+    """
+    if layer.block is None:
+        axis = 1 if read_as == "in_out" else 0  # output-channel axis of the stored weight
+        return layer.weight_scale, axis, {}
+    bn, bk = layer.block
+    out = layer.weight_out_in.shape[0]
+    per_row = layer.weight_scale.repeat_interleave(bn, dim=0)[:out].numpy()  # [N, ceil(K/bk)]
+    if read_as == "in_out":
+        return np.ascontiguousarray(per_row.T), 0, {"block_size": bk}
+    return per_row, 1, {"block_size": bk}
 
 
 def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteResult:
@@ -300,16 +323,16 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         w8 = np.ascontiguousarray(raw).view(ml_dtypes.float8_e4m3fn)
         w_name, s_name = f"{name}.weight", f"{name}.weight_scale"
         new_inits.append(numpy_helper.from_array(w8, w_name))
-        new_inits.append(_scale_tensor(s_name, layer.weight_scale, sdtype, name, result))
-        axis = 1 if b.read_as == "in_out" else 0  # output-channel axis of the stored weight
+        scale, axis, blocked = _weight_scale_for(layer, b.read_as)
+        new_inits.append(_scale_tensor(s_name, scale, sdtype, name, result))
         w_zp = ZERO_POINT
-        if np.ndim(layer.weight_scale):  # per channel: the zero point has the scale's shape
+        if np.ndim(scale):  # per channel or block: the zero point has the scale's shape
             w_zp = f"{name}.weight_zero_point"
             new_inits.append(numpy_helper.from_array(
-                np.zeros(np.shape(layer.weight_scale), dtype=ml_dtypes.float8_e4m3fn), w_zp))
+                np.zeros(np.shape(scale), dtype=ml_dtypes.float8_e4m3fn), w_zp))
         nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, w_zp],
                                   [f"{name}.weight_dq"], name=f"{name}/weight_dq", axis=axis,
-                                  **out_dtype_attr)]
+                                  **blocked, **out_dtype_attr)]
         # activation
         if layer.input_scale is not None:
             x = gemm.input[0]

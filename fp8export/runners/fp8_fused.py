@@ -152,8 +152,9 @@ def fusable(members: list[nn.Module]) -> str | None:
         return "members have different input widths"
     if any(m.fallback_reason for m in members):
         return "a member runs in emulation (shape not a multiple of 16)"
-    if any(m.rowwise for m in members):
-        return "members scale per output channel or per token (they run as separate GEMMs)"
+    if any(not m.per_tensor for m in members):
+        return ("members scale per output channel, per block or per token (they run as "
+                "separate GEMMs)")
     if any(not torch.equal(m.weight_scale, first.weight_scale) for m in members):
         return "members have different weight scales (converted without shared group scales)"
     static = [m.input_scale is not None for m in members]

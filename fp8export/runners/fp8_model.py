@@ -1,9 +1,13 @@
 """Build a runnable torch model from an FP8 folder (docs/fp8-folder.md).
 
-The architecture comes from the folder's ``config.json`` (``quantization_config`` dropped), the
-high-precision tensors are loaded as they are, and every module the manifest lists under
-``quantized`` is replaced by :class:`~fp8export.runners.fp8_linear.Fp8Linear` holding its E4M3
-weight and scales. GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
+The folder is opened by the one reader (``fp8dir.reader.read_fp8_folder``): one written by
+``fp8export convert``, or one another tool wrote (compressed-tensors, fine-grained ``quant_method
+fp8``, ModelOpt), described the same way. The architecture comes from the folder's
+``config.json`` (``quantization_config`` dropped), the high-precision tensors are loaded as they
+are, and every module the manifest lists under ``quantized`` is replaced by
+:class:`~fp8export.runners.fp8_linear.Fp8Linear` holding its E4M3 weight and scales (per tensor,
+per channel or per block) and its activation mode (static, or dynamic per tensor, token, token
+group, or none). GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
 Members of a fused group (the manifest's ``fused_group``: q/k/v, gate/up) that share their
 scales then run as one GEMM (``fp8_fused.py``).
 
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from fp8export.errors import Fp8ExportError
-from fp8export.fp8dir.reader import open_folder_tensors, read_folder_config, read_folder_manifest
+from fp8export.fp8dir.reader import read_fp8_folder
 from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
 from fp8export.runners.fp8_linear import DYNAMIC, MODES, Fp8Linear, scaled_mm_available
 
@@ -49,7 +53,7 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
     wname = entry.get("weight", f"{name}.weight")
     try:
         w = tensors[wname]
-        ws = tensors[f"{name}.weight_scale"]
+        ws = tensors[entry.get("weight_scale_tensor") or f"{name}.weight_scale"]
     except KeyError as exc:
         raise Fp8ExportError(f"{where}: the manifest lists {name} as quantized but tensor "
                              f"{exc.args[0]} is missing. Re-run `fp8export convert`.") from None
@@ -58,8 +62,11 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
     if entry.get("layout", "out_in") == "in_out":
         w = w.t().contiguous()
     bias = tensors.get(f"{name}.bias") if bias is None else bias
-    return Fp8Linear(w, ws, tensors.get(f"{name}.input_scale"), bias, mode=mode, out_dtype=dtype,
-                     dynamic=dynamic)
+    iname = entry.get("input_scale_tensor", f"{name}.input_scale")
+    block = entry.get("block_size")
+    return Fp8Linear(w, ws, tensors.get(iname) if iname else None, bias, mode=mode,
+                     out_dtype=dtype, dynamic=entry.get("dynamic") or dynamic,
+                     block=tuple(block) if block else None, group_size=entry.get("group_size"))
 
 
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
@@ -87,9 +94,10 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     where = Path(fp8_dir)
     dev = torch.device(device)
     resolved = resolve_mode(mode, dev)
-    manifest = read_folder_manifest(where)
-    config = read_folder_config(where)
+    folder = read_fp8_folder(where)  # validated: weights, scales, block grids, modes
+    manifest, config, fmt = folder.manifest, folder.config, folder.format
     if is_keras_config(config):
+        folder.close()
         return _load_keras_fp8(where, dev, dtype, resolved)
     from fp8export.models import empty_model, model_key, weight_conversions
     from fp8export.moe import expert_summary, unfuse_experts
@@ -99,7 +107,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
 
         need_accelerate(str(where))
     quantized = manifest.get("quantized") or {}
-    with open_folder_tensors(where) as tensors:
+    with folder.tensors as tensors:
         model = empty_model(config, where, dtype=dtype, shapes=tensors.shapes(),
                             empty=budgets is not None)
         renamings = weight_conversions(model)[0]
@@ -150,8 +158,9 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     kv = _emulate_kv_cache(model, manifest, tensors, where)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
-            "weight_granularity": manifest.get("weight_granularity", "tensor"),
-            "dynamic_activations": dynamic_of(manifest, where, config),
+            "weight_granularity": fmt.granularity, "block_size": fmt.to_dict()["block_size"],
+            "dynamic_activations": fmt.dynamic or dynamic_of(manifest, where, config),
+            "folder_format": fmt.describe(),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
             "kv_cache": kv, "moe": expert_summary(model) or _fused_experts(stored_fused)}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
@@ -205,7 +214,7 @@ def dynamic_of(manifest: dict[str, Any], where: Path, config: dict[str, Any] | N
     if declared is not None:
         return declared
     value = manifest.get("dynamic_activations", "tensor")
-    if value not in DYNAMIC:
+    if value not in DYNAMIC and value != "mixed":
         raise Fp8ExportError(f"{where}: fp8export.json has dynamic_activations {str(value)[:20]!r}"
                              f"; expected one of {', '.join(DYNAMIC)}. Re-run `fp8export convert`.")
     return value

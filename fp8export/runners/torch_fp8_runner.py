@@ -82,6 +82,9 @@ class TorchFp8Runner(TorchModelRunner):
 
             gemm = "torch._scaled_mm" + (f" (eager, <= {EAGER_M} rows: one-launch Triton FP8 "
                                          "GEMM)" if EAGER_M else "")
+            if info.get("weight_granularity") == "block":
+                gemm = ("block-scaled FP8 GEMMs with per-token-group inputs (cuBLAS "
+                        "torch._scaled_mm on compute capability 9.0, else a Triton kernel)")
         fused = info.get("fused_groups", 0)
         kv = f"; KV cache {info['kv_cache']}" if info.get("kv_cache") else ""
         return (f"{gemm}; {fused} fused q/k/v and gate/up groups" if fused else gemm) + kv + \

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fp8export.numerics.block import block_amax, block_scales
 from fp8export.numerics.channel import channel_amax, channel_scales
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
 from fp8export.numerics.metrics import sqnr_from_sums
@@ -165,20 +166,23 @@ class WeightScan:
 
     amax: dict[str, float]
     scale_amax: dict[str, float]  # the amax the scale is built from (group max when fused)
-    scale: dict[str, np.float32 | np.ndarray]  # float32 [out] per channel
+    scale: dict[str, np.float32 | np.ndarray]  # float32 [out] per channel, [gr, gc] per block
     nonfinite: list[str]  # tensor names holding NaN/Inf
     all_zero: list[str]  # modules whose scale amax is 0 (kept in high precision)
 
 
 def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
                  groups: dict[str, list[str]], *, on_step: Callable[[], None] | None = None,
-                 per_channel: bool = False) -> WeightScan:
+                 per_channel: bool = False, block: tuple[int, int] | None = None
+                 ) -> WeightScan:
     """Read every target weight once: amax, NaN/Inf offenders, and the per-module scale.
 
     Fused groups use the max amax of their members (DESIGN.md: what vLLM/TensorRT run).
     A module whose (group) amax is 0 has no scale: it is reported in ``all_zero``.
     ``per_channel``: one scale per output channel instead (float32 ``[out]``); fused members
     keep their own rows' scales, which vLLM concatenates without re-quantizing.
+    ``block``: one scale per ``(bn, bk)`` tile of the ``[out, in]`` weight (float32
+    ``[ceil(out/bn), ceil(in/bk)]``); fused members keep their own grids, as vLLM loads them.
     """
     amax: dict[str, float] = {}
     rows: dict[str, np.ndarray] = {}
@@ -186,12 +190,16 @@ def scan_weights(targets: Sequence[Target], load: Callable[[str], torch.Tensor],
         w = load(t.weight)
         a = chunked_amax(w)
         amax[t.weight] = a
-        if per_channel and math.isfinite(a) and a > 0.0:
-            rows[t.module] = channel_amax(w, t.layout)
+        if math.isfinite(a) and a > 0.0:
+            if block is not None:
+                rows[t.module] = block_amax(w, block)
+            elif per_channel:
+                rows[t.module] = channel_amax(w, t.layout)
         del w
         if on_step is not None:
             on_step()
-    return weight_scan(targets, amax, groups, rows=rows if per_channel else None)
+    return weight_scan(targets, amax, groups,
+                       rows=rows if per_channel or block is not None else None)
 
 
 def weight_scan(targets: Sequence[Target], amax_by_weight: dict[str, float],
@@ -199,15 +207,17 @@ def weight_scan(targets: Sequence[Target], amax_by_weight: dict[str, float],
                 ) -> WeightScan:
     """:class:`WeightScan` from each target weight's max|x| (however it was read).
 
-    ``rows``: per-output-channel amaxes; then each module gets one scale per row (fused members
-    keep their own rows' scales, which vLLM concatenates without re-quantizing).
+    ``rows``: per-output-channel amaxes ``[out]``, or per-block amax grids ``[gr, gc]``; then
+    each module gets one scale per row (or block); fused members keep their own scales, which
+    vLLM concatenates without re-quantizing.
     """
     amax = {t.module: amax_by_weight[t.weight] for t in targets}
     nonfinite = [t.weight for t in targets if not math.isfinite(amax[t.module])]
     scale_amax = dict(amax) if rows is not None else share_max(amax, groups)
     all_zero = [m for m, a in scale_amax.items() if a == 0.0]
-    scale = {m: (channel_scales(rows[m], f"{m}.weight") if rows is not None
-                 else amax_to_scale(a, f"{m}.weight"))
+    scale = {m: (amax_to_scale(a, f"{m}.weight") if rows is None
+                 else block_scales(rows[m], f"{m}.weight") if np.ndim(rows[m]) == 2
+                 else channel_scales(rows[m], f"{m}.weight"))
              for m, a in scale_amax.items() if math.isfinite(a) and a > 0.0}
     return WeightScan(amax=amax, scale_amax=scale_amax, scale=scale, nonfinite=nonfinite,
                       all_zero=all_zero)

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.errors import Fp8ExportError, UsageError
-from fp8export.fp8dir.reader import is_fp8_folder
+from fp8export.fp8dir.reader import fp8_folder_kind, is_fp8_folder
 from fp8export.runners.base import Runner
 
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
-KINDS_HINT = ("Give an FP8 folder written by `fp8export convert` (has fp8export.json), an "
+KINDS_HINT = ("Give an FP8 folder (written by `fp8export convert`, or a compressed-tensors, "
+              "quant_method fp8 or ModelOpt FP8 folder written by another tool), an "
               "ONNX file (.onnx, from `fp8export export-onnx`), a TensorRT engine "
               "(.engine/.plan, from `fp8export build-engine`), or an unquantized Hugging Face "
               "folder (config.json + weights).")
@@ -22,17 +23,19 @@ def candidate_kind(path: Path) -> str:
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such candidate file or folder. {KINDS_HINT}")
     if p.is_dir():
-        if is_fp8_folder(p):
+        if fp8_folder_kind(p) is not None:
             return "fp8-folder"
         config = read_model_config(p)
         if config is not None:
             qc = config.get("quantization_config")
             if qc:
+                method = qc.get("quant_method") if isinstance(qc, dict) else qc
                 raise Fp8ExportError(
-                    f"{p}: a quantized folder without fp8export.json (written by another tool, "
-                    f"quant_method {qc.get('quant_method')!r}); verify runs FP8 folders written "
-                    "by `fp8export convert`. Convert the bf16 checkpoint with fp8export, or "
-                    "export it to ONNX.")
+                    f"{p}: a quantized folder whose quantization_config (quant_method "
+                    f"{str(method)[:40]!r}) is not FP8 in a dialect fp8export reads "
+                    "(compressed-tensors with 8-bit float weights, quant_method fp8, ModelOpt "
+                    "quant_algo FP8); verify runs FP8 folders. Convert the bf16 checkpoint with "
+                    "fp8export, or export it to ONNX.")
             return "hf-folder"
         raise Fp8ExportError(f"{p}: folder has neither fp8export.json nor config.json. "
                              f"{KINDS_HINT}")
@@ -109,7 +112,7 @@ def open_reference(path: Path, *, dtype: str = "bf16", device: str = "auto",
     if not p.exists():
         raise Fp8ExportError(f"{p}: no such reference checkpoint. Give the bf16/fp32 model the "
                              "candidate was converted from (a Hugging Face folder).")
-    if is_fp8_folder(p):
+    if is_fp8_folder(p) or fp8_folder_kind(p) is not None:
         raise Fp8ExportError(f"{p}: the reference is an FP8 folder; the reference must be the "
                              "original high-precision checkpoint (swap the two arguments?).")
     if p.suffix.lower() in (".onnx",) + ENGINE_SUFFIXES:

@@ -37,14 +37,22 @@ RANDOM_SAMPLES = 8
 RANDOM_LEN = 32
 
 
+def tokenizer_folder(reference: Path) -> Path:
+    """Where the reference's tokenizer lives (a weights file's folder)."""
+    return reference if reference.is_dir() else reference.parent
+
+
 def load_verify_samples(data: Path | None, reference: Path, config: dict[str, Any], *,
-                        samples: int | None, seq_len: int | None):
-    """``(Samples, data_info)`` for verify; ``data_info`` is JSON-serialisable for the report."""
+                        samples: int | None, seq_len: int | None, tokenizer=None):
+    """``(Samples, data_info)`` for verify; ``data_info`` is JSON-serialisable for the report.
+
+    ``tokenizer``: the reference's open tokenizer (:func:`~fp8export.inputs.tokenizer.
+    open_tokenizer`), used for text and left open; None opens one when text needs it."""
     from fp8export.inputs.samples import as_samples, load_samples
     from fp8export.inputs.tokenizer import has_tokenizer
     from fp8export.models import task_of, vocab_size
 
-    tok_dir = reference if reference.is_dir() else reference.parent
+    tok_dir = tokenizer_folder(reference)
     max_pos = config.get("max_position_embeddings") or config.get("n_positions")
     vocab = vocab_size(config)
     labels = None
@@ -52,7 +60,8 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
         labels = config.get("num_labels") or len(config.get("id2label") or {}) or None
     if data is not None:
         s = load_samples(data, tok_dir, max_samples=samples, seq_len=seq_len,
-                         max_positions=max_pos, vocab_size=vocab, num_labels=labels)
+                         max_positions=max_pos, vocab_size=vocab, num_labels=labels,
+                         tokenizer=tokenizer)
         if len(s) == 0:
             raise Fp8ExportError(f"{data}: no usable samples in the data file. Give at least "
                                  "one non-empty line / record.")
@@ -64,7 +73,7 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
             f = Path(tmp) / "builtin.txt"
             f.write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n", encoding="utf-8")
             s = load_samples(f, tok_dir, seq_len=seq_len, max_positions=max_pos,
-                             vocab_size=vocab)
+                             vocab_size=vocab, tokenizer=tokenizer)
         note = (f"No --data given: used fp8export's built-in sample set ({len(s)} short English "
                 "sentences, tokenised with the reference's tokenizer). Pass --data with your "
                 "own evaluation data for a verdict about your task.")

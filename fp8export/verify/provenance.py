@@ -4,12 +4,18 @@ Tool version, the command, the time, the reference and the candidate with conten
 data file with its hash and sample count, backend, device, dtype and library versions. A CI
 artefact that says PASSED must say *what* passed.
 
-Content hash of a folder: the sha256 of its ``sha256sum``-style listing (``<sha256>  <name>``
-lines, sorted by name) of the regular files directly inside it, so
-``cd DIR && LC_ALL=C sha256sum * | sha256sum`` reproduces it when DIR holds only regular files.
-A file's hash is its sha256 (with ``<file>.data`` beside an ``.onnx``, its external weights).
-Symbolic links, hidden files and sub-folders are not read (so nothing outside the given path
-is) and are listed as skipped.
+Content hash of a folder: the sha256 of the ``sha256sum``-style listing (``<sha256>  <name>``
+lines, sorted by name) of the files fp8export reads from it: the weight files and their index
+(the checkpoint reader's list), ``config.json``, the tokenizer and other loader files, and for an
+FP8 folder its manifest, ``hf_quant_config.json`` and every file the manifest lists. Anything
+else (an optimizer state, logs, a 200 GB sparse file beside the model) is not read, only named
+as skipped; so are symbolic links and hidden files. ``cd DIR && LC_ALL=C sha256sum FILES |
+sha256sum`` reproduces it. A file's hash is its sha256 (with ``<file>.data`` beside an
+``.onnx``, its external weights).
+
+An FP8 folder's manifest records the sha256 of every file convert wrote (``files``); a folder
+whose files differ from that was edited after convert: the report lists them and does not
+claim it was converted from the reference.
 """
 
 from __future__ import annotations
@@ -28,26 +34,69 @@ from fp8export.io.hashing import file_sha256
 HASH_NOTICE_BYTES = 2 * 10**9
 
 
-def content_hash(path: Path) -> dict[str, Any]:
-    """``{"sha256", "files": [{name, sha256, bytes}], "bytes", "skipped"}`` of a file or folder."""
+def files_read(path: Path) -> tuple[list[Path], list[str]]:
+    """The files of ``path`` that fp8export reads (see the module docstring), and the names of
+    the other entries of a folder, which are not read."""
     path = Path(path)
-    files: list[Path] = []
-    skipped: list[str] = []
-    if path.is_dir():
-        for p in sorted(path.iterdir(), key=lambda q: q.name):
-            if p.is_symlink() or not p.is_file() or p.name.startswith("."):
-                skipped.append(p.name + ("/" if p.is_dir() and not p.is_symlink() else ""))
-            else:
-                files.append(p)
-    elif path.is_file() and not path.is_symlink():
-        files.append(path)
+    if not path.is_dir():
+        files = [path] if path.is_file() and not path.is_symlink() else []
         data = path.with_name(path.name + ".data")
-        if path.suffix.lower() == ".onnx" and data.is_file() and not data.is_symlink():
+        if files and path.suffix.lower() == ".onnx" and data.is_file() and not data.is_symlink():
             files.append(data)
-    else:
-        skipped.append(path.name)
-    entries = [{"name": p.name, "sha256": file_sha256(p), "bytes": p.stat().st_size}
-               for p in files]
+        return files, ([] if files else [path.name])
+    from fp8export.checkpoint.source import open_checkpoint
+    from fp8export.errors import Fp8ExportError
+
+    wanted: set[Path] = set()
+    try:
+        with open_checkpoint(path) as ckpt:
+            wanted.update(ckpt.source_files)
+            wanted.update(ckpt.aux_files)
+    except Fp8ExportError:  # the runner says what is wrong with it; nothing to hash here
+        pass
+    wanted.update(path / n for n in ("config.json", MANIFEST_NAME, "hf_quant_config.json"))
+    wanted.update(path / n for n in _manifest_files(path))
+    files = sorted((p for p in wanted if p.is_file() and not p.is_symlink()
+                    and p.resolve().is_relative_to(path.resolve())),
+                   key=lambda p: p.relative_to(path).as_posix())
+    top = {p.relative_to(path).parts[0] for p in files}
+    skipped = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                     for p in path.iterdir() if p.name not in top)
+    return files, skipped
+
+
+def _manifest_files(folder: Path) -> list[str]:
+    """Names the FP8 manifest lists as written by convert (``files``), if it is ours."""
+    from fp8export.errors import Fp8ExportError
+    from fp8export.fp8dir.manifest import read_manifest
+
+    if not (folder / MANIFEST_NAME).is_file() or (folder / MANIFEST_NAME).is_symlink():
+        return []
+    try:
+        listed = read_manifest(folder).get("files") or []
+    except Fp8ExportError:
+        return []
+    from fp8export.io.paths import contained
+
+    out = []
+    for entry in listed if isinstance(listed, list) else []:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        try:
+            contained(folder, name, named_by=folder / MANIFEST_NAME)
+        except Fp8ExportError:
+            continue
+        out.append(name)
+    return out
+
+
+def content_hash(path: Path) -> dict[str, Any]:
+    """``{"sha256", "files": [{name, sha256, bytes}], "bytes", "skipped"}`` of a file or folder
+    (only the files :func:`files_read` lists are read)."""
+    path = Path(path)
+    files, skipped = files_read(path)
+    base = path if path.is_dir() else path.parent
+    entries = [{"name": p.relative_to(base).as_posix(), "sha256": file_sha256(p),
+                "bytes": p.stat().st_size} for p in files]
     if path.is_dir() or len(entries) > 1:
         listing = "".join(f"{e['sha256']}  {e['name']}\n" for e in entries)
         digest = hashlib.sha256(listing.encode("utf-8")).hexdigest()
@@ -55,6 +104,25 @@ def content_hash(path: Path) -> dict[str, Any]:
         digest = entries[0]["sha256"] if entries else None
     return {"sha256": digest, "files": entries, "bytes": sum(e["bytes"] for e in entries),
             "skipped": skipped}
+
+
+def edited_files(candidate: Path, files: list[dict[str, Any]]) -> list[str] | None:
+    """Files of an FP8 folder that differ from what convert wrote (its manifest's ``files``),
+    missing ones included; None when the manifest records no files (older folders)."""
+    from fp8export.errors import Fp8ExportError
+    from fp8export.fp8dir.manifest import read_manifest
+
+    if not (Path(candidate) / MANIFEST_NAME).is_file():
+        return None
+    try:
+        written = read_manifest(Path(candidate)).get("files")
+    except Fp8ExportError:
+        return None
+    if not isinstance(written, list) or not written:
+        return None
+    now = {e["name"]: e["sha256"] for e in files}
+    return sorted(str(e.get("name")) for e in written
+                  if not isinstance(e, dict) or now.get(e.get("name")) != e.get("sha256"))
 
 
 def converted_from(candidate: Path, reference_files: list[dict[str, Any]]
@@ -121,8 +189,7 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         backend: the candidate runner's backend name.
     """
     size = sum(p.stat().st_size for root in (Path(cfg.reference), Path(cfg.candidate))
-               for p in ([*root.iterdir()] if root.is_dir() else [root])
-               if p.is_file() and not p.is_symlink())
+               for p in files_read(root)[0])
     if size > HASH_NOTICE_BYTES:  # minutes on a large model: say why it is busy
         from fp8export._progress import info
 
@@ -131,6 +198,9 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
     cand_hash = content_hash(cfg.candidate)
     matches, differ = (converted_from(cfg.candidate, ref_hash["files"]) if kind == "fp8-folder"
                        else (None, []))
+    edited = edited_files(cfg.candidate, cand_hash["files"]) if kind == "fp8-folder" else None
+    if edited and matches:
+        matches = False  # the weights it was converted from, but not what convert wrote
     data_entry: dict[str, Any] = {"source": data.get("source"), "samples": data.get("samples"),
                                   "tokens": data.get("tokens"), "builtin": data.get("builtin")}
     if cfg.data is not None and Path(cfg.data).is_file():
@@ -149,6 +219,7 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         "candidate": {"path": str(cfg.candidate), "kind": kind, "backend": backend,
                       "mode": candidate.get("mode"), "device": candidate.get("device"),
                       "converted_from_reference": matches, "source_mismatch": differ,
+                      "edited_after_convert": edited,
                       **cand_hash},
         "data": data_entry,
         "backend": backend,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,13 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
         if match is True:
             cand_bits.append("converted from this reference (its manifest's source hashes "
                              "match)")
-        elif match is False:
+        elif match is False and cand.get("source_mismatch"):
             cand_bits.append("NOT converted from this reference: source files differ ("
                              + ", ".join(cand.get("source_mismatch") or []) + ")")
+        if cand.get("edited_after_convert"):
+            cand_bits.append("EDITED after convert: "
+                             + ", ".join(cand["edited_after_convert"][:5])
+                             + " differ from what convert wrote")
     rows.append(("Candidate", " — ".join(str(b) for b in cand_bits if b),
                  cand.get("path") or cand_run.get("path")))
     src = (result.get("data") or {}).get("source") or data.get("source")
@@ -169,6 +174,8 @@ def header_rows(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 def threshold_text(check: dict[str, Any]) -> str:
     """A check's bound as shown: "≤ 0.02", or for a bound relative to the noise floor
     "≤ 10x floor (0.0123)"."""
+    if check.get("op") is None:  # a rule without a bound: "at least one threshold applies"
+        return str(check.get("name", ""))
     sym = "≥" if check["op"] == "min" else "≤"
     bound = check.get("threshold")
     if check.get("rule"):
@@ -323,17 +330,28 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 
 
-def check_report_dir(report_dir: Path, force: bool) -> None:
-    """Refuse, before any work, a ``--report-dir`` whose report files would be replaced without
-    ``--force`` (as every command refuses an existing output), or that is not a folder."""
+def check_report_dir(report_dir: Path, force: bool, inputs=()) -> None:
+    """Refuse, before any work, a ``--report-dir`` that is, holds or lies inside one of
+    ``inputs`` (models, data, thresholds file), whose report files would replace an input or
+    anything but a regular file, or replace a report without ``--force``."""
+    from fp8export.io.outputs import check_file_target, probe_writable, refuse_overlap
+
     report_dir = Path(report_dir)
-    if report_dir.exists() and not report_dir.is_dir():
+    option = "--report-dir"
+    refuse_overlap(report_dir, inputs, option)
+    if report_dir.exists() and not report_dir.is_dir() or report_dir.is_symlink():
         raise Fp8ExportError(f"{report_dir}: exists and is not a folder; --report-dir names the "
                              "folder the reports go into. Choose another --report-dir.")
-    present = [n for n in REPORT_FILES if (report_dir / n).exists()]
-    if present and not force:
-        raise Fp8ExportError(f"{report_dir}: already holds a verify report ({', '.join(present)})."
-                             " Pass --force to replace it, or choose another --report-dir.")
+    for name in REPORT_FILES:
+        refuse_overlap(report_dir / name, inputs, option)
+        if os.path.lexists(report_dir / name) and not (report_dir / name).is_symlink() \
+                and (report_dir / name).is_file() and not force:
+            present = [n for n in REPORT_FILES if (report_dir / n).exists()]
+            raise Fp8ExportError(f"{report_dir}: already holds a verify report "
+                                 f"({', '.join(present)}). Pass --force to replace it, or choose "
+                                 "another --report-dir.")
+        check_file_target(report_dir / name, True, option)
+    probe_writable(report_dir, option)
 
 
 def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:

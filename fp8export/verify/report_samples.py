@@ -41,26 +41,32 @@ def display_text(text: str, limit: int, keep: str = "start") -> str:
     return s[:limit] + "…" if keep == "start" else "…" + s[len(s) - limit:]
 
 
-def _tokenizer(folder: Path):
+def _decoder(folder: Path, sequences: list[list[int]], tokenizer=None):
+    """A ``decode(ids) -> str`` that knows the texts of ``sequences``, decoded at once by the
+    reference's tokenizer (in its limited child process: ``tokenizer`` if open, else one is
+    opened; False: it was refused already); ids shown as ``[id]`` where there is no tokenizer,
+    or it is refused or fails (a broken tokenizer must not lose the report)."""
+    import contextlib
+
+    from fp8export._progress import info
     from fp8export.errors import Fp8ExportError
-    from fp8export.inputs.tokenizer import has_tokenizer, load_tokenizer
+    from fp8export.inputs.tokenizer import has_tokenizer, open_tokenizer
 
-    if not has_tokenizer(folder):
-        return None
-    try:
-        return load_tokenizer(folder)
-    except Fp8ExportError:
-        return None
-
-
-def _decoder(tok):
-    def decode(ids: list[int]) -> str:
-        if tok is None:
-            return " ".join(f"[{i}]" for i in ids)
+    known: dict[tuple[int, ...], str] = {}
+    if tokenizer is not False and (tokenizer is not None or has_tokenizer(folder)) \
+            and sequences:
+        unique = list(dict.fromkeys(tuple(s) for s in sequences))
         try:
-            return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        except Exception:  # a broken tokenizer must not lose the report
-            return " ".join(f"[{i}]" for i in ids)
+            with (contextlib.nullcontext(tokenizer) if tokenizer is not None
+                  else open_tokenizer(folder)) as tok:
+                texts = tok.decode([list(s) for s in unique], "decoding the report's samples")
+            known = {s: t for s, t in zip(unique, texts) if t is not None}
+        except Fp8ExportError as exc:
+            info(f"Note: the report shows token ids instead of text: {exc}")
+
+    def decode(ids: list[int]) -> str:
+        text = known.get(tuple(ids))
+        return text if text is not None else " ".join(f"[{i}]" for i in ids)
     return decode
 
 
@@ -72,7 +78,7 @@ def _label(config: dict[str, Any], k: int) -> str:
 
 def worst_samples(per_sample: list[dict[str, Any]], input_ids: tuple[tuple[int, ...], ...],
                   tokenizer_dir: Path, task: str, config: dict[str, Any],
-                  n: int = WORST) -> list[dict[str, Any]]:
+                  n: int = WORST, tokenizer=None) -> list[dict[str, Any]]:
     """The ``n`` samples with the largest mean KL, each with its text around the divergence.
 
     Args:
@@ -81,12 +87,14 @@ def worst_samples(per_sample: list[dict[str, Any]], input_ids: tuple[tuple[int, 
         tokenizer_dir: the reference's folder (its tokenizer decodes the ids, if it has one).
         task: ``models.task_of`` of the reference ("causal-lm", "seq-cls", …).
         config: the reference's config.json (``id2label`` names classes).
+        tokenizer: the reference's open tokenizer, if verify has one (else one is opened).
     """
     rows = sorted(per_sample, key=lambda s: (-_num(s.get("kl_mean")), s["index"]))[:n]
     if not rows:
         return []
-    decode = _decoder(_tokenizer(Path(tokenizer_dir)))
     token_level = task != "seq-cls"
+    decode = _decoder(Path(tokenizer_dir), _pieces(rows, input_ids, token_level, task),
+                      tokenizer)
     out = []
     for s in rows:
         ids = list(input_ids[s["index"]]) if 0 <= s["index"] < len(input_ids) else []
@@ -113,6 +121,23 @@ def worst_samples(per_sample: list[dict[str, Any]], input_ids: tuple[tuple[int, 
         entry["reference_top1_p"] = s.get("reference_top1_p")
         entry["candidate_top1_p"] = s.get("candidate_top1_p")
         out.append(entry)
+    return out
+
+
+def _pieces(rows: list[dict[str, Any]], input_ids, token_level: bool, task: str
+            ) -> list[list[int]]:
+    """Every id sequence :func:`worst_samples` will show, to decode them in one request."""
+    out: list[list[int]] = []
+    for s in rows:
+        ids = list(input_ids[s["index"]]) if 0 <= s["index"] < len(input_ids) else []
+        pos = s.get("kl_max_pos")
+        if token_level and ids and isinstance(pos, int) and 0 <= pos < len(ids):
+            out += [ids[max(0, pos - CONTEXT_TOKENS + 1):pos], [ids[pos]],
+                    [s["reference_top1"]], [s["candidate_top1"]]]
+            if task == "causal-lm" and pos + 1 < len(ids):
+                out.append([ids[pos + 1]])
+        elif ids:
+            out.append(ids)
     return out
 
 

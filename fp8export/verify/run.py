@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fp8export._progress import info, progress, stage
@@ -89,22 +90,22 @@ def _keras_layers(config: dict) -> list | None:
     return [(s.name, s.kind, s.options) for s in parse_keras_config(config, "config").layers]
 
 
-def _fp8_folder_dialect(folder, notes: list[str]) -> str | None:
-    """The candidate folder's quantization_config dialect; what that means for loaders, noted."""
-    from pathlib import Path
-
-    from fp8export.checkpoint.model_config import read_model_config
+def _fp8_folder_format(folder, notes: list[str]):
+    """What the candidate folder is, as the one reader found it (``FolderFormat``: producer,
+    dialect, granularity, activations); what its dialect means for loaders, noted."""
     from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import dialect_of, format_notes
+    from fp8export.fp8dir.formats import format_notes
+    from fp8export.fp8dir.reader import read_fp8_folder
     from fp8export.keras_model.config import is_keras_config
 
-    config = read_model_config(Path(folder))
-    dialect = dialect_of(config.get("quantization_config") if isinstance(config, dict) else None)
+    with read_fp8_folder(folder) as opened:
+        fmt, keras = opened.format, is_keras_config(opened.config)
     known = {str(f): f for f in OutputFormat}
-    if dialect in known and not is_keras_config(config):
+    if fmt.ours and fmt.dialect in known and not keras:
         notes.extend(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "
-                     "its per-tensor scales as vLLM does." for note in format_notes(known[dialect]))
-    return dialect
+                     "its scales as vLLM does."
+                     for note in format_notes(known[fmt.dialect], block=fmt.granularity == "block"))
+    return fmt
 
 
 def verify(cfg: VerifyConfig) -> VerifyResult:
@@ -120,7 +121,7 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
-    from fp8export.verify.thresholds import load_thresholds
+    from fp8export.verify.thresholds import PRESETS, load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.data is not None:  # a typo'd data file fails before any model loads
@@ -128,13 +129,12 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
 
         check_data_file(cfg.data)
     if cfg.write_reports:
-        from fp8export.io.atomic import probe_writable, refuse_inside_input
         from fp8export.verify.report import check_report_dir
 
-        for source in (cfg.reference, cfg.candidate):
-            refuse_inside_input(cfg.report_dir, source, "--report-dir")
-        check_report_dir(cfg.report_dir, cfg.force)
-        probe_writable(cfg.report_dir, "--report-dir")
+        thresholds_file = None if isinstance(cfg.thresholds, dict) or \
+            str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
+        check_report_dir(cfg.report_dir, cfg.force,
+                         inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
     measure_floor = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE \
@@ -163,15 +163,16 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     if cfg.noise_floor and cfg.max_memory:
         notes.append("No noise floor: --max-memory spreads the model over devices, leaving no "
                      "room for the fp32 copy it needs.")
-    dialect = _fp8_folder_dialect(cfg.candidate, notes) if kind == "fp8-folder" else None
+    folder_format = _fp8_folder_format(cfg.candidate, notes) if kind == "fp8-folder" else None
     limit = float(cfg.timeout or 0)
     if limit:
         for runner in (ref_runner, cand_runner, floor_runner):
             if runner is not None:
                 runner.deadline = started + limit
     try:
-        result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source, thresholds,
-                      dialect, floor_runner)
+        with _reference_tokenizer(cfg, notes) as tokenizer:
+            result = _run(cfg, ref_runner, cand_runner, kind, t0, notes, thr_source,
+                          thresholds, folder_format, floor_runner, tokenizer)
     except TimeLimitExceeded as exc:
         raise Fp8ExportError(
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
@@ -193,8 +194,37 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
     return result
 
 
+@contextlib.contextmanager
+def _reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
+    """The reference's tokenizer, opened (in its limited child process) before the models load:
+    a hostile one fails in a second, and it loads while they do. One child serves the samples'
+    encoding and the report's decoding. None without a tokenizer; with token-id data, a
+    tokenizer that is refused only costs the report its decoded text (said in a note; False).
+    """
+    from fp8export.inputs.samples import TEXT_SUFFIXES
+    from fp8export.inputs.tokenizer import has_tokenizer, open_tokenizer
+    from fp8export.verify.data import tokenizer_folder
+
+    folder = tokenizer_folder(cfg.reference)
+    if not has_tokenizer(folder):
+        yield None
+        return
+    try:
+        tokenizer = open_tokenizer(folder, for_file=cfg.data)
+    except Fp8ExportError as exc:
+        if cfg.data is None or cfg.data.suffix.lower() in TEXT_SUFFIXES:
+            raise
+        info(f"Note: the report shows token ids instead of text: {exc}")
+        notes.append(f"The report shows token ids instead of text: {exc}")
+        yield False  # tried and refused: not opened again for the report
+        return
+    with tokenizer:
+        yield tokenizer
+
+
 def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes: list[str],
-         thr_source: str, thresholds, dialect: str | None, floor_runner=None) -> VerifyResult:
+         thr_source: str, thresholds, folder_format, floor_runner=None,
+         tokenizer=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
     from fp8export.verify.confidence import assess
@@ -227,7 +257,8 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         task = task_of(ref_cfg)
         data_cfg = getattr(ref_runner, "data_config", None) or ref_cfg
         samples, data_info = load_verify_samples(cfg.data, cfg.reference, data_cfg,
-                                                 samples=cfg.samples, seq_len=cfg.seq_len)
+                                                 samples=cfg.samples, seq_len=cfg.seq_len,
+                                                 tokenizer=tokenizer or None)
         head = getattr(ref_runner, "output_activation", "linear")  # Keras heads: probabilities
         if data_info.get("note"):
             notes.append(data_info["note"])
@@ -310,18 +341,31 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
     notes.append(family_note + ".")
     worst = [] if family is MetricFamily.EMBEDDINGS else worst_samples(
         compared["per_sample"], samples.input_ids,
-        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg)
+        cfg.reference if cfg.reference.is_dir() else cfg.reference.parent, task, ref_cfg,
+        tokenizer=tokenizer)
     head = header(cfg, reference=ref_desc, candidate=cand_desc, kind=kind, data=data_info,
                   backend=cand_runner.backend)
+    edited = head["candidate"].get("edited_after_convert")
+    if edited:
+        info(f"Note: the FP8 folder was edited after convert ({', '.join(edited[:5])} differ "
+             "from what convert wrote).")
+        notes.append(f"The FP8 folder was edited after convert: {len(edited)} file(s) differ "
+                     f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
+                     "report judges the folder as it is now, not the converted one.")
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
     confidence = assess(checks, cmp.sample_stats(), tokens=int(compared["metrics"]["tokens"]))
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
+    described = {}
+    if folder_format is not None:
+        notes.append(f"candidate FP8 folder: {folder_format.describe()}")
+        described = {"format": folder_format.dialect, "folder": folder_format.to_dict()}
     result = VerifyResult(
         passed=not failures, backend=cand_runner.backend, samples=cmp.samples,
         metrics=compared["metrics"], thresholds=thresholds, failures=failures, checks=checks,
         per_layer=per_layer, thresholds_source=thr_source, reference=ref_desc,
-        candidate={**cand_desc, "kind": kind, "format": dialect}, data=data_info, task=task,
+        candidate={**cand_desc, "kind": kind, "format": None, **described}, data=data_info,
+        task=task,
         notes=notes,
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing={"load_s": round(t_load, 3), "reference_s": round(t_ref, 3),

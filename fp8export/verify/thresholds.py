@@ -108,6 +108,27 @@ def check_spec(text: str) -> str:
     return text
 
 
+def _parse_yaml(raw: bytes, path: Path) -> Any:
+    """YAML without aliases: ``*name`` repeats a node, so a few hundred bytes of nested aliases
+    ("billion laughs") expand to gigabytes. No thresholds file needs them; refused."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise Fp8ExportError(
+                    f"{path}: line {mark.line + 1}: YAML alias (*name) refused: aliases repeat "
+                    "nodes and can expand a small file into gigabytes. Write the values out.")
+            return super().compose_node(parent, index)
+
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=NoAliases)  # noqa: S506 (a SafeLoader)
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise Fp8ExportError(f"{path}: cannot parse thresholds file ({first}).") from exc
+
+
 def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, float]]]:
     """Resolve ``--thresholds``: a preset name, a ``.yaml``/``.yml``/``.json`` file, or a dict.
 
@@ -125,16 +146,16 @@ def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, f
     if p.suffix.lower() == ".json":
         data = parse_json(raw, p, "thresholds file")
     else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(raw.decode("utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
-            raise Fp8ExportError(f"{p}: cannot parse thresholds file ({exc}).") from exc
+        data = _parse_yaml(raw, p)
     if not isinstance(data, dict) or not data:
         raise Fp8ExportError(f"{p}: thresholds file must be a mapping of metric: bound, e.g. "
                              "{kl_mean: 0.02, top1_agreement: 0.9}.")
-    return str(p), normalize(data, str(p))
+    thresholds = normalize(data, str(p))
+    if not thresholds:
+        raise Fp8ExportError(f"{p}: the thresholds file sets no bound (every metric in it is "
+                             "null), so verify would check nothing. Give at least one bound, "
+                             "e.g. {kl_mean: 0.02}, or use a preset (--thresholds default).")
+    return str(p), thresholds
 
 
 def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]],
@@ -144,6 +165,11 @@ def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]],
     ``status`` is "passed", "failed", or "skipped" (the metric does not apply here, e.g.
     perplexity of a classifier). A NaN or missing-but-applicable value fails. Relative bounds
     are checked against ``floor`` (the noise floor's metrics) after the absolute ones.
+
+    A verification that checks nothing cannot pass: when no threshold applies (a file holding
+    only ``kl_mean: null``, or only ``accuracy_drop`` for a causal LM) one failed check says so.
+    Any metric that came out NaN fails too, thresholded or not: NaN compares false against
+    every bound, so it would otherwise pass as "not applicable" or hide broken outputs.
     """
     from fp8export.verify.noise_floor import FLOOR_KEY, evaluate_floor
 
@@ -165,4 +191,19 @@ def evaluate(metrics: dict[str, Any], thresholds: dict[str, dict[str, float]],
             check.update(status="passed" if ok else "failed",
                          message=f"{name} = {v:.6g} (needs {sym} {bound:g})")
         checks.append(check)
-    return checks + evaluate_floor(metrics, floor, thresholds.get(FLOOR_KEY) or {})
+    checks += evaluate_floor(metrics, floor, thresholds.get(FLOOR_KEY) or {})
+    for name, value in sorted(metrics.items()):
+        if isinstance(value, float) and math.isnan(value) and \
+                not any(c["metric"] == name and c["status"] == "failed" for c in checks):
+            checks.append({"metric": name, "op": None, "threshold": None, "value": value,
+                           "name": f"{name} is a number", "status": "failed",
+                           "message": f"{name} = nan: the outputs hold NaN/Inf or the metric "
+                                      "could not be computed"})
+    if not any(c["status"] != "skipped" for c in checks):
+        given = ", ".join(sorted(k for k in thresholds if k != FLOOR_KEY)) or "none"
+        checks.append({"metric": "thresholds", "op": None, "threshold": None, "value": None,
+                       "name": "at least one threshold applies", "status": "failed",
+                       "message": f"no threshold applies to this model and data (given: "
+                                  f"{given}), so nothing was checked; give bounds for metrics it "
+                                  "has (e.g. kl_mean, top1_agreement, cosine_min)"})
+    return checks

@@ -43,7 +43,7 @@ def test_convert_ok_summary(tmp_path, run_cli):
     assert (tmp_path / "ckpt-fp8" / "fp8export.json").is_file()
 
 
-def test_existing_output_exit_1_untouched(tmp_path, run_cli):
+def test_existing_output_exit_1_untouched_and_force_replaces_only_ours(tmp_path, run_cli):
     ckpt = _ckpt(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -52,9 +52,16 @@ def test_existing_output_exit_1_untouched(tmp_path, run_cli):
     assert result.exit_code == 1
     assert "already exists. Pass --force" in result.output and "FAILED | convert" in result.output
     assert [p.name for p in out.iterdir()] == ["x"]
+    # --force replaces only a folder fp8export wrote: "x" is someone else's file
     result = run_cli("convert", ckpt, "-o", out, "--force", "--format", "vllm")
-    assert result.exit_code == 0, result.output
-    assert not (out / "x").exists()
+    assert result.exit_code == 1
+    assert "holds files fp8export did not write (x)" in result.output
+    assert [p.name for p in out.iterdir()] == ["x"]
+    (out / "x").unlink()
+    assert run_cli("convert", ckpt, "-o", out, "--force").exit_code == 0  # an empty folder
+    result = run_cli("convert", ckpt, "-o", out, "--force", "--format", "vllm")
+    assert result.exit_code == 0, result.output  # and an earlier output, with --force
+    assert '"quant_method": "fp8"' in (out / "config.json").read_text()
 
 
 def test_nan_and_integer_weights_exit_1_one_message_nothing_left(tmp_path, run_cli):

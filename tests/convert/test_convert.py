@@ -94,8 +94,14 @@ def test_existing_output_needs_force_and_force_swaps(tiny_llama, tmp_path):
     with pytest.raises(Fp8ExportError, match="already exists. Pass --force"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=out))
     assert _all_files(out) == {"mine.txt": b"keep me"}
+    with pytest.raises(Fp8ExportError, match="did not write"):  # not ours: never replaced
+        convert(ConvertConfig(checkpoint=tiny_llama, output=out, force=True))
+    assert _all_files(out) == {"mine.txt": b"keep me"}
+    (out / "mine.txt").unlink()
+    convert(ConvertConfig(checkpoint=tiny_llama, output=out, force=True))  # empty: replaced
+    (out / "fp8export.json").write_bytes(b"{}")  # an earlier output (its manifest marks it)
     convert(ConvertConfig(checkpoint=tiny_llama, output=out, force=True))
-    assert "mine.txt" not in _all_files(out) and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists() and len((out / "fp8export.json").read_bytes()) > 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folders
 
 
@@ -113,15 +119,15 @@ def test_failure_mid_way_leaves_nothing_and_keeps_the_old_output(tiny_llama, tmp
     assert list(tmp_path.iterdir()) == []
     old = tmp_path / "old"
     old.mkdir()
-    (old / "mine.txt").write_text("previous")
+    (old / "fp8export.json").write_text("previous")  # an earlier output: --force may replace it
     with pytest.raises(Fp8ExportError, match="simulated"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=old, force=True))
-    assert _all_files(old) == {"mine.txt": b"previous"}
+    assert _all_files(old) == {"fp8export.json": b"previous"}
     assert [p.name for p in tmp_path.iterdir()] == ["old"]
 
 
 def test_output_may_not_contain_the_checkpoint(tiny_llama, tmp_path):
-    with pytest.raises(Fp8ExportError, match="would write inside, contain or replace the input"):
+    with pytest.raises(Fp8ExportError, match="contains the input"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=tiny_llama.parent, force=True))
     assert (tiny_llama / "model.safetensors").exists()
 

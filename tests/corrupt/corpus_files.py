@@ -38,6 +38,10 @@ class Case:
     isolate: bool = False
     # files that must keep their bytes (path -> sha256), e.g. the checkpoint an output names
     unchanged: dict = field(default_factory=dict)
+    # extra environment variables and process limits ("nofile", "fsize": soft = hard); either
+    # makes the case run as a separate process (they cannot apply to the test process)
+    env: dict = field(default_factory=dict)
+    rlimits: dict = field(default_factory=dict)
 TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
 
 H = 16  # hidden size of the tiny Llama-shaped model
@@ -232,9 +236,21 @@ def onnx_model(path: Path, *, opset: int = 21, custom: bool = False) -> Path:
 
 
 def sha256_file(path) -> str:
+    """A fingerprint of what is at ``path``: the sha256 of a regular file, "fifo" for a named
+    pipe (never opened: that would block), the target of a symlink, a folder's entries with
+    theirs. Equal fingerprints: nothing there was replaced."""
     import hashlib
+    import stat
 
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    p = Path(path)
+    mode = os.lstat(p).st_mode
+    if stat.S_ISLNK(mode):
+        return f"link -> {os.readlink(p)}"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISDIR(mode):
+        return "dir: " + ", ".join(f"{q.name}={sha256_file(q)}" for q in sorted(p.iterdir()))
+    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def fp8_folder(root: Path, name: str) -> Path:

@@ -679,6 +679,14 @@ from corpus_untrusted import BUILDERS as _UNTRUSTED  # noqa: E402
 
 BUILDERS.extend(_UNTRUSTED)
 
+# --- third round: outputs and edited FP8 folders; resource bombs and faults --------------
+from corpus_outputs import BUILDERS as _OUTPUTS  # noqa: E402
+
+BUILDERS.extend(_OUTPUTS)
+from corpus_bombs import BUILDERS as _BOMBS  # noqa: E402
+
+BUILDERS.extend(_BOMBS)
+
 
 # ------------------------------------------------------------------------------- driver
 

@@ -5,7 +5,12 @@ exactly one ``Error:`` line that names the file (or tensor) and the problem, no 
 output left at the output path nor a hidden temporary sibling of it, and the payload's marker
 file never created.
 
-Runtime: every case runs in-process through click's ``CliRunner`` (torch is imported once);
+Exit 3 cases (verification ran and failed) expect one ``Verification failed:`` line instead;
+exit 0 cases (documented fallbacks) expect their ``expect`` strings somewhere in the output.
+Every case's output is checked for raw control characters (escapes are printed escaped).
+
+Runtime: every case runs in-process through click's ``CliRunner`` (torch is imported once),
+except those marked ``isolate`` or with their own ``env`` / ``rlimits``;
 ``test_case_in_subprocess`` runs a representative case per reader as a real
 ``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that starts
 cold), and with ``--run-slow`` every case does.
@@ -81,9 +86,14 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     assert "[y/N]" not in everything, f"{c.id}: something prompted on stdin\n{everything[-2000:]}"
     assert code == c.exit, f"{c.id}: exit {code}, expected {c.exit}\n{everything[-3000:]}"
     assert "Traceback" not in everything, everything
+    # nothing from a file reaches the terminal raw: no escape sequences, no C1 controls
+    raw = [ch for ch in everything if ch not in "\n\t" and (ch < " " or "\x7f" <= ch <= "\x9f")]
+    assert not raw, f"{c.id}: printed control characters {sorted(set(raw))!r}"
     for path, digest in c.unchanged.items():
         assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
     if c.exit == 0:
+        for part in c.expect:  # a documented fallback says what it did
+            assert part in everything, f"{c.id}: {part!r} not in the output\n{everything[-3000:]}"
         for out in map(Path, c.outputs):
             if c.manifest:
                 manifest = json.loads((out / "fp8export.json").read_text())
@@ -91,9 +101,11 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
                     assert _dig(manifest, keys) == value, (keys, _dig(manifest, keys))
             assert not _leftovers(out)[1:], _leftovers(out)
         return
-    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, f"{c.id}: expected one Error: line\n{stderr}"
-    message = stderr[stderr.index("Error:"):]
+    # exit 3: verification ran and failed (the reports are written); else one Error: line
+    head = "Verification failed:" if c.exit == 3 else "Error:"
+    errors = [line for line in stderr.splitlines() if line.startswith(head)]
+    assert len(errors) == 1, f"{c.id}: expected one {head} line\n{stderr}"
+    message = stderr[stderr.index(head):]
     for part in c.expect:
         assert part in message, f"{c.id}: {part!r} not in {message!r}"
     for out in map(Path, c.outputs):
@@ -118,7 +130,8 @@ def test_corpus_is_large_and_covers_every_reader(corpus):
 def test_case(corpus, cid):
     _, cases = corpus
     c = cases[cid]
-    if c.isolate:  # would hang or exhaust memory without its guard: never in this process
+    if c.isolate or c.env or c.rlimits:  # would hang or exhaust memory without its guard, or
+        # needs an environment or limits of its own: never in this process
         r = _subprocess(c, timeout=ISOLATED_TIMEOUT_S)
         check(c, r.returncode, r.stderr, r.stdout)
         return
@@ -134,19 +147,29 @@ ISOLATED_TIMEOUT_S = 120
 ISOLATED_MEMORY = 4 << 30
 
 
-def _limit_memory() -> None:
+def _limits(c: make_corpus.Case):
+    """preexec_fn: the address-space limit of isolated cases and the case's own limits."""
     import resource
+    import signal
 
-    resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY, ISOLATED_MEMORY))
+    def apply() -> None:
+        if c.isolate:
+            resource.setrlimit(resource.RLIMIT_AS, (ISOLATED_MEMORY, ISOLATED_MEMORY))
+        for name, value in c.rlimits.items():
+            limit = getattr(resource, f"RLIMIT_{name.upper()}")
+            resource.setrlimit(limit, (value, value))
+        if "fsize" in c.rlimits:  # a write past the limit fails (EFBIG) instead of killing
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
 
 
 def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1", **c.env}
     argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
     try:
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout, input=c.stdin or "",
-                              preexec_fn=_limit_memory if c.isolate else None)
+                              preexec_fn=_limits(c) if c.isolate or c.rlimits else None)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{c.id}: still running after {timeout} s (it blocks or never "
                              "ends)") from exc

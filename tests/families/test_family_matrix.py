@@ -72,13 +72,12 @@ def test_wrong_expert_scale_fails(family_dir, tmp_path):
     """The matrix's thresholds catch one MoE expert projection with a weight scale 8x off."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     from fp8export.api import convert, verify
     from fp8export.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
     from tests.conftest import REPO
+    from tests.verify.fp8_folders import damage_scale
 
     src = family_dir("mixtral")
     fp8 = tmp_path / "fp8"
@@ -86,10 +85,8 @@ def test_wrong_expert_scale_fails(family_dir, tmp_path):
                           calib_data=REPO / DATA / "calib.txt", calib_samples=32, seq_len=64))
     bad = tmp_path / "bad"
     shutil.copytree(fp8, bad)
-    tensors = load_file(bad / "model.safetensors")
     for i in range(4):  # the down projection of every expert of the first layer
-        tensors[f"model.layers.0.block_sparse_moe.experts.{i}.w2.weight_scale"] *= 8
-    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+        damage_scale(bad, f"model.layers.0.block_sparse_moe.experts.{i}.w2", 8.0)
     thresholds = tmp_path / "thresholds.json"
     thresholds.write_text(json.dumps(THRESHOLDS))
     with pytest.raises(VerificationFailed):

@@ -67,6 +67,26 @@ def onnx_channel_fp32(channel_fp8):
 
 
 @pytest.fixture(scope="session")
+def block_fp8(tmp_path_factory) -> Path:
+    """The tiny Llama with 32x16 block weight scales (dynamic per-token-group inputs)."""
+    root = tmp_path_factory.mktemp("block")
+    return make_fp8_folder(root / "fp8", scales="weights", weight_granularity="block",
+                           block_size="32x16")
+
+
+@pytest.fixture(scope="session")
+def onnx_block_fp32(block_fp8):
+    """(ExportResult, path): the block folder in fp32."""
+    return _export(block_fp8, block_fp8.parent / "model32.onnx", "fp32")
+
+
+@pytest.fixture(scope="session")
+def onnx_block_fp16(block_fp8):
+    """(ExportResult, path): the block folder in fp16."""
+    return _export(block_fp8, block_fp8.parent / "model16.onnx", "fp16")
+
+
+@pytest.fixture(scope="session")
 def onnx_keras_float8(keras_float8_folder, tmp_path_factory):
     """(ExportResult, path): the Keras look-alike sample (--scales history), fp32 (its default)."""
     return _export(keras_float8_folder, tmp_path_factory.mktemp("keras-onnx") / "model.onnx")

@@ -29,6 +29,14 @@ def _no_leftovers(folder: Path) -> None:
 def test_folder_without_manifest(run_cli, fp8_static, tmp_path):
     bad = _copy(fp8_static, tmp_path / "fp8")
     (bad / "fp8export.json").unlink()
+    # its config still declares compressed-tensors FP8: read as a folder another tool wrote
+    res = run_cli("export-onnx", bad, "-o", tmp_path / "m.onnx")
+    assert res.exit_code == 0, res.output
+    (tmp_path / "m.onnx").unlink()
+    # neither a manifest nor an FP8 config: not an FP8 folder
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["quantization_config"]
+    (bad / "config.json").write_text(json.dumps(cfg))
     res = run_cli("export-onnx", bad, "-o", tmp_path / "m.onnx")
     assert res.exit_code == 1
     assert "fp8export.json" in res.output and "fp8export convert" in res.output

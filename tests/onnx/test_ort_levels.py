@@ -9,7 +9,8 @@ weight_scale`` (from ``ORT_ENABLE_BASIC``; it overflows, in fp16 at once). Here:
 1. both, on minimal graphs: the shape export-onnx wrote before changes the answer, the shape it
    writes now does not;
 2. the matrix: each kind of graph the suite exports (tiny Llama fp32/fp16, dynamic activations,
-   per-channel weights, both Keras samples, OPT with biased linears and ReLU) run at
+   per-channel weights, block weights (blocked DequantizeLinear, fp32 and fp16), both Keras
+   samples, OPT with biased linears and ReLU) run at
    ``ORT_DISABLE_ALL``, ``ORT_ENABLE_BASIC``, ``ORT_ENABLE_EXTENDED``, ``ORT_ENABLE_ALL`` and as
    ``InferenceSession(path)``: equal within float tolerance (relative L2 and max-abs, never
    cosine), and the export's own check of the levels, in its metadata, says so;
@@ -271,6 +272,8 @@ MATRIX = {  # name: (fixture giving (ExportResult, path) | None, dtype, feed)
     "llama-fp16": ("onnx_fp16", "fp16", _token_feed),
     "llama-dynamic-fp16": ("onnx_dynamic_fp16", "fp16", _token_feed),
     "llama-per-channel-fp32": ("onnx_channel_fp32", "fp32", _token_feed),
+    "llama-block-fp32": ("onnx_block_fp32", "fp32", _token_feed),
+    "llama-block-fp16": ("onnx_block_fp16", "fp16", _token_feed),
     "keras-float8-fp32": ("onnx_keras_float8", "fp32", lambda: _keras_feed("keras-float8")),
     "keras-hub-float8-fp32": ("keras_hub_fp32", "fp32", lambda: _keras_feed("keras-hub-float8")),
     "keras-hub-float8-fp16": (None, "fp16", lambda: _keras_feed("keras-hub-float8")),

@@ -7,9 +7,11 @@ DESIGN.md allows exactly that — and they are counted, not forbidden. Re-runnin
 gives the same bytes as an uninterrupted run.
 
 Kill points: the uninterrupted reference run is timed (process start → temporary folder appears
-→ process exit); most trials kill at a uniformly random moment of the write window (after the
-temporary folder appears, up to the measured end plus 20 %), the rest during startup and reading.
-Seeds are fixed, so a failure reproduces.
+→ published) and its bytes counted. Most trials kill mid-write, once a uniformly random fraction
+of those bytes is in the temporary folder (timing alone missed the window on a loaded machine);
+some kill at a random moment after the temporary folder appears (up to the measured window plus
+10 %: the read-back and the renames), the rest during startup and reading. Seeds are fixed, so
+the kill points reproduce.
 """
 
 from __future__ import annotations
@@ -72,9 +74,28 @@ def _timed_reference(ckpt: Path, out: Path) -> tuple[dict, float, float]:
     return tree(out), t_tmp, t_pub
 
 
+def _tmp_bytes(out: Path) -> int:
+    """Bytes written so far into the temporary sibling of ``out``."""
+    total = 0
+    for d in siblings(out):
+        if ".tmp-" in d.name:
+            for p in d.rglob("*"):
+                try:
+                    total += p.stat().st_size if p.is_file() else 0
+                except FileNotFoundError:  # renamed or removed while we looked
+                    pass
+    return total
+
+
+def _writing(proc: subprocess.Popen, out: Path) -> bool:
+    """Alive with its temporary folder present (with --force, ``out`` is the old output)."""
+    return proc.poll() is None and any(".tmp-" in p.name for p in siblings(out))
+
+
 def kill_trials(tmp_path: Path, ckpt: Path, n: int, seed: int) -> dict[str, int]:
     ref_out = tmp_path / "reference"
     ref, t_tmp, window = _timed_reference(ckpt, ref_out)
+    ref_bytes = sum(p.stat().st_size for p in ref_out.rglob("*") if p.is_file())
     old_out = tmp_path / "old"  # a different valid output: what --force replaces
     made = rerun_in_process("convert", ckpt, "-o", old_out, "--format", "vllm")
     assert made.exit_code == 0, made.output[-3000:]
@@ -94,11 +115,16 @@ def kill_trials(tmp_path: Path, ckpt: Path, n: int, seed: int) -> dict[str, int]
         if trial % 5 == 4:  # during startup / reading
             delay = rng.uniform(0.0, max(t_tmp, 0.05))
             time.sleep(delay)
-        else:  # during writing: wait for the temporary folder, then a random moment
+        elif trial % 5 == 3:  # after the temporary folder appears, at a random moment
             wait_for(lambda: any(p.name.startswith(f".{out.name}.tmp-") for p in siblings(out))
                      or proc.poll() is not None, timeout=600, step=0.001)
             time.sleep(rng.uniform(0.0, window * 1.1))
-            outcome["killed_writing"] += proc.poll() is None and not out.exists()
+            outcome["killed_writing"] += _writing(proc, out)
+        else:  # mid-write: once a random fraction of the output's bytes is on disk
+            target = rng.uniform(0.0, 1.0) * ref_bytes
+            wait_for(lambda: _tmp_bytes(out) >= target or proc.poll() is not None,
+                     timeout=600, step=0.0005)
+            outcome["killed_writing"] += _writing(proc, out)
         proc.send_signal(signal.SIGKILL)
         code = proc.wait(timeout=60)
         elapsed = time.perf_counter() - start

@@ -157,7 +157,9 @@ def make_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
 
 
 def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
-    """Multiply ``<module>.weight_scale`` by ``factor`` in place (manifest kept as is)."""
+    """Multiply ``<module>.weight_scale`` by ``factor`` in place, and the scale the manifest
+    records with it: a consistent folder with one wrong scale, as a converter bug would write
+    it (an edit that leaves the manifest behind is refused before verify measures anything)."""
     from safetensors.torch import load_file, save_file
 
     key = f"{module}.weight_scale"
@@ -166,5 +168,12 @@ def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
         if key in tensors:
             tensors[key] = tensors[key] * factor
             save_file(tensors, str(f))
+            manifest_path = fp8_dir / "fp8export.json"
+            if manifest_path.is_file():
+                manifest = json.loads(manifest_path.read_text())
+                entry = (manifest.get("quantized") or {}).get(module)
+                if entry and isinstance(entry.get("weight_scale"), (int, float)):
+                    entry["weight_scale"] = float(tensors[key].float().max())
+                    manifest_path.write_text(json.dumps(manifest, indent=2))
             return
     raise KeyError(key)

@@ -160,12 +160,13 @@ def test_worst_samples_decode_the_text_around_the_divergence(repo_root):
     tok_dir = repo_root / "samples" / "tiny-llama" / "model"
     if not (tok_dir / "tokenizer.json").is_file():
         pytest.skip("the sample tokenizer is not built")
-    from fp8export.inputs.tokenizer import load_tokenizer
+    from fp8export.inputs.tokenizer import open_tokenizer
 
-    tok = load_tokenizer(tok_dir)
     text = "Once upon a time <script>alert(1)</script> the cat sat on the mat."
-    ids = tuple(tok(text)["input_ids"])
-    pos = len(tok("Once upon a time <script>")["input_ids"]) - 1
+    with open_tokenizer(tok_dir) as tok:
+        full, head = tok.encode([text, "Once upon a time <script>"], "a test")
+    ids = tuple(full)
+    pos = len(head) - 1
     per_sample = [{"index": 0, "tokens": len(ids), "kl_mean": 0.001, "kl_max": 0.01,
                    "kl_max_pos": 2, "reference_top1": ids[3], "candidate_top1": ids[3],
                    "reference_top1_p": 0.9, "candidate_top1_p": 0.8},
@@ -195,31 +196,43 @@ def test_new_metrics_slot_in_under_other():
                     ("Other", "noise_floor_db", 55.0)]
 
 
-def test_content_hash_is_the_sha256sum_listing(tmp_path):
-    from fp8export.verify.provenance import content_hash, converted_from
+def test_content_hash_is_the_sha256sum_listing_of_what_is_read(tmp_path):
+    from safetensors.torch import save_file
+
+    from fp8export.verify.provenance import content_hash, converted_from, edited_files
 
     d = tmp_path / "m"
     d.mkdir()
-    (d / "b.json").write_text("{}")
-    (d / "a.safetensors").write_bytes(b"\0" * 1000)
+    save_file({"w": __import__("torch").ones(4)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text("{}")
+    (d / "tokenizer.json").write_text("{}")
     (d / ".hidden").write_text("x")
     (d / "sub").mkdir()
+    with open(d / "optimizer_state.bin", "wb") as f:  # a 200 GB sparse file: never read
+        f.truncate(200 << 30)
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"secret")
-    (d / "link.bin").symlink_to(outside)
+    (d / "link.json").symlink_to(outside)
     h = content_hash(d)
+    names = ("config.json", "model.safetensors", "tokenizer.json")
     listing = "".join(f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {n}\n"
-                      for n in ("a.safetensors", "b.json"))
+                      for n in names)
     assert h["sha256"] == hashlib.sha256(listing.encode()).hexdigest()
-    assert [f["name"] for f in h["files"]] == ["a.safetensors", "b.json"] and h["bytes"] == 1002
-    assert sorted(h["skipped"]) == [".hidden", "link.bin", "sub/"]
-    single = content_hash(d / "b.json")
+    assert [f["name"] for f in h["files"]] == list(names)
+    assert sorted(h["skipped"]) == [".hidden", "link.json", "optimizer_state.bin", "sub/"]
+    single = content_hash(d / "config.json")
     assert single["sha256"] == hashlib.sha256(b"{}").hexdigest() and single["skipped"] == []
-    # the FP8 folder's manifest names its source files with their sha256
+    # the FP8 folder's manifest names its source files with their sha256, and its own files
     fp8 = tmp_path / "fp8"
     fp8.mkdir()
-    (fp8 / "fp8export.json").write_text(json.dumps({"source": {"files": h["files"]}}))
+    (fp8 / "config.json").write_text("{}")
+    own = [{"name": "config.json", "sha256": hashlib.sha256(b"{}").hexdigest(), "bytes": 2}]
+    (fp8 / "fp8export.json").write_text(json.dumps({"source": {"files": h["files"]},
+                                                    "files": own}))
     assert converted_from(fp8, h["files"]) == (True, [])
-    (d / "b.json").write_text("{\"changed\": 1}")
-    assert converted_from(fp8, content_hash(d)["files"]) == (False, ["b.json"])
+    assert edited_files(fp8, content_hash(fp8)["files"]) == []
+    (fp8 / "config.json").write_text('{"edited": 1}')
+    assert edited_files(fp8, content_hash(fp8)["files"]) == ["config.json"]
+    (d / "config.json").write_text("{\"changed\": 1}")
+    assert converted_from(fp8, content_hash(d)["files"]) == (False, ["config.json"])
     assert converted_from(d, h["files"]) == (None, [])

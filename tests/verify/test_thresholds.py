@@ -53,3 +53,42 @@ def test_evaluate_pass_fail_skip_nan():
     assert checks["ppl_ratio"]["status"] == "skipped"
     nan = evaluate({"kl_mean": math.nan}, load_thresholds({"kl_mean": 1.0})[1])
     assert nan[0]["status"] == "failed"
+
+
+def test_a_file_that_sets_no_bound_is_refused(tmp_path):
+    y = tmp_path / "t.yaml"
+    y.write_text("kl_mean: null\n")
+    with pytest.raises(Fp8ExportError, match="t.yaml: the thresholds file sets no bound"):
+        load_thresholds(str(y))
+
+
+def test_nothing_applicable_or_a_nan_metric_fails():
+    _, t = load_thresholds({"accuracy_drop": 0.01})  # a classifier's metric, for a causal LM
+    checks = evaluate({"kl_mean": 0.001, "top1_agreement": 1.0}, t)
+    assert [c["status"] for c in checks] == ["skipped", "failed"]
+    assert "no threshold applies" in checks[-1]["message"]
+    _, t = load_thresholds({"kl_mean": 0.02})
+    checks = evaluate({"kl_mean": 0.001, "cosine_min": math.nan}, t)  # NaN, not thresholded
+    failed = [c["metric"] for c in checks if c["status"] == "failed"]
+    assert failed == ["cosine_min"]
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    laughs = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, 9):
+        prev = chr(ord("a") + i - 1)
+        laughs.append(f"{chr(ord('a') + i)}: &{chr(ord('a') + i)} [" + ", ".join(
+            [f"*{prev}"] * 9) + "]")
+    y = tmp_path / "laughs.yaml"
+    y.write_text("\n".join(laughs) + "\nkl_mean: *i\n")
+    with pytest.raises(Fp8ExportError, match="laughs.yaml: line 2: YAML alias"):
+        load_thresholds(str(y))
+
+
+@pytest.mark.parametrize("text", ["kl_mean: !!python/object/apply:os.system [true]\n",
+                                  "kl_mean: " + "9" * 5000 + "\n", "[" * 5000 + "]" * 5000])
+def test_yaml_that_cannot_be_thresholds_is_one_error(tmp_path, text):
+    y = tmp_path / "t.yaml"
+    y.write_text(text)
+    with pytest.raises(Fp8ExportError, match="t.yaml"):
+        load_thresholds(str(y))

@@ -1,0 +1,183 @@
+"""Block-wise E4M3 weights (one scale per ``bn x bk`` tile) and per-token-group activations.
+
+The format DeepSeek-V3 and the Qwen3 "-FP8" releases ship, and compressed-tensors' FP8_BLOCK:
+a weight ``[out, in]`` gets a scale grid ``[ceil(out/bn), ceil(in/bk)]``, ``scale[i, j] =
+amax(|W[i*bn:(i+1)*bn, j*bk:(j+1)*bk]|) / 448``. Where a dimension is not a multiple of the
+block, the last tile is partial and its amax comes from its own elements only (the grid is
+``ceil``, as vLLM's ``weight_scale_inv``, transformers' ``FP8Linear`` and compressed-tensors'
+``block`` strategy allocate it). A tile that is all zero has no range: it takes the smallest
+scale of the other tiles (any positive scale quantizes zeros exactly), as channel.py does for
+rows. Per element the arithmetic is ``quantize_e4m3``'s: float32 divide, clamp to ±448,
+round-to-nearest-even cast.
+
+Activations of such layers are quantized dynamically per token in groups of ``bk`` along the
+input dimension (``per_token_group_quant_fp8`` in vLLM/SGLang, ``act_quant`` in DeepSeek's
+inference code): one scale ``amax / 448`` per (token, group); an all-zero group gets scale 1.
+
+Work on weights goes in bands of whole block rows, so no full-size float32 copy of a large
+weight is made.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fp8export.errors import Fp8ExportError
+from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX
+from fp8export.numerics.metrics import sqnr_from_sums
+
+BAND = 1 << 22  # elements per band of whole block rows
+
+
+def grid_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale grid of a ``[out, in]`` weight: ``(ceil(out/bn), ceil(in/bk))``."""
+    out, inp = shape
+    bn, bk = block
+    return -(-out // bn), -(-inp // bk)
+
+
+def _bands(w: torch.Tensor, block: tuple[int, int]):
+    """(block-row start, stop, rows of ``w``) in bands of whole block rows."""
+    bn = block[0]
+    n_rows = -(-w.shape[0] // bn)
+    per = max(1, BAND // max(1, bn * w.shape[1]))
+    for start in range(0, n_rows, per):
+        stop = min(n_rows, start + per)
+        yield start, stop, w[start * bn:stop * bn]
+
+
+def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x`` ``[rows, in]`` as ``[rows/bn, bn, in/bk, bk]`` tiles, zero-padded where ragged
+    (a zero adds nothing to a tile's amax or to a sum of squares)."""
+    bn, bk = block
+    rows, cols = x.shape
+    pad_r, pad_c = -rows % bn, -cols % bk
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape(x.shape[0] // bn, bn, x.shape[1] // bk, bk)
+
+
+def block_amax(w: torch.Tensor, block: tuple[int, int]) -> np.ndarray:
+    """max|W| of every tile of a 2-D ``[out, in]`` weight, float64 ``[gr, gc]`` (NaN where a
+    tile holds NaN)."""
+    if w.dim() != 2:
+        raise ValueError(f"block scales need a 2-D weight, got shape {tuple(w.shape)}")
+    out = np.empty(grid_shape(tuple(w.shape), block), dtype=np.float64)
+    for start, stop, band in _bands(w, block):
+        tiles = _tiles(band.to(torch.float32), block)
+        amax = tiles.abs().amax(dim=(1, 3))  # NaN propagates
+        out[start:stop] = amax.to(torch.float64).numpy()
+    return out
+
+
+def block_scales(amax: np.ndarray, name: str) -> np.ndarray:
+    """float32 ``[gr, gc]`` dequantization factors ``amax / 448``; all-zero tiles take the
+    smallest scale of the others. Raises when every tile is zero or any amax is not finite."""
+    amax = np.asarray(amax, dtype=np.float64)
+    if not np.all(np.isfinite(amax)) or np.any(amax < 0):
+        i, j = (int(v) for v in np.argwhere(~np.isfinite(amax) | (amax < 0))[0])
+        raise Fp8ExportError(f"{name}: block ({i}, {j}) has amax {float(amax[i, j])!r}; a weight "
+                             "with NaN/Inf cannot be quantized. Fix the checkpoint or --exclude "
+                             "the module.")
+    scales = (amax / E4M3_MAX).astype(np.float32)
+    positive = scales > 0
+    if not positive.any():
+        raise Fp8ExportError(f"{name}: every block is zero; nothing to scale.")
+    scales[~positive] = scales[positive].min()
+    return scales
+
+
+def expand_blocks(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]
+                  ) -> torch.Tensor:
+    """The grid ``[gr, gc]`` repeated over its tiles and cropped to ``shape`` ``[out, in]``."""
+    bn, bk = block
+    full = grid.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
+    return full[:shape[0], :shape[1]]
+
+
+def quantize_blocks_sqnr(w: torch.Tensor, scales: np.ndarray, block: tuple[int, int],
+                         ) -> tuple[torch.Tensor, float]:
+    """E4M3 ``w`` ``[out, in]`` with one scale per tile, and the SQNR (dB) of its round trip."""
+    s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
+    if tuple(s_all.shape) != grid_shape(tuple(w.shape), block):
+        raise ValueError(f"scale grid {tuple(s_all.shape)} does not fit weight "
+                         f"{tuple(w.shape)} in blocks of {block}")
+    q = torch.empty(w.shape, dtype=E4M3_DTYPE)
+    signal = noise = 0.0
+    bn = block[0]
+    for start, stop, band in _bands(w, block):
+        x = band.to(torch.float32)
+        s = expand_blocks(s_all[start:stop], tuple(x.shape), block)
+        qb = (x / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+        q[start * bn:start * bn + x.shape[0]] = qb
+        d = qb.to(torch.float32).mul_(s).sub_(x)
+        noise += float(torch.sum(d.double() * d.double()))
+        signal += float(torch.sum(x.double() * x.double()))
+    return q, sqnr_from_sums(signal, noise)
+
+
+def blocks_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.ndarray,
+                          block: tuple[int, int]) -> float:
+    """SQNR (dB) of ``q * scale[tile]`` (a block-scaled weight as written) against its source:
+    the same float :func:`quantize_blocks_sqnr` returns for those bytes."""
+    s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
+    signal = noise = 0.0
+    for (start, stop, band), (_, _, qb) in zip(_bands(source, block), _bands(q, block)):
+        x = band.to(torch.float32)
+        s = expand_blocks(s_all[start:stop], tuple(x.shape), block)
+        d = qb.to(torch.float32).mul_(s).sub_(x)
+        noise += float(torch.sum(d.double() * d.double()))
+        signal += float(torch.sum(x.double() * x.double()))
+    return sqnr_from_sums(signal, noise)
+
+
+def check_grid(scale_shape: tuple[int, ...], weight_shape: tuple[int, int],
+               block: tuple[int, int]) -> bool:
+    """Whether a stored scale grid fits a weight in blocks of ``block``."""
+    return tuple(scale_shape) == grid_shape(weight_shape, block)
+
+
+def infer_block(scale_shape: tuple[int, int], weight_shape: tuple[int, int]
+                ) -> tuple[int, int] | None:
+    """The power-of-two block size (16 to 1024 per side) whose grid a scale of ``scale_shape``
+    is for ``weight_shape``, or None; several fit only for tiny weights, the largest wins."""
+    sizes = [1 << e for e in range(10, 3, -1)]
+    for bn in sizes:
+        for bk in sizes:
+            if grid_shape(weight_shape, (bn, bk)) == tuple(scale_shape):
+                return bn, bk
+    return None
+
+
+# --------------------------------------------------------------------------- activations
+def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-token-group dequantization scales of ``x`` ``[..., K]``: float32 ``[..., ceil(K/g)]``,
+    ``amax / 448`` of each group of ``group`` consecutive elements of the last dimension (the
+    last group may be partial); an all-zero group gets 1."""
+    k = x.shape[-1]
+    pad = -k % group
+    a = x.detach().to(torch.float32).abs()
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+    amax = a.reshape(*a.shape[:-1], -1, group).amax(dim=-1)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_groups(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """E4M3 codes of ``x`` ``[..., K]`` with the group scales ``[..., ceil(K/g)]``."""
+    k = x.shape[-1]
+    s = scales.repeat_interleave(group, dim=-1)[..., :k]
+    return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+
+
+def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` quantized per token group and dequantized again, in float32: what a layer with
+    dynamic group activations multiplies its weight with."""
+    s = group_scales(x, group)
+    q = quantize_groups(x, s, group)
+    return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., :x.shape[-1]]
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -1,0 +1,322 @@
+"""The one reader on FP8 folders fp8export did not write, made here by writers that follow each
+format's own description (reference/fp8_checkpoint_formats.md), independently of fp8export's
+writer: ModelOpt (hf_quant_config.json, 0-dim scales, static inputs, KV scales on k_proj/v_proj),
+AutoFP8 (quant_method fp8, static), the fine-grained DeepSeek-V3 format (weight_scale_inv grids,
+dynamic per-token-group inputs) and compressed-tensors with a KV-cache scheme; then what the
+reader refuses: edits that break what the config promises, and formats it does not read.
+(llm-compressor's own folders: tests/peers/test_llmcompressor_peer_block.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.reader import fp8_folder_kind, read_fp8_folder
+from fp8export.numerics.metrics import rel_l2
+from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _linear(name: str) -> bool:
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS
+
+
+def _tile_scales(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """amax / 448 of each bn x bk tile, written out with reshape (no fp8export code)."""
+    out, inp = w.shape
+    pad = torch.nn.functional.pad(w.float().abs(), (0, -inp % bk, 0, -out % bn))
+    return pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).amax(dim=(1, 3)) / 448
+
+
+def _write(src: Path, out: Path, tensors: dict, quantization_config: dict | None,
+           extra: dict | None = None) -> Path:
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config))
+    for name, content in (extra or {}).items():
+        (out / name).write_text(json.dumps(content))
+    return out
+
+
+def modelopt_folder(src: Path, out: Path, in_config: bool = False) -> Path:
+    """ModelOpt's HF export: 0-dim F32 weight_scale/input_scale, weights cast without clamp
+    after dividing by the scale, k/v scales on k_proj/v_proj, hf_quant_config.json."""
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not _linear(name):
+            tensors[name] = t
+            continue
+        m = name[: -len(".weight")]
+        s = t.float().abs().max() / 448
+        tensors[name] = (t.float() / s).to(torch.float8_e4m3fn)
+        tensors[f"{m}.weight_scale"] = s.reshape(())
+        tensors[f"{m}.input_scale"] = torch.tensor(4.0 / 448)
+        if m.endswith("self_attn.k_proj"):
+            tensors[f"{m}.k_scale"] = torch.tensor(2.0 / 448)
+        if m.endswith("self_attn.v_proj"):
+            tensors[f"{m}.v_scale"] = torch.tensor(3.0 / 448)
+    hf = {"producer": {"name": "modelopt", "version": "0.47.0"},
+          "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                           "exclude_modules": ["lm_head"]}}
+    qc = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+          "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}
+    return _write(src, out, tensors, qc if in_config else None,
+                  None if in_config else {"hf_quant_config.json": hf})
+
+
+def deepseek_folder(src: Path, out: Path, block=(32, 32)) -> Path:
+    """DeepSeek-V3's format: weight_scale_inv [ceil(out/bn), ceil(in/bk)] F32 dequantization
+    factors, quant_method fp8 with weight_block_size, dynamic activations."""
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not _linear(name):
+            tensors[name] = t
+            continue
+        s = _tile_scales(t, *block)
+        full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        full = full[: t.shape[0], : t.shape[1]]
+        tensors[name] = (t.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name[: -len(".weight")] + ".weight_scale_inv"] = s
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+          "weight_block_size": list(block)}
+    return _write(src, out, tensors, qc)
+
+
+def autofp8_folder(src: Path, out: Path) -> Path:
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not _linear(name):
+            tensors[name] = t
+            continue
+        m = name[: -len(".weight")]
+        s = t.float().abs().max() / 448
+        tensors[name] = (t.float() / s).to(torch.float8_e4m3fn)
+        tensors[f"{m}.weight_scale"] = s.reshape(())
+        tensors[f"{m}.input_scale"] = torch.tensor(5.0 / 448)
+    qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    return _write(src, out, tensors, qc)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    path = tmp_path_factory.mktemp("foreign") / "src"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _logits_close_to_bf16(folder: Path, src: Path, bound: float):
+    from transformers import AutoModelForCausalLM
+
+    model = load_fp8_model(folder, dtype=torch.float32, mode="emulate")[0]
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_l2(ref(input_ids=ids).logits, model(input_ids=ids).logits) <= bound
+    return model
+
+
+@pytest.mark.parametrize("in_config", [False, True])
+def test_modelopt_folder(src, tmp_path, in_config):
+    folder = modelopt_folder(src, tmp_path / "mo", in_config)
+    assert fp8_folder_kind(folder) == "foreign"
+    with read_fp8_folder(folder) as f:
+        fmt = f.format
+        assert (fmt.dialect if in_config else "modelopt") == "modelopt"
+        assert fmt.producer == ("modelopt" if in_config else "modelopt 0.47.0")
+        assert (fmt.granularity, fmt.activations, fmt.ours) == ("tensor", "static", False)
+        layer = f.layers["model.layers.0.self_attn.q_proj"]
+        assert layer.input_scale == pytest.approx(4.0 / 448) and layer.granularity == "tensor"
+        kv = f.manifest["kv_cache"]["layers"]["model.layers.0.self_attn"]
+        assert kv == {"k_scale_tensor": "model.layers.0.self_attn.k_proj.k_scale",
+                      "v_scale_tensor": "model.layers.0.self_attn.v_proj.v_scale"}
+    model = _logits_close_to_bf16(folder, src, 0.2)  # FP8 KV cache at fixed amax 2 and 3
+    assert len(fp8_modules(model)) == 14
+
+
+def test_fine_grained_deepseek_folder(src, tmp_path):
+    folder = deepseek_folder(src, tmp_path / "ds")
+    with read_fp8_folder(folder) as f:
+        fmt = f.format
+        assert fmt.producer == "quant_method fp8, fine-grained (DeepSeek-V3 style)"
+        assert (fmt.dialect, fmt.granularity, fmt.block_size) == ("vllm", "block", (32, 32))
+        assert (fmt.activations, fmt.dynamic, fmt.group_size) == ("dynamic", "group", 32)
+        entry = f.manifest["quantized"]["model.layers.1.mlp.down_proj"]
+        assert entry["weight_scale_tensor"].endswith(".weight_scale_inv")
+        layer = f.layers["model.layers.1.mlp.down_proj"]  # in = 96 = 3 blocks
+        assert tuple(layer.weight_scale.shape) == (2, 3) and layer.block == (32, 32)
+        raw = load_file(str(src / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
+        assert rel_l2(raw.float(), layer.dequantized()) < 0.05
+    model = _logits_close_to_bf16(folder, src, 0.1)
+    layer = fp8_modules(model)["model.layers.0.mlp.gate_proj"]
+    assert layer.block == (32, 32) and layer.dynamic == "group" and layer.group_size == 32
+
+
+def test_autofp8_static_folder(src, tmp_path):
+    folder = autofp8_folder(src, tmp_path / "af")
+    with read_fp8_folder(folder) as f:
+        assert f.format.producer == "quant_method fp8 (AutoFP8 / vLLM)"
+        assert (f.format.granularity, f.format.activations) == ("tensor", "static")
+        # q/k/v and gate/up with their own weight scales: what vLLM does with them is said
+        assert any("4 fused group(s)" in n and "vLLM re-quantizes" in n
+                   for n in f.manifest["notes"])
+    _logits_close_to_bf16(folder, src, 0.1)
+
+
+def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, tmp_path):
+    """A hand-written compressed-tensors folder: per-channel static weights with per-token
+    dynamic inputs for attention, weight-only FP8 (no input quantization) for the MLP."""
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not _linear(name):
+            tensors[name] = t
+            continue
+        s = t.float().abs().amax(dim=1, keepdim=True) / 448
+        tensors[name] = (t.float() / s).to(torch.float8_e4m3fn)
+        tensors[name[: -len(".weight")] + ".weight_scale"] = s.to(torch.bfloat16)
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([2.0 / 448])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([3.0 / 448])
+    w = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+         "dynamic": False}
+    attn = [f"model.layers.{i}.self_attn.{p}" for i in range(2)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mlp = [f"model.layers.{i}.mlp.{p}" for i in range(2)
+           for p in ("gate_proj", "up_proj", "down_proj")]
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "version": "0.9.9",
+          "config_groups": {
+              "group_0": {"targets": attn, "weights": w, "input_activations": {
+                  "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
+              "group_1": {"targets": mlp, "weights": w, "input_activations": None}},
+          "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                              "dynamic": False}, "ignore": ["lm_head"]}
+    folder = _write(src, tmp_path / "ct", tensors, qc)
+    with read_fp8_folder(folder) as f:
+        assert f.format.producer == "compressed-tensors 0.9.9"
+        assert f.format.granularity == "channel" and f.format.dynamic == "mixed"
+        assert f.layers["model.layers.0.self_attn.q_proj"].dynamic == "token"
+        assert f.layers["model.layers.0.mlp.up_proj"].dynamic == "none"
+        assert len(f.manifest["kv_cache"]["layers"]) == 2
+    model = _logits_close_to_bf16(folder, src, 0.2)
+    up = fp8_modules(model)["model.layers.1.mlp.up_proj"]
+    x = torch.randn(3, 64)
+    assert torch.equal(up(x), (x @ (up.weight.float() * up.weight_scale[:, None]).t()))
+
+
+# ------------------------------------------------------------------------------ refusals
+def _edit(folder: Path, change) -> Path:
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_scale_inv", torch.ones(2, 2)),
+     r"weight_scale_inv is \[2, 2\]: not a scale grid of the \[64, 96\] weight"),
+    (lambda t: t["model.layers.0.mlp.down_proj.weight_scale_inv"].__setitem__((0, 0), -1.0),
+     "down_proj.weight_scale_inv holds a scale that is not a positive finite number"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight_scale", torch.ones(())),
+     r"layer model.layers.0.mlp.up_proj: 2 of \('weight_scale', 'weight_scale_inv'\)"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight",
+                             t["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e5m2)),
+     "up_proj.weight is F8_E5M2"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.experts",
+                             torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fn)),
+     r"model.layers.0.mlp.experts is F8_E4M3 \[2, 4, 4\]"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.ones(())),
+     "declares dynamic activations only"),
+])
+def test_edits_that_break_the_format_are_refused(src, tmp_path, edit, match):
+    folder = _edit(deepseek_folder(src, tmp_path / "ds"), edit)
+    with pytest.raises(Fp8ExportError, match=match):
+        read_fp8_folder(folder)
+
+
+def test_static_without_input_scales_and_undecidable_groups(src, tmp_path):
+    folder = _edit(autofp8_folder(src, tmp_path / "af"),
+                   lambda t: t.pop("model.layers.1.self_attn.o_proj.input_scale"))
+    with pytest.raises(Fp8ExportError, match="o_proj has no input scale, but the vllm config "
+                                             "declares static activations"):
+        read_fp8_folder(folder)
+    # compressed-tensors groups targeted by regular expressions only: never evaluated, so two
+    # dynamic schemes cannot be told apart
+    ds = deepseek_folder(src, tmp_path / "ds")
+    w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [32, 32]}
+    inputs = {"num_bits": 8, "type": "float", "dynamic": True}
+    cfg = json.loads((ds / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "config_groups": {
+            "a": {"targets": ["re:.*self_attn.*"], "weights": w,
+                  "input_activations": {**inputs, "strategy": "token"}},
+            "b": {"targets": ["re:.*mlp.*"], "weights": w,
+                  "input_activations": {**inputs, "strategy": "group", "group_size": 32}}}}
+    (ds / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Fp8ExportError, match="several dynamic input schemes"):
+        read_fp8_folder(ds)
+
+
+def test_formats_it_does_not_read(src, tmp_path):
+    folder = deepseek_folder(src, tmp_path / "int4")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert fp8_folder_kind(folder) is None
+    from fp8export.verify.candidates import candidate_kind
+
+    with pytest.raises(Fp8ExportError, match="is not FP8 in a dialect fp8export reads"):
+        candidate_kind(folder)
+    mo = modelopt_folder(src, tmp_path / "nvfp4")
+    hf = json.loads((mo / "hf_quant_config.json").read_text())
+    hf["quantization"]["quant_algo"] = "NVFP4"
+    (mo / "hf_quant_config.json").write_text(json.dumps(hf))
+    assert fp8_folder_kind(mo) is None
+
+
+def test_the_modelopt_file_is_read_through_the_guarded_opener(src, tmp_path):
+    mo = modelopt_folder(src, tmp_path / "mo")
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(mo / "hf_quant_config.json", outside)
+    (mo / "hf_quant_config.json").symlink_to(outside)
+    with pytest.raises(Fp8ExportError, match="hf_quant_config.json"):
+        read_fp8_folder(mo)
+
+
+def test_a_foreign_folder_is_never_a_reference(src, tmp_path, run_cli):
+    folder = deepseek_folder(src, tmp_path / "ds")
+    r = run_cli("verify", folder, src)
+    assert r.exit_code == 1 and "the reference is an FP8 folder" in r.stderr
+    r = run_cli("inspect", folder)
+    assert r.exit_code == 0
+    assert "written by    quant_method fp8, fine-grained (DeepSeek-V3 style)" in r.stdout
+    assert "weights       block scales, 32x32 blocks" in r.stdout
+    assert "activations   dynamic per token group of 32" in r.stdout
+    assert "loads in vllm and sglang and transformers (FineGrainedFP8)" in r.stdout
+
+
+SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama"
+
+
+def test_verify_runs_a_fine_grained_folder_written_elsewhere(tmp_path, run_cli):
+    folder = deepseek_folder(SAMPLE / "model", tmp_path / "ds", block=(16, 16))
+    r = run_cli("verify", SAMPLE / "model", folder, "--data", SAMPLE / "data" / "eval.txt",
+                "--samples", "8", "--report-dir", tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["metrics"]["top1_agreement"] > 0.97 and rep["metrics"]["kl_mean"] < 1e-3
+    assert any("block 16x16 weights, dynamic per-token-group(16)" in n for n in rep["notes"])
