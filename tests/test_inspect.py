@@ -301,3 +301,16 @@ def test_training_history_gives_input_scales(tmp_path, monkeypatch):
                                                 "version": "test", "histories": 2}
     assert any("fc2" in n and "no FP8 input history" in n for n in result.notes)
     assert "input scales from history" in result.to_text()
+
+
+def test_fp8_folder_without_config_json_is_still_checked(tmp_path):
+    # convert from a bare .safetensors writes no config.json: inspect shows the folder, and
+    # still refuses one whose scales were edited
+    d, *_ = make_fp8_folder(tmp_path)
+    (d / "config.json").unlink(missing_ok=True)
+    assert any("cannot run this folder" in n for n in inspect(d).notes)
+    (tmp_path / "bad").mkdir()
+    bad, *_ = make_fp8_folder(tmp_path / "bad", manifest_scale_factor=2.0)
+    (bad / "config.json").unlink(missing_ok=True)
+    with pytest.raises(Fp8ExportError, match="but the manifest records"):
+        inspect(bad)

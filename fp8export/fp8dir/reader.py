@@ -343,6 +343,16 @@ def read_fp8_folder(path: str | Path) -> Fp8Folder:
                      folder_format(manifest, config))
 
 
+def validate_written_folder(path: str | Path) -> None:
+    """fp8dir.validate's checks alone on a folder convert wrote, for one the reader cannot open
+    as a model because it has no config.json (converted from a source without one): its layers
+    and scales can still be vouched for."""
+    folder = Path(path)
+    raw = read_manifest(folder)
+    with open_folder_tensors(folder) as tensors:
+        _validate(folder, raw, read_model_config(folder) or {}, tensors)
+
+
 def _validate(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
               tensors: FolderTensors) -> None:
     """fp8dir.validate's checks on a folder convert wrote, before anything is built from it:

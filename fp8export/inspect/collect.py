@@ -330,7 +330,11 @@ def _folder_format(result: InspectResult, path: Path, ours: bool) -> None:
             fmt = folder.format
             extra = [str(n) for n in folder.manifest.get("notes") or []] if not fmt.ours else []
     except Fp8ExportError as exc:
-        if ours:
+        if ours and not (path / "config.json").is_file():
+            from fp8export.fp8dir.reader import validate_written_folder
+
+            validate_written_folder(path)  # its layers and scales are still checked
+        elif ours:
             raise
         result.notes.append(f"fp8export cannot run this folder: {exc}")
         return

@@ -71,7 +71,7 @@ def test_fp8_folder(tmp_path, run_cli):
               d / "model.safetensors")
     (d / "fp8export.json").write_text(json.dumps({"format_version": 1, "quantized": {
         "model.layers.0.mlp.up_proj": {"weight_scale": scale, "weight_scale_source": "weights",
-                                       "weight_sqnr_db": 30.25,
+                                       "weight_sqnr_db": 30.25, "input_scale": 0.01,
                                        "input_scale_source": "calibration"}}}))
     result = run_cli("inspect", d)
     assert result.exit_code == 0, result.output
