@@ -209,7 +209,7 @@ def paired(row: dict, base: dict) -> dict | None:
     intervals: the same sample draws for both, so the spread of the data cancels."""
     import numpy as np
 
-    from fp8export.verify.confidence import draws
+    from fp8export.analysis.confidence import draws
 
     a = {int(i): (t, k, h) for i, t, k, h in row.get("per_sample") or []}
     b = {int(i): (t, k, h) for i, t, k, h in base.get("per_sample") or []}

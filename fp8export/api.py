@@ -58,10 +58,10 @@ def build_engine(config: Any) -> Any:
 def verify(config: Any) -> Any:
     """Reference vs candidate → verification result and report. See :mod:`fp8export.verify`."""
     from fp8export._threads import prepare
-    from fp8export.verify.run import verify as _verify
+    from fp8export.reports.report import verify_and_report
 
     prepare()
-    return _verify(config)
+    return verify_and_report(config)
 
 
 def inspect(path: Any, **options: Any) -> Any:

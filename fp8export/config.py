@@ -183,7 +183,7 @@ class ConvertConfig:
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
-    accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (verify/fallback.py)
+    accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (analysis/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
     accuracy_samples: int | None = None  # samples the budget is measured on (default 32)
     extra: dict = field(default_factory=dict, compare=False)

@@ -162,3 +162,42 @@ def tiny_bert(tmp_path_factory) -> Path:
     import tiny_checkpoints
 
     return tiny_checkpoints.tiny_bert(tmp_path_factory)
+
+
+# The trained tiny Llama of tests/fp8_folders.py and FP8 folders made from it, built once a
+# session for the verify, analysis and report tests (each names them as its own tests do).
+@pytest.fixture(scope="session")
+def markov_llama(tmp_path_factory):
+    from fp8_folders import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("ref") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def markov_fp8(markov_llama, tmp_path_factory):
+    from fp8_folders import make_fp8_folder
+
+    return make_fp8_folder(markov_llama, tmp_path_factory.mktemp("fp8") / "tiny-llama-fp8")
+
+
+@pytest.fixture(scope="session")
+def markov_damaged_fp8(markov_fp8, tmp_path_factory):
+    import shutil
+
+    from fp8_folders import DAMAGED, damage_scale
+
+    out = tmp_path_factory.mktemp("damaged") / "tiny-llama-fp8-damaged"
+    shutil.copytree(markov_fp8, out)
+    damage_scale(out, DAMAGED, 8.0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def markov_eval_npz(tmp_path_factory):
+    """16 held-out sequences of 48 tokens from the tiny Llama's own Markov chain."""
+    import numpy as np
+    from fp8_folders import markov_tokens
+
+    path = tmp_path_factory.mktemp("data") / "eval.npz"
+    np.savez(path, input_ids=markov_tokens(256, 16, 48, seed=99).numpy())
+    return path

@@ -31,8 +31,10 @@ STAGES: list[tuple[str, set[str]]] = [
     ("engine", {"engine"}),
     ("runners", {"runners"}),
     ("inspect", {"inspect"}),
-    ("verify", {"verify"}),
+    ("analysis", {"analysis"}),
     ("convert", {"convert"}),
+    ("verify", {"verify"}),
+    ("reports", {"reports"}),
     ("front", {"api", "commands", "cli"}),
 ]
 STAGE_OF = {unit: i for i, (_, units) in enumerate(STAGES) for unit in units}

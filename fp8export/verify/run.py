@@ -1,9 +1,10 @@
-"""``verify(cfg)``: run reference and candidate on the same inputs, compare, report, gate.
+"""``verify(cfg)``: run reference and candidate on the same inputs, compare, gate.
 
-Stages, each producing plain data: inputs (data.py) → outputs of two runners (runners/) →
-comparison (metrics.py) and per-layer attribution (per_layer.py) → checks (thresholds.py) →
-reports (report.py). Bad input raises Fp8ExportError before any comparison; a candidate that
-misses its thresholds raises VerificationFailed *after* the reports are written.
+Stages, each producing plain data: inputs (inputs/eval_data.py) → outputs of two runners
+(runners/) → comparison (metrics.py) and per-layer attribution (analysis/per_layer.py) →
+checks (thresholds.py). The reports are written above this stage (reports/report.py). Bad
+input raises Fp8ExportError before any comparison; a candidate that misses its thresholds
+raises VerificationFailed with the result, which the reports are made of.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fp8export._progress import info, progress, stage
@@ -109,32 +109,25 @@ def _fp8_folder_format(folder, notes: list[str]):
 
 
 def verify(cfg: VerifyConfig) -> VerifyResult:
-    """Compare ``cfg.candidate`` against ``cfg.reference``; write reports; gate on thresholds.
+    """Compare ``cfg.candidate`` against ``cfg.reference`` and gate on thresholds; no reports
+    (``fp8export.reports.report.verify_and_report`` writes them around this).
 
     Returns:
         VerifyResult (passed).
     Raises:
         Fp8ExportError: bad input or environment (exit 1).
-        VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult and the
-            reports are already on disk.
+        VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult.
     """
     from fp8export.placement import parse_max_memory
     from fp8export.verify.candidates import candidate_kind, open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
-    from fp8export.verify.thresholds import PRESETS, load_thresholds
+    from fp8export.verify.thresholds import load_thresholds
 
     t0, started = time.perf_counter(), time.monotonic()
     if cfg.data is not None:  # a typo'd data file fails before any model loads
         from fp8export.inputs.samples import check_data_file
 
         check_data_file(cfg.data)
-    if cfg.write_reports:
-        from fp8export.verify.report import check_report_dir
-
-        thresholds_file = None if isinstance(cfg.thresholds, dict) or \
-            str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
-        check_report_dir(cfg.report_dir, cfg.force,
-                         inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
     thr_source, thresholds = load_thresholds(cfg.thresholds)
     # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
     measure_floor = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE \
@@ -178,11 +171,6 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
             f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
             "written. A graph that never ends (a Loop from elsewhere) or a model too large for "
             "the device; raise --timeout if the run is just slow.") from exc
-    if cfg.write_reports:
-        from fp8export.verify.report import write_reports
-
-        with stage(f"writing the reports to {cfg.report_dir}"):
-            result.reports = write_reports(result.to_dict(), cfg.report_dir)
     failures = result.failures
     if failures:
         names = ", ".join(f["message"] for f in failures)
@@ -201,9 +189,9 @@ def _reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
     encoding and the report's decoding. None without a tokenizer; with token-id data, a
     tokenizer that is refused only costs the report its decoded text (said in a note; False).
     """
+    from fp8export.inputs.eval_data import tokenizer_folder
     from fp8export.inputs.samples import TEXT_SUFFIXES
     from fp8export.inputs.tokenizer import has_tokenizer, open_tokenizer
-    from fp8export.verify.data import tokenizer_folder
 
     folder = tokenizer_folder(cfg.reference)
     if not has_tokenizer(folder):
@@ -226,15 +214,15 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
          thr_source: str, thresholds, folder_format, floor_runner=None,
          tokenizer=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
+    from fp8export.analysis.confidence import assess
+    from fp8export.inputs.eval_data import load_verify_samples
     from fp8export.models import task_of
-    from fp8export.verify.confidence import assess
-    from fp8export.verify.data import load_verify_samples
     from fp8export.verify.family import DESCRIPTIONS, MetricFamily, family_of, new_comparison
     from fp8export.verify.metrics import class_logits
     from fp8export.verify.noise_floor import FLOOR_DTYPE, side_by_side
     from fp8export.verify.provenance import header
-    from fp8export.verify.report_samples import worst_samples
     from fp8export.verify.thresholds import evaluate
+    from fp8export.verify.worst_samples import worst_samples
 
     per_layer = None
     with contextlib.ExitStack() as running:
@@ -266,7 +254,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
         probe = None
         if cfg.per_layer:
             if kind == "fp8-folder":
-                from fp8export.verify.per_layer import PerLayerProbe
+                from fp8export.analysis.per_layer import PerLayerProbe
 
                 probe = PerLayerProbe(ref_runner.model, cand_runner.model, cand_runner.manifest)
             else:

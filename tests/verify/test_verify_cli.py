@@ -178,8 +178,8 @@ def test_independently_written_folder_and_dynamic_activations(tiny_llama, eval_n
     """A folder written from docs/fp8-folder.md alone, and a weights-only (dynamic) convert."""
     from fp8_folders import make_fp8_folder, write_fp8_folder
 
+    from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     for cand in (write_fp8_folder(tiny_llama, tmp_path / "indep"),
                  make_fp8_folder(tiny_llama, tmp_path / "dyn", static=False)):
