@@ -258,8 +258,8 @@ def fp8_candidate(ref, modules, groups, amax):
 
     from fp8export import placement
     from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
-    from fp8export.runners.fp8_fused import fuse_projections
-    from fp8export.runners.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_fused import fuse_projections
+    from fp8export.runtime.fp8_linear import Fp8Linear
     from fp8export.scales.groups import share_max
 
     with placement.empty_weights():

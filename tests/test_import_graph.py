@@ -25,6 +25,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("fp8 folder", {"fp8dir"}),
     ("models", {"models", "moe", "keras_model"}),
     ("inputs", {"inputs"}),
+    ("runtime", {"runtime"}),
     ("calibration", {"calibration"}),
     ("plots", {"plots"}),
     ("onnx", {"onnx"}),

@@ -109,8 +109,8 @@ def test_fp8_runtime_runs_expert_gemms_in_fp8(moe_src, tmp_path, monkeypatch):
     from fp8export.api import convert
     from fp8export.config import ConvertConfig
     from fp8export.moe import ExpertLinears
-    from fp8export.runners.fp8_linear import Fp8Linear
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     out = tmp_path / "fp8"
     convert(ConvertConfig(checkpoint=moe_src, output=out))
@@ -142,7 +142,7 @@ def test_spread_loaders_take_moe_checkpoints(moe_src, tmp_path):
     from fp8export.api import convert
     from fp8export.config import ConvertConfig
     from fp8export.models import load_model, load_model_spread
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     spread, _, placed = load_model_spread(moe_src, {"cpu": 1 << 30})
     plain, _ = load_model(moe_src)

@@ -43,7 +43,7 @@ import torch
 from fp8export._progress import info, progress
 from fp8export.analysis.fallback_units import Base, base_units, greedy_path, predicted, structures
 from fp8export.errors import Fp8ExportError
-from fp8export.runners.fp8_linear import Fp8Linear
+from fp8export.runtime.fp8_linear import Fp8Linear
 
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQ_LEN = 128
@@ -275,7 +275,7 @@ class FallbackSearch:
         """KL of the written FP8 folder (through the FP8 runtime) on the held-out samples (the
         search tokens when the data has none, or with ``held_out=False``), with its interval
         and its gap to the search's measurement ``kl_selected``."""
-        from fp8export.runners.fp8_model import load_fp8_model
+        from fp8export.runtime.fp8_model import load_fp8_model
 
         t0 = time.perf_counter()
         batches, where = self.held_out, "held-out"

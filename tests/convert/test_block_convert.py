@@ -202,7 +202,7 @@ def test_an_fp8_kv_cache_goes_with_block_weights(tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
     assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "group"
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     info = load_fp8_model(out, dtype=torch.float32, mode="emulate")[3]
     assert info["kv_cache"].startswith("fp8") and info["weight_granularity"] == "block"

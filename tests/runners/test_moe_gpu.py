@@ -23,7 +23,7 @@ def test_expert_gemms_scaled_mm_match_emulation(family, tmp_path):
     from fp8export.api import convert
     from fp8export.config import ConvertConfig
     from fp8export.moe import expert_summary
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     src = save_family(family, tmp_path / "src")
     out = tmp_path / "fp8"

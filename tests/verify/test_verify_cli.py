@@ -163,7 +163,7 @@ def test_cuda_without_gpu_is_bad_input(run_cli, tiny_llama, tiny_fp8, tmp_path):
 
 @pytest.mark.gpu
 def test_scaled_mm_runtime_passes_on_gpu(run_cli, tiny_llama, tiny_fp8, eval_npz, tmp_path):
-    from fp8export.runners.fp8_linear import scaled_mm_available
+    from fp8export.runtime.fp8_linear import scaled_mm_available
 
     if not scaled_mm_available("cuda"):
         pytest.skip("needs compute capability >= 8.9")
