@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
     from fp8export.inspect.result import InspectResult
     from fp8export.onnx.export import ExportOnnxConfig, ExportResult
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import VerifyResult
+    from fp8export.verify.result import VerifyResult
 
 
 def convert(config: ConvertConfig) -> ConvertResult:

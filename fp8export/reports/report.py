@@ -21,7 +21,7 @@ from fp8export.errors import Fp8ExportError
 
 if TYPE_CHECKING:
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import VerifyResult
+    from fp8export.verify.result import VerifyResult
 
 JSON_KEYS_ORDER = ("passed", "backend", "samples", "metrics", "thresholds", "failures",
                    "per_layer", "header")

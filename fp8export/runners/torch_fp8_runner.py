@@ -40,7 +40,6 @@ class TorchFp8Runner(TorchModelRunner):
         self.mode = mode
         self.compile = compile
         self.info: dict[str, Any] = {}
-        self.manifest: dict[str, Any] = {}
         self.execution: dict[str, str] = {}
 
     def _build(self):
