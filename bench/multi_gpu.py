@@ -128,7 +128,7 @@ def identity(work: Path, args) -> dict:
 
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
 

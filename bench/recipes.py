@@ -109,7 +109,7 @@ def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path
               which: str) -> dict:
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fp8export.calibration.config import ConvertCalibration
 from fp8export.errors import Fp8ExportError
 from fp8export.runtime.kv_cache import kv_hook
 
@@ -37,8 +38,8 @@ def observe_kv(model, batches, input_device) -> dict[str, tuple[float, float]]:
     return {n: (a[0], a[1]) for n, a in amax.items()}
 
 
-def kv_cache_ranges(cfg, checkpoint: Path) -> tuple[dict[str, tuple[float, float]],
-                                                    dict[str, Any]]:
+def kv_cache_ranges(cfg: ConvertCalibration, checkpoint: Path
+                    ) -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
     """``convert --kv-cache fp8``: (attention module -> (k amax, v amax), facts for the
     manifest), calibrated on ``cfg.calib_data`` with the bf16 model."""
     import time

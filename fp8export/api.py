@@ -1,6 +1,9 @@
 """The library's verbs, one per CLI command (DESIGN.md "Data flow").
 
-Each takes a frozen config and returns a JSON-serialisable result object. Imports are lazy so
+Each takes a frozen config and returns a JSON-serialisable result object. The configs live with
+their stage: ``fp8export.convert.config.ConvertConfig``, ``fp8export.calibration.config.
+CalibrateConfig``, ``fp8export.onnx.export.ExportOnnxConfig``, ``fp8export.engine.build.
+BuildEngineConfig``, ``fp8export.verify.config.VerifyConfig``. Imports are lazy so
 ``import fp8export.api`` stays cheap.
 """
 
@@ -12,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
     from fp8export.calibration.api import CalibrationResult
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.convert.pipeline import ConvertResult
     from fp8export.engine.build import BuildEngineConfig, BuildEngineResult
     from fp8export.inspect.result import InspectResult

@@ -120,7 +120,7 @@ def python_exe() -> str:
 def keras_float8_folder(tmp_path_factory) -> Path:
     """The shipped Keras float8 sample converted with ``--scales history`` (read-only)."""
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     out = tmp_path_factory.mktemp("keras-float8") / "fp8"
     convert(ConvertConfig(checkpoint=SAMPLES / "keras-float8" / "model" / "float8_model.keras",

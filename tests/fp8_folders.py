@@ -146,7 +146,7 @@ def make_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
     import numpy as np
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     calib = None
     if static:

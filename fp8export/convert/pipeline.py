@@ -43,16 +43,16 @@ from fp8export._progress import progress
 from fp8export._timings import Timings
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
-from fp8export.config import (
+from fp8export.config import OutputFormat
+from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.checks import check_inputs
+from fp8export.convert.config import (
     ConvertConfig,
     DynamicActivations,
     KvCache,
-    OutputFormat,
     WeightGranularity,
     WeightRounding,
 )
-from fp8export.convert.activation import resolve_activation_ranges
-from fp8export.convert.checks import check_inputs
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
-from fp8export.config import ConvertConfig, ScaleSource
+from fp8export.config import ScaleSource
 from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.fp8dir.reader import read_fp8_folder
 from fp8export.numerics.metrics import rel_l2

@@ -213,7 +213,7 @@ def test_gpt2_conv1d_in_out_layout(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig, export_onnx
     from fp8export.runtime.fp8_model import load_fp8_model
 

@@ -63,7 +63,7 @@ def block_pair(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     root = tmp_path_factory.mktemp("peer-block")
     torch.manual_seed(0)

@@ -194,7 +194,7 @@ def test_a_block_folder_runs_on_the_gpu(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.runtime.fp8_model import load_fp8_model
 
     _fp8_gpu()

@@ -19,7 +19,7 @@ def llama_fp8(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llama")

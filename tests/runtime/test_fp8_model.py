@@ -19,7 +19,7 @@ def gpt2_pair(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

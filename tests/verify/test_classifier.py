@@ -10,7 +10,7 @@ def bert_pair(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     d = tmp_path_factory.mktemp("bert")
     torch.manual_seed(0)

