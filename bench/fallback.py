@@ -1,19 +1,23 @@
 #!/usr/bin/env python
 """``convert --accuracy-budget`` on a real decoder: kept parameters, search cost against one
-``verify`` run of the same data, and the ``default`` gate on held-out text.
+``verify`` run of the same data, the ``default`` gate on held-out text, and how far the
+search's estimate is from what held-out text measures.
 
-    python bench/fallback.py --model /tmp/smollm2-135m --budget 0.01
+    python bench/fallback.py --model samples/smollm2/model --budget 0.008 \
+        --scales weights --dynamic-activations token --weight-rounding gptq
 
 Steps (one process, same machine state for all):
-1. ``convert`` with the recipe (``--scales calibrate``, ``max``, per-tensor weights by default)
-   and ``--accuracy-budget``; the search measures on ``--accuracy-samples`` samples of the
-   calibration text. Its cost is what the manifest records (load, score, measurements, the
-   written folder's check).
-2. The baseline: one ``verify`` of the full-FP8 folder on the same data (same samples, same
-   sequence length) — what the issue's "at most 3x one verify run" compares against.
-3. ``verify`` of the folder convert wrote, on held-out eval text, with the ``default`` gate.
+1. ``convert`` with the recipe and ``--accuracy-budget``; the search runs on
+   ``--accuracy-samples`` samples of the calibration text and checks the written folder on the
+   samples that follow them. Its cost is what the manifest records (load, score, measurements,
+   the written folder's check).
+2. The baseline: one ``verify`` of the full-FP8 folder (same recipe, no budget) on the search's
+   data (same samples, same sequence length) — what "at most 3x one verify run" compares
+   against.
+3. ``verify`` of the full-FP8 folder and of the folder convert wrote, on held-out eval text
+   (disjoint from the calibration text), with the ``default`` gate.
 
-Writes ``bench/results/fallback.json`` and ``fallback.md``.
+Writes ``bench/results/fallback.json`` and ``fallback.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -58,9 +62,10 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.01)
     ap.add_argument("--weight-granularity", default="tensor")
     ap.add_argument("--scales", default="calibrate", choices=("calibrate", "weights"))
-    ap.add_argument("--dynamic-activations", default="tensor", choices=("tensor", "token"))
+    ap.add_argument("--dynamic-activations", default="token", choices=("tensor", "token"))
+    ap.add_argument("--weight-rounding", default="nearest", choices=("nearest", "gptq"))
     ap.add_argument("--calib-samples", type=int, default=64)
-    ap.add_argument("--accuracy-samples", type=int, default=16)
+    ap.add_argument("--accuracy-samples", type=int, default=32)
     ap.add_argument("--eval-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fallback")
@@ -74,27 +79,37 @@ def main() -> None:
         common = dict(checkpoint=args.model, scales=args.scales, calib_data=args.calib_data,
                       calib_samples=args.calib_samples, seq_len=args.seq_len,
                       weight_granularity=args.weight_granularity,
-                      dynamic_activations=args.dynamic_activations)
+                      dynamic_activations=args.dynamic_activations,
+                      weight_rounding=args.weight_rounding)
+        # the all-FP8 folder first (quick, and a bad option fails before the search); weight
+        # scales with nearest rounding read no calibration text
+        needs_data = args.scales == "calibrate" or args.weight_rounding == "gptq"
+        api.convert(ConvertConfig(output=work / "full",
+                                  **dict(common, calib_data=args.calib_data if needs_data
+                                         else None)))
         t0 = time.perf_counter()
         res = api.convert(ConvertConfig(output=work / "budget", accuracy_budget=args.budget,
                                         accuracy_samples=args.accuracy_samples, **common))
         convert_s = time.perf_counter() - t0
         fb = res.accuracy_budget
-        api.convert(ConvertConfig(output=work / "full", **common))
         _, baseline_s = _verify(args.model, work / "full", args.calib_data,
                                 args.accuracy_samples, args.seq_len, work)
         full, _ = _verify(args.model, work / "full", args.eval_data, args.eval_samples,
                           args.seq_len, work)
         gated, gate_s = _verify(args.model, work / "budget", args.eval_data, args.eval_samples,
                                 args.seq_len, work)
+    # samples/<name>/model folders are named by their sample
+    label = args.model.parent.name if args.model.name == "model" else args.model.name
     doc = {
-        "machine": machine_info(REPO), "model": args.model.name, "budget_kl": args.budget,
+        "machine": machine_info(REPO), "model": label, "budget_kl": args.budget,
         "weight_granularity": args.weight_granularity, "scales": args.scales,
         "dynamic_activations": args.dynamic_activations,
-        "search": {k: fb[k] for k in ("kept_layers", "candidate_layers", "kept_params",
-                                      "linear_params", "kept_param_fraction", "kl_all_fp8",
-                                      "kl_selected", "written", "evaluations", "seconds",
-                                      "keep", "samples", "tokens")},
+        "weight_rounding": args.weight_rounding,
+        "search": {k: fb.get(k) for k in ("kept_layers", "candidate_layers", "kept_params",
+                                          "linear_params", "kept_param_fraction", "kl_all_fp8",
+                                          "kl_selected", "kl_selected_interval", "written",
+                                          "evaluations", "seconds", "keep", "steps",
+                                          "samples", "tokens", "held_out_samples")},
         "convert_with_budget_s": round(convert_s, 1),
         "baseline_verify_same_data_s": round(baseline_s, 1),
         "search_cost_ratio": round(fb["seconds"]["total"] / baseline_s, 2),
@@ -103,18 +118,25 @@ def main() -> None:
         "fallback_eval": {"passed": gated.passed, "failures": [f["message"] for f in
                                                                 gated.failures],
                           **{k: gated.metrics.get(k) for k in (
-                              "top1_agreement", "kl_mean", "cosine_mean", "cosine_min")}},
+                              "top1_agreement", "kl_mean", "cosine_mean", "cosine_min",
+                              "ppl_ratio", "tokens")},
+                          "confidence": gated.confidence},
+        # > 0: held-out text measures more KL than the search estimated on its own data
+        "estimate_gap_eval": gated.metrics["kl_mean"] / fb["kl_selected"] - 1.0,
+        "estimate_gap_calib_held_out": fb["written"].get("gap"),
         "eval": {"data": args.eval_data.name, "samples": args.eval_samples,
                  "seq_len": args.seq_len},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     s, f, g = doc["search"], doc["full_fp8_eval"], doc["fallback_eval"]
+    w = s["written"]
     md = "\n".join([
-        f"# convert --accuracy-budget {args.budget} on {args.model.name}", "",
+        f"# convert --accuracy-budget {args.budget} on {label}", "",
         f"Recipe: --scales {args.scales}, weights per {args.weight_granularity}"
         + (f", dynamic activations per {args.dynamic_activations}"
-           if args.scales == "weights" else ", calibrator max") + ".", "",
+           if args.scales == "weights" else ", calibrator max")
+        + f", --weight-rounding {args.weight_rounding}.", "",
         "| | value | target |", "|---|---|---|",
         f"| linears kept in bf16 | {s['kept_layers']} of {s['candidate_layers']} | |",
         f"| linear parameters kept in bf16 | {100 * s['kept_param_fraction']:.1f}% | <= 20% |",
@@ -128,7 +150,15 @@ def main() -> None:
         f"| held-out eval, all FP8: top-1 / KL / `default` | {f['top1_agreement']:.4f} / "
         f"{f['kl_mean']:.3e} / {'pass' if f['passed'] else 'fail'} | |",
         f"| held-out eval, with fallback: top-1 / KL / `default` | {g['top1_agreement']:.4f} / "
-        f"{g['kl_mean']:.3e} / {'pass' if g['passed'] else 'fail'} | pass |", "",
+        f"{g['kl_mean']:.3e} / {'pass' if g['passed'] else 'fail'} | pass |",
+        f"| written folder on {w.get('samples')} {w.get('data')} calibration samples (manifest) "
+        f"| KL {w['kl']:.3e}, gap {100 * (w.get('gap') or 0):+.0f}% | |",
+        f"| held-out eval KL against the search's estimate | "
+        f"{100 * doc['estimate_gap_eval']:+.0f}% | |",
+        f"| verdict confidence on the eval (95% bootstrap) | "
+        f"{(g.get('confidence') or {}).get('verdict')} | certain |", "",
+        "Steps kept (unit: layers): " + "; ".join(
+            f"{st['unit']} ({len(st['layers'])})" for st in (s.get("steps") or [])), "",
         f"Eval: {args.eval_samples} samples x {args.seq_len} tokens of {args.eval_data.name}; "
         f"search data: {s['samples']} samples of {args.calib_data.name}. Shared 2-core machine "
         f"(load {doc['machine']['load_avg_1m_at_start']} at start): the ratio compares runs "

@@ -106,11 +106,22 @@ class WeightGranularity(StrEnum):
 class DynamicActivations(StrEnum):
     """How layers without a static input scale scale their input at run time
     (``convert --dynamic-activations``): one amax per tensor, one per token (row), or one per
-    token and group of ``block_size[1]`` input elements (block-scaled weights only)."""
+    token and group of ``block_size[1]`` input elements (block-scaled weights only). Per token
+    is the default for tensor and channel weights: what vLLM runs for dynamic inputs
+    (compressed-tensors always; its native fp8 dialect on GPUs with CUTLASS FP8); per group for
+    block weights, their only scheme."""
 
     TENSOR = "tensor"
     TOKEN = "token"
     GROUP = "group"
+
+
+class WeightRounding(StrEnum):
+    """How weights reach the E4M3 grid of their scale (``convert --weight-rounding``): each to
+    its nearest value, or GPTQ (codes chosen for the layer's output on ``--calib-data``)."""
+
+    NEAREST = "nearest"
+    GPTQ = "gptq"
 
 
 class KvCache(StrEnum):
@@ -165,14 +176,16 @@ class ConvertConfig:
     include: tuple[str, ...] = ()
     fuse_scales: bool = True
     weight_granularity: WeightGranularity = WeightGranularity.TENSOR
-    dynamic_activations: DynamicActivations = DynamicActivations.TENSOR
+    # None: token, or group for block weights (resolved in __post_init__)
+    dynamic_activations: DynamicActivations | None = None
+    weight_rounding: WeightRounding = WeightRounding.NEAREST
     block_size: tuple[int, int] | None = None  # (bn, bk) of block granularity; (128, 128)
     kv_cache: KvCache = KvCache.NONE
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (verify/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
-    accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
+    accuracy_samples: int | None = None  # samples the budget is measured on (default 32)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -183,9 +196,10 @@ class ConvertConfig:
                            ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
                            ("weight_granularity", WeightGranularity),
                            ("dynamic_activations", DynamicActivations),
-                           ("kv_cache", KvCache)):
+                           ("weight_rounding", WeightRounding), ("kv_cache", KvCache)):
             option = f"--{name.replace('_', '-')}"
-            object.__setattr__(self, name, enum.parse(getattr(self, name), option))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, enum.parse(getattr(self, name), option))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "include", tuple(self.include))
         self._check_block()
@@ -195,6 +209,9 @@ class ConvertConfig:
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
+        if self.weight_rounding is WeightRounding.GPTQ and self.calib_data is None:
+            raise UsageError("--weight-rounding gptq rounds each weight for its layer's output "
+                             "on sample inputs: give --calib-data PATH.")
         if self.kv_cache is KvCache.FP8 and self.calib_data is None:
             raise UsageError("--kv-cache fp8 calibrates the keys and values: give --calib-data "
                              "PATH.")
@@ -229,7 +246,8 @@ class ConvertConfig:
             raise UsageError("--scales weights takes no activation ranges, so --calib-amax would "
                              "be ignored. Drop one of them.")
         if self.scales is ScalesMode.WEIGHTS and self.calib_data is not None \
-                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None:
+                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None \
+                and self.weight_rounding is WeightRounding.NEAREST:
             raise UsageError("--scales weights calibrates nothing, so --calib-data would be "
                              "ignored. Drop --calib-data, or use --scales calibrate.")
         if self.percentile is not None:
@@ -260,11 +278,14 @@ class ConvertConfig:
             if self.dynamic_activations is DynamicActivations.GROUP:
                 raise UsageError("--dynamic-activations group goes with --weight-granularity "
                                  "block (its group size is the block's input size).")
+            if self.dynamic_activations is None:
+                object.__setattr__(self, "dynamic_activations", DynamicActivations.TOKEN)
             return
-        if self.dynamic_activations is DynamicActivations.TOKEN:
+        if self.dynamic_activations in (DynamicActivations.TOKEN, DynamicActivations.TENSOR):
             raise UsageError("--weight-granularity block quantizes activations per token group "
                              "of the block's input size (what vLLM and transformers run for "
-                             "block-scaled FP8); drop --dynamic-activations token.")
+                             "block-scaled FP8); drop --dynamic-activations "
+                             f"{self.dynamic_activations}.")
         object.__setattr__(self, "dynamic_activations", DynamicActivations.GROUP)
         if self.format is OutputFormat.MODELOPT:
             raise UsageError("--format modelopt cannot hold block weight scales (ModelOpt's "

@@ -79,12 +79,18 @@ def _choice(*values: str) -> click.Choice:
               help="Block of --weight-granularity block: N output rows x K input columns, or N "
                    "for NxN. Default: 128x128 (what DeepSeek-V3, Qwen3-FP8 and vLLM use).")
 @click.option("--dynamic-activations", type=_choice("tensor", "token", "group"),
-              default="tensor", show_default=True,
               help="Layers without a static input scale quantize their input at run time with "
-                   "one scale per tensor, one per token (what vLLM runs for compressed-tensors "
-                   "dynamic inputs), or one per token and group of the block's K columns (block "
-                   "granularity, where it is the only choice). Recorded in fp8export.json; "
-                   "verify runs it.")
+                   "one scale per token (default: what vLLM runs for dynamic inputs), one per "
+                   "tensor, or one per token and group of the block's K columns (block "
+                   "granularity, where it is the default and the only choice). Declared in "
+                   "config.json and fp8export.json; verify runs what the folder declares.")
+@click.option("--weight-rounding", type=_choice("nearest", "gptq"), default="nearest",
+              show_default=True,
+              help="nearest: each weight to its nearest E4M3 value. gptq: E4M3 codes chosen "
+                   "for each layer's output on --calib-data (GPTQ on the E4M3 grid of the same "
+                   "scales): the same tensors and config, a more accurate model (measured in "
+                   "the README's recipe table); costs a pass over the data and a solve per "
+                   "layer.")
 @click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
               help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
                    "after RoPE and values, as cached) and declare an FP8 KV cache where vLLM "
@@ -94,7 +100,8 @@ def _choice(*values: str) -> click.Choice:
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-samples", type=click.IntRange(min=1),
               help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
-                   "measures on (default 16).")
+                   "searches on (default 32); the next N/2 samples, when the data has them, "
+                   "check the written folder on text the search did not see.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
               help="Keep the fewest linears in high precision such that the measured KL "
                    "divergence (nats per token) of the model convert writes to the bf16 model "
@@ -111,7 +118,8 @@ def _choice(*values: str) -> click.Choice:
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
-            dynamic_activations, kv_cache, device, accuracy_samples, accuracy_budget, workers,
+            dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
+            accuracy_budget, workers,
             force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
@@ -137,7 +145,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
-        block_size=block_size, kv_cache=kv_cache,
+        weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
     )

@@ -131,6 +131,13 @@ def _summary(result) -> None:
                    f"{floor['against']}): " + ", ".join(shown))
     for f in result.failures:
         echo(f"  failed: {f['message']}")
+    conf = result.confidence or {}
+    if conf:
+        echo(f"  verdict {conf['verdict']} ({conf['level']:.0%} bootstrap intervals over "
+             f"{conf['samples']} samples, {conf['tokens']:,} tokens)"
+             + ("" if conf["warnings"] else ": every check is decided"))
+        for w in conf["warnings"]:
+            echo(f"  warning: {w}")
     if result.per_layer:
         worst = result.per_layer[0]
         echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")

@@ -49,6 +49,7 @@ from fp8export.config import (
     KvCache,
     OutputFormat,
     WeightGranularity,
+    WeightRounding,
 )
 from fp8export.convert.activation import resolve_activation_ranges
 from fp8export.convert.checks import check_inputs
@@ -366,10 +367,11 @@ def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
-        # The parallel writer knows per-tensor weight scales only: per-channel scales and KV
-        # cache scales take the general path (one tensor at a time).
+        # The parallel writer knows per-tensor weight scales of the source's own weights only:
+        # per-channel and block scales, KV cache scales and rounded weights take the general
+        # path (one tensor at a time).
         simple = cfg.weight_granularity is WeightGranularity.TENSOR \
-            and cfg.kv_cache is not KvCache.FP8
+            and cfg.kv_cache is not KvCache.FP8 and cfg.weight_rounding is WeightRounding.NEAREST
         run = _Run(fast_path_files(ckpt) if simple else None, early,
                    cfg.workers or default_workers(), timings)
         run.lap("open checkpoint")
@@ -405,6 +407,8 @@ class _Scales:
     search: Any = None  # the accuracy-budget search, to measure the written folder
     budget: dict[str, Any] | None = None  # its result
     block: tuple[int, int] | None = None  # (bn, bk) when the weight scales are block grids
+    rounding: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> GPTQ facts
+    rounding_entry: dict[str, Any] | None = None  # the manifest's weight_rounding entry
 
 
 def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) -> ConvertResult:
@@ -419,17 +423,28 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
 
         check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    rounding, rounding_entry = {}, None
+    if cfg.weight_rounding is WeightRounding.GPTQ:
+        from fp8export.convert.rounding import rounding_step
+
+        # from here on the checkpoint serves the rounded weights: the budget search, the
+        # writer and the read-back all see the codes that are written
+        ckpt, rounding, rounding_entry = rounding_step(cfg, ckpt, sel, weight_scales, notes)
+        run.lap("weight rounding")
     search = budget = None
     if cfg.accuracy_budget is not None:
         sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
         notes.extend(more)
+        if rounding:  # layers kept in high precision are written from the source
+            ckpt = ckpt.only({t.weight for t in sel.targets})
         weight_scales = {m: weight_scales[m] for m in sel.modules}
         input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
         ranges = {m: r for m, r in ranges.items() if m in weight_scales}
     kv, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     dynamic = sorted(set(sel.modules) - set(input_scales))
     scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic,
-                     kv, kv_after, kv_entry, search, budget, _block(cfg))
+                     kv, kv_after, kv_entry, search, budget, _block(cfg),
+                     {m: f for m, f in rounding.items() if m in weight_scales}, rounding_entry)
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format), kv_after=kv_after,
@@ -520,7 +535,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
-                                  kv_cache=scales.kv_entry is not None, block=_block(cfg))
+                                  kv_cache=scales.kv_entry is not None, block=_block(cfg),
+                                  dynamic_strategy=str(cfg.dynamic_activations))
     if dynamic:
         which = "this folder has no static input scales" if not static else \
             f"{len(dynamic)} layer(s) have no static input scale"
@@ -528,10 +544,11 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                      "input scales for FP8 GEMMs, so export-onnx gives those GEMMs 16-bit "
                      "(weight-only FP8); for TensorRT convert with --calib-data FILE")
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
-            and cfg.format is OutputFormat.COMPRESSED_TENSORS:
-        notes.append("dynamic activations are verified per tensor here, while vLLM runs "
-                     "compressed-tensors dynamic inputs per token; --dynamic-activations token "
-                     "verifies what it runs")
+            and cfg.format is not OutputFormat.MODELOPT:
+        notes.append("dynamic activations are declared and verified per tensor, but vLLM "
+                     "quantizes dynamic inputs per token (compressed-tensors always, its fp8 "
+                     "dialect on GPUs with CUTLASS FP8); the default --dynamic-activations "
+                     "token verifies what it runs")
     # first: it decides who can load the folder
     notes[:0] = format_notes(cfg.format, block=_block(cfg) is not None,
                              keras=is_keras_config(ckpt.config))
@@ -579,21 +596,25 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                                      block=scales.block)
             run.lap("read-back")
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
-                             scales.ranges, scales.input, sqnr, plans)
+                             scales.ranges, scales.input, sqnr, plans, scales.rounding)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
             manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
-                measured = scales.search.check_written(tmp)
+                measured = scales.search.check_written(tmp, budget.get("kl_selected"))
                 budget = {**budget, "data": Path(str(budget["data"])).name,
                           "written": measured, "seconds": scales.search.cost()}
                 manifest["accuracy_budget"] = budget
                 write_json(tmp / MANIFEST_NAME, manifest)
+                gap = (f" ({100 * measured['gap']:+.0f}% against the search's "
+                       f"{budget['kl_selected']:.3e})" if "gap" in measured else "")
                 notes.append(f"--accuracy-budget: the written folder measures KL "
-                             f"{measured['kl']:.3e}, top-1 {measured['top1_agreement']:.4f}; "
-                             f"search cost {budget['seconds']['total']:.0f} s")
+                             f"{measured['kl']:.3e}{gap}, top-1 "
+                             f"{measured['top1_agreement']:.4f} on {measured['samples']} "
+                             f"{measured['data']} samples; search cost "
+                             f"{budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
@@ -717,12 +738,16 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
     }
     if scales.kv_entry is not None:
         manifest["kv_cache"] = scales.kv_entry
+    if scales.rounding_entry is not None:
+        manifest["weight_rounding"] = scales.rounding_entry
     return manifest
 
 
 def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
-            plans) -> list[dict[str, Any]]:
-    """The per-layer rows of the manifest and the result, in source order."""
+            plans, rounding=None) -> list[dict[str, Any]]:
+    """The per-layer rows of the manifest and the result, in source order. ``rounding``:
+    per rounded layer its SQNRs against the source weight and on the layer's output (the
+    read-back SQNR of a rounded weight is against the codes it was written from)."""
     import numpy as np
 
     shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
@@ -744,5 +769,6 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
             "input_scale_source": str(r.source) if r else None,
             "input_details": dict(r.details) if r and r.details else {},
+            **(rounding or {}).get(t.module, {}),
         })
     return rows

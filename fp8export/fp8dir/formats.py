@@ -46,7 +46,9 @@ _CT_STATIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "tensor", "symme
 # supported if weights supported"), and CompressedTensorsW8A8Fp8 sets
 # act_q_group_shape = PER_TOKEN when the input scheme is not static
 # (vllm/model_executor/layers/quantization/compressed_tensors/{compressed_tensors.py,
-# schemes/compressed_tensors_w8a8_fp8.py}). Declaring "token" says what the server runs.
+# schemes/compressed_tensors_w8a8_fp8.py}). Declaring "token" (the default) says what the
+# server runs; "tensor" (--dynamic-activations tensor) is what compressed-tensors' own forward
+# then runs, vLLM still goes per token.
 _CT_DYNAMIC_INPUT = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                      "dynamic": True}
 _MODELOPT_ARGS = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -194,10 +196,13 @@ def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str],
 def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[str],
                         ignore: list[str], tool_version: str, per_channel: bool = False,
                         kv_cache: bool = False, block: tuple[int, int] | None = None,
-                        ) -> dict[str, Any]:
-    """The ``quantization_config`` object for config.json (sorted lists, no timestamps)."""
+                        dynamic_strategy: str = "token") -> dict[str, Any]:
+    """The ``quantization_config`` object for config.json (sorted lists, no timestamps).
+    ``dynamic_strategy``: how compressed-tensors' dynamic inputs are declared ("token" or
+    "tensor"; block weights declare their own per-group inputs)."""
     check_supported(fmt, static, dynamic, per_channel, block)
     weights = dict(_CT_WEIGHTS, strategy="channel") if per_channel else dict(_CT_WEIGHTS)
+    dynamic_input = dict(_CT_DYNAMIC_INPUT, strategy=dynamic_strategy)
     ignore = sorted(ignore)
     if block is not None:
         return _block_config(fmt, block, ignore, kv_cache)
@@ -216,10 +221,10 @@ def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[s
         # both: a module would match two groups). Fused siblings share an input scale, so they
         # always land in the same group — vLLM's fused-layer matching needs that.
         groups = {"group_0": _ct_group(sorted(static), _CT_STATIC_INPUT, weights),
-                  "group_1": _ct_group(sorted(dynamic), _CT_DYNAMIC_INPUT, weights)}
+                  "group_1": _ct_group(sorted(dynamic), dynamic_input, weights)}
     else:
         groups = {"group_0": _ct_group(["Linear"], _CT_STATIC_INPUT if static
-                                       else _CT_DYNAMIC_INPUT, weights)}
+                                       else dynamic_input, weights)}
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
             "kv_cache_scheme": dict(_CT_KV) if kv_cache else None,
@@ -260,3 +265,21 @@ def extra_files(fmt: OutputFormat, *, ignore: list[str], tool_version: str,
         "producer": {"name": "fp8export", "version": tool_version},
         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_cache else None,
                          "exclude_modules": sorted(ignore)}}}
+
+
+def declared_dynamic(quantization_config: Any) -> str | None:
+    """How a folder's config.json says its dynamic inputs are quantized: "token" or "tensor"
+    (compressed-tensors' ``strategy`` of a dynamic ``input_activations``), None when it does
+    not say (other dialects, static inputs, or no config)."""
+    if not isinstance(quantization_config, dict):
+        return None
+    groups = quantization_config.get("config_groups")
+    if quantization_config.get("quant_method") != "compressed-tensors" \
+            or not isinstance(groups, dict):
+        return None
+    for group in groups.values():
+        args = group.get("input_activations") if isinstance(group, dict) else None
+        if isinstance(args, dict) and args.get("dynamic") is True \
+                and args.get("strategy") in ("token", "tensor"):
+            return str(args["strategy"])
+    return None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fp8export.checkpoint.model_config import read_model_config
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.errors import Fp8ExportError
+from fp8export.fp8dir.formats import declared_dynamic
 from fp8export.fp8dir.manifest import MANIFEST_NAME, read_manifest
 
 if TYPE_CHECKING:  # torch loads only when a tensor is read
@@ -415,7 +416,9 @@ def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any]
     block = None
     if granularity == "block":
         block = _manifest_block(folder, manifest.get("block_size"))
-    dynamic = manifest.get("dynamic_activations", "tensor")
+    # what config.json declares is what engines run, so it is what the runtime runs
+    dynamic = declared_dynamic(config.get("quantization_config")) if block is None else None
+    dynamic = dynamic or manifest.get("dynamic_activations", "tensor")
     if dynamic not in ("tensor", "token", "group") or (dynamic == "group") != (block is not None):
         raise Fp8ExportError(f"{folder / MANIFEST_NAME}: dynamic_activations {str(dynamic)[:20]!r}"
                              f" does not fit weight_granularity {str(granularity)[:20]!r}. "

@@ -118,7 +118,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         names = {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
                  for m in quantized}
         fallbacks = swap_fp8_linears(model, quantized, tensors, mode=resolved, dtype=dtype,
-                                     where=where, dynamic=dynamic_of(manifest, where),
+                                     where=where, dynamic=dynamic_of(manifest, where, config),
                                      names=names)
         state = model.state_dict()
         loadable = {}
@@ -159,7 +159,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "weight_granularity": fmt.granularity, "block_size": fmt.to_dict()["block_size"],
-            "dynamic_activations": fmt.dynamic or dynamic_of(manifest, where),
+            "dynamic_activations": fmt.dynamic or dynamic_of(manifest, where, config),
             "folder_format": fmt.describe(),
             "fused_groups": len(groups) - len(unfused), "unfused_groups": unfused,
             "kv_cache": kv, "moe": expert_summary(model) or _fused_experts(stored_fused)}
@@ -203,9 +203,16 @@ def _fused_experts(names: list[str]) -> dict[str, Any] | None:
                     "by transformers' own experts module, not in FP8"}
 
 
-def dynamic_of(manifest: dict[str, Any], where: Path) -> str:
-    """How the folder's dynamic layers scale their input: "tensor" (folders written before
-    the option existed) or "token"."""
+def dynamic_of(manifest: dict[str, Any], where: Path, config: dict[str, Any] | None = None
+               ) -> str:
+    """How the folder's dynamic layers scale their input: what its config.json declares
+    (compressed-tensors' input strategy: what engines run), else the manifest's record, else
+    "tensor" (folders written before either existed)."""
+    from fp8export.fp8dir.formats import declared_dynamic
+
+    declared = declared_dynamic((config or {}).get("quantization_config"))
+    if declared is not None:
+        return declared
     value = manifest.get("dynamic_activations", "tensor")
     if value not in DYNAMIC and value != "mixed":
         raise Fp8ExportError(f"{where}: fp8export.json has dynamic_activations {str(value)[:20]!r}"
@@ -285,7 +292,8 @@ def _load_keras_fp8(where: Path, device: torch.device, dtype: torch.dtype, mode:
         # the rebuilt layers hold the biases as the Keras layers compute with them
         fallbacks = swap_fp8_linears(model, quantized, folder.tensors, mode=mode, dtype=dtype,
                                      where=where, keep_bias=True,
-                                     dynamic=dynamic_of(folder.manifest, where))
+                                     dynamic=dynamic_of(folder.manifest, where,
+                                                        folder.config))
     info = {"mode": mode, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": folder.manifest.get("activation_scheme"),
             "fused_groups": 0, "unfused_groups": {}}  # Keras runs q, k, v as separate GEMMs

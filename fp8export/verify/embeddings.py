@@ -71,6 +71,17 @@ class EmbeddingComparison:
     def samples(self) -> int:
         return len(self.per_sample)
 
+    def sample_stats(self):
+        """Per-sample statistics for the bootstrap (``confidence.SampleStats``); the
+        neighbour agreement compares samples with each other and is not resampled."""
+        from fp8export.verify.confidence import SampleStats
+
+        r, c = np.stack(self._ref), np.stack(self._cand)
+        cols = {"cosine": [s["cosine"] for s in self.per_sample],
+                "max_abs": [s["max_abs"] for s in self.per_sample],
+                "err_sq": ((c - r) ** 2).sum(1), "ref_sq": (r * r).sum(1)}
+        return SampleStats({k: np.asarray(v, dtype=np.float64) for k, v in cols.items()})
+
     def result(self) -> dict[str, Any]:
         if not self.per_sample:
             raise Fp8ExportError("no sample had any real (unmasked) token, so there is nothing "

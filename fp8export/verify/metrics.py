@@ -109,6 +109,10 @@ class Comparison:
         self._correct = [0, 0]
         self._labelled = 0
         self._scatter: list[np.ndarray] = []
+        # per sample, for the bootstrap (confidence.py): squared errors, NLL sums, labels
+        self._sums: dict[str, list[float]] = {k: [] for k in (
+            "err_sq", "ref_sq", "nll_reference", "nll_candidate", "nll_tokens", "labelled",
+            "correct_reference", "correct_candidate")}
         self.vocab: int | None = None
 
     def add(self, ref_logits: np.ndarray, cand_logits: np.ndarray, *,
@@ -160,8 +164,12 @@ class Comparison:
                    "cosine": cos, "rel_l2": math.sqrt(esq / rsq) if rsq else math.inf,
                    "max_abs": mabs, "kl_mean": float(tm["kl"].mean()),
                    "top1_agreement": float(tm["top1"].mean()), **_divergence(r64, c64, tm["kl"])}
+            sums = dict.fromkeys(self._sums, 0.0)
+            sums.update(err_sq=esq, ref_sq=rsq)
             if nll_r is not None and int(cnt[i]) > 0:
                 n = int(cnt[i])
+                sums.update(nll_reference=float(nll_r[i]), nll_candidate=float(nll_c[i]),
+                            nll_tokens=n)
                 row["ppl_reference"] = math.exp(float(nll_r[i]) / n)
                 row["ppl_candidate"] = math.exp(float(nll_c[i]) / n)
                 self._nll[0] += float(nll_r[i])
@@ -174,6 +182,10 @@ class Comparison:
                 self._correct[0] += int(pr == lab)
                 self._correct[1] += int(pc == lab)
                 self._labelled += 1
+                sums.update(labelled=1, correct_reference=int(pr == lab),
+                            correct_candidate=int(pc == lab))
+            for k, v in sums.items():
+                self._sums[k].append(float(v))
             self.per_sample.append(row)
             self._keep_scatter(r, c)
 
@@ -190,6 +202,28 @@ class Comparison:
     @property
     def samples(self) -> int:
         return len(self.per_sample)
+
+    def sample_stats(self):
+        """Per-sample statistics for the bootstrap (``confidence.SampleStats``)."""
+        from fp8export.verify.confidence import SampleStats
+
+        tok = self._tok
+        cols = {"tokens": [a.size for a in tok["kl"]], "kl_sum": [a.sum() for a in tok["kl"]],
+                "top1_sum": [a.sum() for a in tok["top1"]],
+                "top5_sum": [a.sum() for a in tok["top5"]],
+                "cosine": [s["cosine"] for s in self.per_sample],
+                "cosine_token_min": [a.min() for a in tok["cosine"]],
+                "max_abs": [s["max_abs"] for s in self.per_sample],
+                "kl_max": [a.max() for a in tok["kl"]],
+                "prob_max": [a.max() for a in tok["prob"]], **self._sums}
+        if not self._nll_count:
+            for k in ("nll_reference", "nll_candidate", "nll_tokens"):
+                cols.pop(k)
+        if not self._labelled:
+            for k in ("labelled", "correct_reference", "correct_candidate"):
+                cols.pop(k)
+        return SampleStats({k: np.asarray(v, dtype=np.float64) for k, v in cols.items()},
+                           token_kl=list(tok["kl"]))
 
     def result(self) -> dict[str, Any]:
         """``{"metrics": {...}, "per_sample": [...], "distributions": {...}}`` (plain types)."""

@@ -183,6 +183,28 @@ def threshold_text(check: dict[str, Any]) -> str:
     return f"{sym} {bound:g}"
 
 
+def interval_text(check: dict[str, Any]) -> str:
+    """A check's confidence interval as shown ("[0.0171, 0.0236] ⚠" when it holds the
+    threshold), or "–" where none was computed."""
+    iv = check.get("interval")
+    if not iv:
+        return "–"
+    return f"[{format_value(iv[0])}, {format_value(iv[1])}]" + (
+        "" if check.get("decided", True) else " ⚠")
+
+
+def confidence_summary(result: dict[str, Any]) -> tuple[str, list[str]]:
+    """``(one line, warnings)`` on how certain the verdict is (confidence.py); empty when the
+    result has no intervals."""
+    conf = result.get("confidence") or {}
+    if not conf:
+        return "", []
+    head = (f"Verdict {conf['verdict']}: {conf['level']:.0%} intervals from {conf['resamples']} "
+            f"bootstrap resamples of the {conf['samples']} samples ({conf['tokens']:,} tokens); "
+            "⚠ marks a check whose interval holds its threshold.")
+    return head, list(conf.get("warnings") or [])
+
+
 def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
     floor = result.get("noise_floor") or {}
@@ -254,11 +276,16 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     if failed:
         lines.append("**Failing metrics:** " + ", ".join(f"`{c['metric']}`" for c in failed))
         lines.append("")
-    lines += ["| check | value | threshold | result |", "|---|---|---|---|"]
+    level = (result.get("confidence") or {}).get("level", 0.95)
+    lines += [f"| check | value | {level:.0%} interval | threshold | result |",
+              "|---|---|---|---|---|"]
     icon = {"passed": "✅ pass", "failed": "❌ FAIL", "skipped": "➖ n/a"}
     for c in result["checks"]:
-        lines.append(f"| `{c['metric']}` | {format_value(c['value'])} | {threshold_text(c)} | "
-                     f"{icon[c['status']]} |")
+        lines.append(f"| `{c['metric']}` | {format_value(c['value'])} | {interval_text(c)} | "
+                     f"{threshold_text(c)} | {icon[c['status']]} |")
+    head, warnings = confidence_summary(result)
+    if head:
+        lines += ["", f"**{md_escape(head)}**"] + [f"- ⚠ {md_escape(w)}" for w in warnings]
     floor_rows = noise_floor_rows(result)
     if floor_rows:
         dtype = result["noise_floor"]["reference_dtype"]

@@ -11,9 +11,11 @@ from fp8export.verify.report import (
     NOISE_FLOOR_HEAD,
     NOISE_FLOOR_TEXT,
     NOISE_FLOOR_TITLE,
+    confidence_summary,
     format_db,
     format_value,
     header_rows,
+    interval_text,
     metric_rows,
     noise_floor_rows,
     threshold_text,
@@ -62,15 +64,21 @@ def _header(result: dict[str, Any]) -> list[str]:
 
 
 def _checks(result: dict[str, Any]) -> list[str]:
+    level = (result.get("confidence") or {}).get("level", 0.95)
     parts = ["<h2 id='checks'>Threshold checks</h2><table><tr><th>metric</th><th>value</th>"
-             "<th>threshold</th><th>result</th></tr>"]
+             f"<th>{level:.0%} interval</th><th>threshold</th><th>result</th></tr>"]
     cls = {"passed": "pass", "failed": "fail", "skipped": "na"}
     for c in result["checks"]:
         parts.append(f"<tr><td><code>{_e(c['metric'])}</code></td>"
                      f"<td class='num'>{_e(format_value(c['value']))}</td>"
+                     f"<td class='num'>{_e(interval_text(c))}</td>"
                      f"<td class='num'>{_e(threshold_text(c))}</td>"
                      f"<td class='{cls[c['status']]}'>{_e(c['status'])}</td></tr>")
     parts.append("</table>")
+    head, warnings = confidence_summary(result)
+    if head:
+        parts.append(f"<p class='muted'>{_e(head)}</p>")
+        parts += [f"<p class='note'>⚠ {_e(w)}</p>" for w in warnings]
     return parts + _noise_floor(result)
 
 

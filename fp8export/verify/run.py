@@ -47,6 +47,7 @@ class VerifyResult:
     worst_samples: list[dict[str, Any]] = field(default_factory=list)  # with their text
     family: str = "logits"  # which metrics judged the model (family.py)
     noise_floor: dict[str, Any] | None = None  # the reference against fp32 (noise_floor.py)
+    confidence: dict[str, Any] | None = None  # bootstrap intervals of the checks (confidence.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,6 +227,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
          tokenizer=None) -> VerifyResult:
     """Load, infer and compare (the part under the time limit); no reports written."""
     from fp8export.models import task_of
+    from fp8export.verify.confidence import assess
     from fp8export.verify.data import load_verify_samples
     from fp8export.verify.family import DESCRIPTIONS, MetricFamily, family_of, new_comparison
     from fp8export.verify.metrics import class_logits
@@ -351,6 +353,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                      f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
                      "report judges the folder as it is now, not the converted one.")
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
+    confidence = assess(checks, cmp.sample_stats(), tokens=int(compared["metrics"]["tokens"]))
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
     described = {}
@@ -369,6 +372,7 @@ def _run(cfg: VerifyConfig, ref_runner, cand_runner, kind: str, t0: float, notes
                 "candidate_s": round(t_cand, 3), "floor_s": round(t_floor, 3),
                 "total_s": round(time.perf_counter() - t0, 3)},
         header=head, worst_samples=worst, family=str(family), noise_floor=floor,
+        confidence=confidence,
     )
     return result
 

@@ -170,9 +170,9 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
                     "kl_selected": 0.01, "kept_param_fraction": 0.01, "samples": 2,
                     "data": "builtin"}
 
-        def check_written(self, folder):
+        def check_written(self, folder, kl_selected=None):
             seen["written"] = folder
-            return {"kl": 0.01, "top1_agreement": 1.0}
+            return {"kl": 0.01, "top1_agreement": 1.0, "samples": 2, "data": "held-out"}
 
         def cost(self):
             return {"total": 1.0}

@@ -106,3 +106,51 @@ def test_runtime_runs_what_was_written(tiny_llama, tmp_path, granularity, dynami
     with torch.no_grad():
         got, base = model(input_ids=ids).logits, ref(input_ids=ids).logits
     assert cosine(got, base) > 0.999
+
+
+def test_default_dynamic_folder_declares_and_runs_per_token(tiny_llama, tmp_path):
+    """A default convert without activation ranges declares per-token dynamic inputs (what
+    vLLM runs) and the FP8 runtime runs them per token; --dynamic-activations tensor declares
+    and runs per tensor, with a note that vLLM would still go per token."""
+    from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
+
+    out = tmp_path / "d"
+    res = convert(ConvertConfig(checkpoint=tiny_llama, output=out))
+    group = json.loads((out / "config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]
+    assert group["input_activations"]["strategy"] == "token"
+    assert group["input_activations"]["dynamic"] is True
+    assert json.loads((out / "fp8export.json").read_text())["dynamic_activations"] == "token"
+    assert not any("per tensor" in n for n in res.notes)
+    model, _, _, info = load_fp8_model(out, dtype=torch.float32, mode="emulate")
+    assert info["dynamic_activations"] == "token"
+    assert {m.dynamic for m in fp8_modules(model).values()} == {"token"}
+
+    per_tensor = tmp_path / "t"
+    res = convert(ConvertConfig(checkpoint=tiny_llama, output=per_tensor,
+                                dynamic_activations="tensor"))
+    args = json.loads((per_tensor / "config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]["input_activations"]
+    assert args["strategy"] == "tensor" and args["dynamic"] is True
+    assert any("vLLM quantizes dynamic inputs per token" in n for n in res.notes)
+    assert load_fp8_model(per_tensor, dtype=torch.float32, mode="emulate")[3][
+        "dynamic_activations"] == "tensor"
+
+
+def test_the_config_declaration_wins_over_the_manifest(tiny_llama, tmp_path):
+    """verify runs what config.json declares, which engines read: a manifest saying "tensor"
+    (or nothing, as folders of other tools) does not make a per-token folder run per tensor."""
+    from fp8export.runners.fp8_model import load_fp8_model
+
+    out = tmp_path / "d"
+    convert(ConvertConfig(checkpoint=tiny_llama, output=out))
+    man_path = out / "fp8export.json"
+    man = json.loads(man_path.read_text())
+    man["dynamic_activations"] = "tensor"
+    man_path.write_text(json.dumps(man))
+    assert load_fp8_model(out, dtype=torch.float32, mode="emulate")[3][
+        "dynamic_activations"] == "token"
+    del man["dynamic_activations"]
+    man_path.write_text(json.dumps(man))
+    assert load_fp8_model(out, dtype=torch.float32, mode="emulate")[3][
+        "dynamic_activations"] == "token"

@@ -31,8 +31,10 @@ def test_budget_is_met_by_the_written_folder(tiny_llama, eval_npz, tmp_path):
                    weight_granularity="channel")
     b = res.accuracy_budget
     assert b["keep"] and b["kl_selected"] <= kl_all / 3 < b["kl_all_fp8"]
-    # what was written measures what the search measured (same bytes, same scales)
-    assert b["written"]["kl"] == pytest.approx(b["kl_selected"], rel=1e-3)
+    # the written folder is checked on samples the search did not see, and the gap is said
+    assert b["written"]["data"] == "held-out" and b["written"]["samples"] == 4
+    assert b["written"]["gap"] == pytest.approx(b["written"]["kl"] / b["kl_selected"] - 1)
+    assert b["held_out_samples"] == 4 and b["samples"] == 8
     assert 0 < b["kept_param_fraction"] < 1 and b["seconds"]["total"] > 0
     man = json.loads((tmp_path / "tight" / "fp8export.json").read_text())
     assert man["accuracy_budget"]["keep"] == b["keep"]
@@ -83,3 +85,39 @@ def test_score_finds_the_layer_with_a_bad_scale(tiny_llama, eval_npz):
     assert scores[bad] > 10 * sorted(scores.values())[-2]
     result = search.search(budget=search.kl(set())["kl"] / 2)
     assert result["keep"][0] == bad
+
+
+def test_the_written_folder_measures_what_the_search_measured(tiny_llama, eval_npz, tmp_path):
+    """Same tokens, same bytes, same scales: the folder convert wrote (through the FP8 runtime)
+    measures the search's own measurement of its selection."""
+    res = _convert(tiny_llama, tmp_path / "o", eval_npz, accuracy_budget=1e-5)
+    b = res.accuracy_budget
+    assert b["keep"]
+    search = _search_like_convert(tiny_llama, tmp_path / "o", eval_npz)
+    kept = search.kl(set(b["keep"]))
+    again = search.check_written(tmp_path / "o", held_out=False)
+    assert again["data"] == "search"
+    assert again["kl"] == pytest.approx(kept["kl"], rel=1e-4)
+    assert again["kl"] == pytest.approx(b["kl_selected"], rel=1e-4)
+
+
+def _search_like_convert(src, folder, data):
+    """A search over the layers of ``folder`` as they were written (bytes and scales)."""
+    from safetensors import safe_open
+
+    man = json.loads((folder / "fp8export.json").read_text())
+    budget = man["accuracy_budget"]
+    everything = sorted(set(man["quantized"]) | set(budget["keep"]))
+    full = folder.parent / "full"  # the same options without a budget: every layer in FP8
+    api.convert(ConvertConfig(checkpoint=src, output=full, calib_data=data, scales="calibrate",
+                              calib_samples=8))
+    layers = []
+    with safe_open(str(full / "model.safetensors"), framework="pt") as f:
+        fman = json.loads((full / "fp8export.json").read_text())["quantized"]
+        for m in everything:
+            s_in = f.get_tensor(f"{m}.input_scale") if f"{m}.input_scale" in f.keys() else None
+            layers.append(FallbackLayer(m, f.get_tensor(f"{m}.weight"),
+                                        f.get_tensor(f"{m}.weight_scale").numpy(),
+                                        None if s_in is None else s_in.numpy(),
+                                        fman[m]["fused_group"]))
+    return FallbackSearch(src, layers, data=data, samples=8, seq_len=None)

@@ -85,8 +85,30 @@ def test_markdown_names_failures_and_worst_layer():
     md = markdown(_result())
     assert md.startswith("# fp8export verify: ❌ FAILED")
     assert "**Failing metrics:** `kl_mean`, `cosine_min`" in md
-    assert "| `ppl_ratio` | – | ≤ 1.05 | ➖ n/a |" in md
+    assert "| `ppl_ratio` | – | – | ≤ 1.05 | ➖ n/a |" in md
     assert "`a.b`" in md and "> a note" in md
+
+
+def test_confidence_intervals_and_warnings_in_every_format(tmp_path):
+    res = _result()
+    for c in res["checks"]:
+        if c["metric"] == "top1_agreement":
+            c.update(interval=[0.85, 0.97], decided=False)
+    warning = "top1_agreement = 1: its 95% interval [0.85, 0.97] holds the threshold"
+    res["confidence"] = {"level": 0.95, "resamples": 1000, "samples": 12, "tokens": 1200,
+                         "verdict": "uncertain", "warnings": [warning]}
+    md = markdown(res)
+    assert "| 95% interval |" in md
+    assert "| `top1_agreement` | 1.0000 | [0.8500, 0.9700] ⚠ | ≥ 0.9 | ✅ pass |" in md
+    assert "**Verdict uncertain: 95% intervals from 1000 bootstrap resamples of the 12 samples" \
+        in md
+    assert "- ⚠ top1\\_agreement = 1: its 95% interval \\[0.85, 0.97\\] holds" in md
+    html = html_report(res)
+    assert "<th>95% interval</th>" in html and "[0.8500, 0.9700] ⚠" in html
+    assert "Verdict uncertain" in html and "holds the threshold" in html
+    write_reports(res, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["confidence"]["verdict"] == \
+        "uncertain"
 
 
 def test_header_in_every_format(tmp_path):

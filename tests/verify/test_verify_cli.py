@@ -39,6 +39,14 @@ def test_healthy_fp8_folder_passes_default(run_cli, tiny_llama, tiny_fp8, eval_n
     assert head["data"]["samples"] == 16 and head["backend"] == "torch-fp8"
     shown = html_lib.unescape(re.sub(r"<[^>]+>", "", html))
     assert head["reference"]["sha256"][:12] in shown and head["command"] in shown
+    # how certain the verdict is: an interval per gated metric, in every report and the console
+    conf = rep["confidence"]
+    assert conf["samples"] == 16 and conf["resamples"] == 1000 and conf["level"] == 0.95
+    kl = next(c for c in rep["checks"] if c["metric"] == "kl_mean")
+    assert kl["interval"][0] <= kl["value"] <= kl["interval"][1] and kl["decided"] is True
+    assert conf["intervals"]["kl_mean"] == kl["interval"]
+    assert f"verdict {conf['verdict']} (95% bootstrap intervals over 16 samples" in r.output
+    assert "95% interval" in html and "95% interval" in (rd / "report.md").read_text()
 
 
 def test_damaged_candidate_fails_with_exit_3_and_is_blamed(run_cli, tiny_llama, damaged_fp8,

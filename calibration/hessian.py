@@ -1,0 +1,150 @@
+"""Second moments of linear inputs, ``H = Σ x xᵀ`` over calibration tokens, for error-
+compensating weight rounding (``fp8export.numerics.gptq``).
+
+One forward pre-hook per input stream (members of a fused group — q/k/v, gate/up — share their
+input and so one ``H``) adds ``xᵀ x`` of the batch's real tokens (padding dropped with the
+attention mask) in float32 on the layer's device. ``H`` is ``in × in`` per stream; when the
+streams of a model do not fit :data:`BUDGET_BYTES` at once they are collected in several
+passes over the data, each holding a share. MoE experts run routed (each expert sees the
+tokens the router gives it, as it will when served); an expert no token reached gets no ``H``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8export._progress import progress, stage
+from fp8export.errors import Fp8ExportError
+
+BUDGET_BYTES = 2 << 30  # float32 H matrices held at once; more streams take more passes
+
+
+@dataclass
+class Hessians:
+    """``H`` and its token count per input stream, keyed by the stream's first module (the
+    checkpoint's name); ``stream`` maps every module to that key."""
+
+    hessian: dict[str, Any]
+    tokens: dict[str, int]
+    stream: dict[str, str]
+    samples: int = 0
+    passes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def of(self, module: str):
+        """``(H, tokens)`` of the stream feeding ``module``, or ``(None, 0)``."""
+        key = self.stream.get(module, module)
+        return self.hessian.get(key), self.tokens.get(key, 0)
+
+
+def _passes(keys: list[str], dims: dict[str, int], budget: int) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    used = 0
+    for k in keys:
+        size = 4 * dims[k] ** 2
+        if out[-1] and used + size > budget:
+            out.append([])
+            used = 0
+        out[-1].append(k)
+        used += size
+    return out
+
+
+def input_hessians(checkpoint: Path, data: Path, modules: list[str],
+                   groups: dict[str, list[str]], *, samples: int, seq_len: int | None,
+                   batch_size: int, device: str = "auto", budget: int = BUDGET_BYTES
+                   ) -> Hessians:
+    """``H`` of the inputs of ``modules`` (checkpoint names) on ``samples`` samples of
+    ``data``, run through the bf16 model on ``device``."""
+    import torch
+
+    from fp8export._threads import fit_torch
+    from fp8export.calibration.observe import forward_fn
+    from fp8export.inputs.samples import iter_batches, load_samples
+    from fp8export.models import load_model_placed, max_positions, module_names, vocab_size
+    from fp8export.moe import unfuse_experts
+    from fp8export.placement import resolve_device
+
+    fit_torch()
+    dev = resolve_device(device)
+    with stage(f"loading the bf16 model {checkpoint} for the weight rounding ({dev})"):
+        model, config, _ = load_model_placed(checkpoint, dev, None, dtype=torch.bfloat16)
+        unfuse_experts(model)  # experts see their routed tokens
+    tok_dir = checkpoint if checkpoint.is_dir() else None
+    s = load_samples(data, tok_dir, max_samples=samples, seq_len=seq_len,
+                     max_positions=max_positions(config), vocab_size=vocab_size(config))
+    names = module_names(model, modules)
+    stream = {m: m for m in modules}
+    for members in groups.values():
+        present = [m for m in members if m in stream]
+        for m in present:
+            stream[m] = present[0]
+    keys = sorted(set(stream.values()), key=modules.index)
+    dims = {}
+    for k in keys:
+        try:
+            mod = model.get_submodule(names[k])
+        except AttributeError:
+            raise Fp8ExportError(f"{checkpoint}: no module {k} to collect inputs of for "
+                                 "--weight-rounding.") from None
+        w = getattr(mod, "weight", None)
+        if w is None or w.dim() != 2:
+            raise Fp8ExportError(f"{checkpoint}: {k} has no 2-D weight; --weight-rounding "
+                                 "needs linear layers.")
+        # GPT-2's Conv1D stores [in, out]
+        dims[k] = int(w.shape[0] if type(mod).__name__ == "Conv1D" else w.shape[1])
+    plan = _passes(keys, dims, budget)
+    forward = forward_fn(model, [names[k] for k in keys])
+    hessian: dict[str, Any] = {}
+    tokens: dict[str, int] = {}
+    t0 = time.perf_counter()
+    state: dict[str, Any] = {"rows": None, "shape": None}
+
+    def hook(key: str):
+        def fn(_mod, args):
+            x = args[0].detach()
+            x2 = x.reshape(-1, x.shape[-1])
+            if state["rows"] is not None and tuple(x.shape[:2]) == state["shape"]:
+                x2 = x2[state["rows"].to(x2.device)]
+            if x2.shape[0] == 0:
+                return
+            x2 = x2.to(torch.float32)
+            h = hessian.get(key)
+            if h is None:
+                h = hessian[key] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float32,
+                                               device=x2.device)
+            h.addmm_(x2.t(), x2)
+            tokens[key] = tokens.get(key, 0) + int(x2.shape[0])
+        return fn
+
+    for i, share in enumerate(plan):
+        handles = [model.get_submodule(names[k]).register_forward_pre_hook(hook(k))
+                   for k in share]
+        desc = "weight rounding: collecting inputs" + (f" ({i + 1}/{len(plan)})"
+                                                         if len(plan) > 1 else "")
+        try:
+            for batch in progress(iter_batches(s, batch_size), total=-(-len(s) // batch_size),
+                                  desc=desc, unit="batch"):
+                flat = batch.attention_mask.reshape(-1) != 0
+                state["rows"] = None if bool(flat.all()) else torch.nonzero(flat).reshape(-1)
+                state["shape"] = tuple(batch.attention_mask.shape)
+                forward(batch, dev)
+        finally:
+            for h in handles:
+                h.remove()
+        # kept on the host between passes: the device holds one pass's share
+        for k in share:
+            if k in hessian:
+                hessian[k] = hessian[k].cpu()
+    notes = []
+    unreached = [k for k in keys if k not in hessian]
+    if unreached:
+        notes.append(f"{len(unreached)} layer(s) received no calibration input and are rounded "
+                     f"to nearest: {', '.join(unreached[:6])}"
+                     + (" ..." if len(unreached) > 6 else ""))
+    return Hessians(hessian, tokens, stream, samples=len(s), passes=len(plan),
+                    seconds=time.perf_counter() - t0, notes=notes)
