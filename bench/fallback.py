@@ -81,20 +81,27 @@ def main() -> None:
                       weight_granularity=args.weight_granularity,
                       dynamic_activations=args.dynamic_activations,
                       weight_rounding=args.weight_rounding)
+        # the all-FP8 folder first (quick, and a bad option fails before the search); weight
+        # scales with nearest rounding read no calibration text
+        needs_data = args.scales == "calibrate" or args.weight_rounding == "gptq"
+        api.convert(ConvertConfig(output=work / "full",
+                                  **dict(common, calib_data=args.calib_data if needs_data
+                                         else None)))
         t0 = time.perf_counter()
         res = api.convert(ConvertConfig(output=work / "budget", accuracy_budget=args.budget,
                                         accuracy_samples=args.accuracy_samples, **common))
         convert_s = time.perf_counter() - t0
         fb = res.accuracy_budget
-        api.convert(ConvertConfig(output=work / "full", **common))
         _, baseline_s = _verify(args.model, work / "full", args.calib_data,
                                 args.accuracy_samples, args.seq_len, work)
         full, _ = _verify(args.model, work / "full", args.eval_data, args.eval_samples,
                           args.seq_len, work)
         gated, gate_s = _verify(args.model, work / "budget", args.eval_data, args.eval_samples,
                                 args.seq_len, work)
+    # samples/<name>/model folders are named by their sample
+    label = args.model.parent.name if args.model.name == "model" else args.model.name
     doc = {
-        "machine": machine_info(REPO), "model": args.model.name, "budget_kl": args.budget,
+        "machine": machine_info(REPO), "model": label, "budget_kl": args.budget,
         "weight_granularity": args.weight_granularity, "scales": args.scales,
         "dynamic_activations": args.dynamic_activations,
         "weight_rounding": args.weight_rounding,
@@ -125,7 +132,7 @@ def main() -> None:
     s, f, g = doc["search"], doc["full_fp8_eval"], doc["fallback_eval"]
     w = s["written"]
     md = "\n".join([
-        f"# convert --accuracy-budget {args.budget} on {args.model.name}", "",
+        f"# convert --accuracy-budget {args.budget} on {label}", "",
         f"Recipe: --scales {args.scales}, weights per {args.weight_granularity}"
         + (f", dynamic activations per {args.dynamic_activations}"
            if args.scales == "weights" else ", calibrator max")

@@ -80,35 +80,46 @@ def test_calibrator_table_is_calibrators_json():
         assert (kl, top1, ppl) == (want_kl, want_top1, f"{r['ppl']:.3f}"), label
 
 
-def _recipe(rows: list[dict], weights, activations, calibrator, kv) -> dict | None:
+METHODS = {"–": ("nearest", None), "GPTQ rounding": ("gptq", None),
+           "smoothing": ("nearest", "smooth"), "scale search": ("nearest", "scale-search")}
+
+
+def _recipe(rows: list[dict], weights, activations, calibrator, method) -> dict | None:
+    rounding, extra = METHODS[method]
     for r in rows:
-        if (r["weights"], r["activations"], r["calibrator"] or "–", r.get("kv_cache", "none")) \
-                == (weights, activations, calibrator, kv):
+        if (r["weights"], r["activations"], r["calibrator"] or "–", r.get("kv_cache", "none"),
+                r.get("rounding", "nearest"), r.get("method")) \
+                == (weights, activations, calibrator, "none", rounding, extra):
             return r
     return None
 
 
 def test_recipe_table_is_recipes_json():
-    models = {m["model"]: m["rows"] for m in _json("recipes.json")["models"]}
-    rows = _table(README, "| weights | activations | calibrator | KV |")
+    models = {m["model"]: m for m in _json("recipes.json")["models"]}
+    rows = _table(README, "| weights | activations | calibrator | method |")
     assert len(rows) >= 6
-    for weights, act, calib, kv, sample, smol in rows:
+    *recipes, floor = rows
+    for weights, act, calib, method, sample, smol in recipes:
         activations = {"static": "static", "dynamic-tensor": "dynamic-tensor",
                        "dynamic-token": "dynamic-token",
                        "dynamic per token group (128)": "dynamic-group"}[act]
         weights = weights.split()[0]  # "block 128x128": the block size is the recipe's default
-        s = _recipe(models["sample"], weights, activations, calib, kv)
+        s = _recipe(models["sample"]["rows"], weights, activations, calib, method)
         assert sample == ("–" if s is None else
-                          f"{s['top1_agreement']:.4f} / {s['kl_mean']:.2e}"), (weights, act, kv)
-        m = _recipe(models["smollm2"], weights, activations, calib, kv)
-        assert m is not None, (weights, act, kv)
+                          f"{s['top1_agreement']:.4f} / {s['kl_mean']:.2e}"), (weights, act)
+        m = _recipe(models["smollm2"]["rows"], weights, activations, calib, method)
+        assert m is not None, (weights, act, method)
         verdict = "pass" if m["passed_default"] else "fail"
         assert smol == f"{m['top1_agreement']:.4f} / {m['kl_mean']:.2e} / {verdict}"
+    assert floor[0].startswith("noise floor")
+    for cell, model in zip(floor[-2:], ("sample", "smollm2"), strict=True):
+        f = next(r["noise_floor"] for r in models[model]["rows"] if r.get("noise_floor"))
+        assert cell == f"{f['top1_agreement']:.4f} / {f['kl_mean']:.2e}", model
 
 
 def test_fallback_table_is_fallback_json():
-    files = {"static max, KL 0.01": "fallback.json", "static max, KL 0.015":
-             "fallback-kl0_015.json", "per-token dynamic, KL 0.012": "fallback-token-kl0_012.json"}
+    files = {"per-token dynamic + GPTQ rounding, KL 0.008": "fallback-gptq-kl0_008.json",
+             "per-token dynamic, KL 0.012": "fallback-token-kl0_012.json"}
     rows = _table(README, "| recipe, budget | kept (layers, parameters) |")
     assert [r[0] for r in rows] == list(files)
     for label, kept, cost, held_out, verdict in rows:

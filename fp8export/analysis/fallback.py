@@ -160,9 +160,18 @@ class FallbackSearch:
         # P [positions, layers]: padded positions have no gradient, hence zero rows; a layer
         # no batch reached (an expert never routed to) has an all-zero column
         width = sum(int(ids.numel()) for ids, _ in self.batches)
-        p = torch.stack([torch.cat(c) if c else torch.zeros(width, dtype=torch.float64)
-                         for c in columns], 1)
+        cols = [torch.cat(c) if c else torch.zeros(width, dtype=torch.float64)
+                for c in columns]
+        # an MoE expert sees only the tokens routed to it, so its projections are not aligned
+        # with positions: it keeps its own term (the diagonal) and no cross terms
+        routed = [i for i, c in enumerate(cols) if c.numel() != width]
+        diag = {i: float((cols[i] ** 2).sum()) for i in routed}
+        for i in routed:
+            cols[i] = torch.zeros(width, dtype=torch.float64)
+        p = torch.stack(cols, 1)
         self.cov = (0.5 * (p.T @ p) / max(tokens, 1)).numpy()
+        for i, energy in diag.items():
+            self.cov[i, i] = 0.5 * energy / max(tokens, 1)
         self.scores = {n: float(self.cov[i, i]) for n, i in order.items()}
         self.seconds["score"] = time.perf_counter() - t0
         return self.scores

@@ -435,10 +435,6 @@ def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any]
             group_size=block[1] if block else None)
         entry.setdefault("granularity", granularity if granularity in ("block", "channel")
                          else "tensor")
-        if entry["input_scale_tensor"] is None and entry.get("input_scale") is not None:
-            raise Fp8ExportError(
-                f"{folder}: layer {name}: the manifest records a static input scale but tensor "
-                f"{iname} is missing. Re-run `fp8export convert`.")
         out[name] = entry
     return {**manifest, "quantized": out}
 

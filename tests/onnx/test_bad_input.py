@@ -62,7 +62,7 @@ def test_manifest_static_scale_without_tensor(fp8_static, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     del tensors[f"{LAYER}.input_scale"]
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(Fp8ExportError, match=f"layer {LAYER}: the manifest records a static"):
+    with pytest.raises(Fp8ExportError, match=f"layer {LAYER}: {LAYER}.input_scale is missing"):
         api.export_onnx(ExportOnnxConfig(fp8_dir=bad, output=tmp_path / "m.onnx"))
     _no_leftovers(tmp_path)
 
