@@ -143,8 +143,8 @@ def _internal_error(exc: Exception, debug: bool) -> None:
                f"{type(exc).__name__}: {printable(exc)}", err=True)
     how = "the traceback above" if debug else \
         "the traceback (rerun with `fp8export --debug ...` or FP8EXPORT_DEBUG=1 to show it)"
-    click.echo(f"Please report it to the fp8export maintainers with the command line, the "
-               f"output of `fp8export --version` and {how}.", err=True)
+    click.echo(printable(f"Please report it to the fp8export maintainers with the command "
+                         f"line, the output of `fp8export --version` and {how}."), err=True)
 
 
 class LazyGroup(click.Group):
