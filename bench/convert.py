@@ -246,7 +246,7 @@ def child_convert(src: str, out: str, workers: str, result: str) -> int:
     import torch  # noqa: F401
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     t1 = time.perf_counter()
     r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,

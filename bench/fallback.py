@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     with tempfile.TemporaryDirectory(prefix="fp8-fallback-") as tmp:
         work = Path(tmp)

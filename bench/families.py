@@ -35,7 +35,7 @@ DATA = REPO / "samples" / "tiny-llama" / "data"
 
 def run(family: str, work: Path) -> dict:
     from fp8export.api import convert, export_onnx, verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.onnx.export import ExportOnnxConfig
     from fp8export.verify.config import VerifyConfig

@@ -72,7 +72,7 @@ def verify(folder: Path, preset: str, samples: int, seq_len: int, report_dir: Pa
 
 def measure(samples: int, seq_len: int, work: Path) -> dict:
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     t0 = time.perf_counter()
     healthy = work / "fp8"

@@ -43,9 +43,9 @@ import torch  # noqa: E402
 from gpu_fp8_report import write_report  # noqa: E402  (beside this script)
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
-from fp8export.runners import fp8_gemm, fp8_quant  # noqa: E402
-from fp8export.runners.fp8_fused import fuse_projections  # noqa: E402
-from fp8export.runners.fp8_linear import Fp8Linear  # noqa: E402
+from fp8export.runtime import fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runtime.fp8_fused import fuse_projections  # noqa: E402
+from fp8export.runtime.fp8_linear import Fp8Linear  # noqa: E402
 from fp8export.scales.families import family_of, fused_group_of  # noqa: E402
 
 DEFAULT_SHAPES = "1x128,1x512,1x2048,4x512,4x2048,8x2048,16x2048,32x512,64x256"

@@ -128,7 +128,7 @@ def identity(work: Path, args) -> dict:
 
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
 
@@ -258,8 +258,8 @@ def fp8_candidate(ref, modules, groups, amax):
 
     from fp8export import placement
     from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
-    from fp8export.runners.fp8_fused import fuse_projections
-    from fp8export.runners.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_fused import fuse_projections
+    from fp8export.runtime.fp8_linear import Fp8Linear
     from fp8export.scales.groups import share_max
 
     with placement.empty_weights():

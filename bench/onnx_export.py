@@ -40,7 +40,7 @@ def _prepare_fp8(args) -> tuple[Path, str]:
     import numpy as np
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     if args.fp8_dir:
         return Path(args.fp8_dir), f"given FP8 folder {args.fp8_dir}"

@@ -109,7 +109,7 @@ def run_model(label: str, model: Path, calib: Path, data: Path, args, work: Path
               which: str) -> dict:
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
 
@@ -209,7 +209,7 @@ def paired(row: dict, base: dict) -> dict | None:
     intervals: the same sample draws for both, so the spread of the data cancels."""
     import numpy as np
 
-    from fp8export.verify.confidence import draws
+    from fp8export.analysis.confidence import draws
 
     a = {int(i): (t, k, h) for i, t, k, h in row.get("per_sample") or []}
     b = {int(i): (t, k, h) for i, t, k, h in base.get("per_sample") or []}

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         one(args.one[0], Path(args.one[1]), Path(args.one[2]))
         return 0
-    from fp8export.verify.data import BUILTIN_TEXTS
+    from fp8export.inputs.eval_data import BUILTIN_TEXTS
 
     work = Path(tempfile.mkdtemp(prefix="fp8export-bench-tok-"))
     builtin = work / "builtin.txt"

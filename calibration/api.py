@@ -13,17 +13,19 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fp8export._progress import info, stage
 from fp8export._threads import fit_torch
-from fp8export.calibration.config import DEFAULT_BATCH_SIZE, DEFAULT_CALIB_SAMPLES, CalibrateConfig
+from fp8export.calibration.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_CALIB_SAMPLES,
+    CalibrateConfig,
+    ConvertCalibration,
+)
 from fp8export.config import ScaleSource
 from fp8export.errors import Fp8ExportError
 from fp8export.scales.ranges import ActivationRange
-
-if TYPE_CHECKING:
-    from fp8export.config import ConvertConfig
 
 
 @dataclass
@@ -248,10 +250,11 @@ def _checkpoint_prefix(experts: str, names: dict[str, str]) -> str:
     return experts
 
 
-def calibrate_ranges(cfg: ConvertConfig, modules: list[str],
+def calibrate_ranges(cfg: ConvertCalibration, modules: list[str],
                      groups: dict[str, list[str]] | None = None
                      ) -> tuple[dict[str, ActivationRange], dict[str, Any]]:
     """Activation ranges for ``convert``: from ``cfg.calib_amax`` if given, else calibrate.
+    ``cfg``: convert's options (its ``ConvertConfig``), as far as calibration reads them.
 
     Returns ``(ranges, info)``: ranges for the modules that got one (others are listed in
     ``info["missing"]``; convert falls back for them), and JSON facts for the manifest

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from fp8export.config import CalibMethod, Device, sibling_output
 from fp8export.errors import UsageError
@@ -92,3 +93,32 @@ class CalibrateConfig:
             out[k] = str(v) if isinstance(v, (Path, Enum)) else (list(v) if isinstance(v, tuple)
                                                                  else v)
         return out
+
+
+@runtime_checkable
+class ConvertCalibration(Protocol):
+    """What calibration reads of the options of the ``convert`` it serves (``--scales
+    calibrate``, ``--calib-amax``, ``--kv-cache fp8``). ``fp8export.convert.config.
+    ConvertConfig`` has these fields; calibration sits below convert and does not import it.
+    ``calib_samples`` / ``batch_size`` None: this module's defaults."""
+
+    @property
+    def checkpoint(self) -> Path: ...
+    @property
+    def calib_data(self) -> Path | None: ...
+    @property
+    def calib_amax(self) -> Path | None: ...
+    @property
+    def calib_method(self) -> CalibMethod: ...
+    @property
+    def percentile(self) -> float | None: ...
+    @property
+    def calib_samples(self) -> int | None: ...
+    @property
+    def batch_size(self) -> int | None: ...
+    @property
+    def seq_len(self) -> int | None: ...
+    @property
+    def device(self) -> Device: ...
+    @property
+    def fuse_scales(self) -> bool: ...

@@ -1,18 +1,30 @@
 """The library's verbs, one per CLI command (DESIGN.md "Data flow").
 
-Each takes a frozen config and returns a JSON-serialisable result object. Imports are lazy so
+Each takes a frozen config and returns a JSON-serialisable result object. The configs live with
+their stage: ``fp8export.convert.config.ConvertConfig``, ``fp8export.calibration.config.
+CalibrateConfig``, ``fp8export.onnx.export.ExportOnnxConfig``, ``fp8export.engine.build.
+BuildEngineConfig``, ``fp8export.verify.config.VerifyConfig``. Imports are lazy so
 ``import fp8export.api`` stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fp8export.config import ConvertConfig
+if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
+    from fp8export.calibration.api import CalibrationResult
+    from fp8export.calibration.config import CalibrateConfig
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.convert.pipeline import ConvertResult
+    from fp8export.engine.build import BuildEngineConfig, BuildEngineResult
+    from fp8export.inspect.result import InspectResult
+    from fp8export.onnx.export import ExportOnnxConfig, ExportResult
+    from fp8export.verify.config import VerifyConfig
+    from fp8export.verify.result import VerifyResult
 
 
-def convert(config: ConvertConfig) -> Any:
+def convert(config: ConvertConfig) -> ConvertResult:
     """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
     from fp8export.convert.checks import check_inputs
     from fp8export.convert.source_scan import start_early_scan
@@ -29,7 +41,7 @@ def convert(config: ConvertConfig) -> Any:
     return _convert(config, early=early)
 
 
-def calibrate(config: Any) -> Any:
+def calibrate(config: CalibrateConfig) -> CalibrationResult:
     """Sample data → activation ranges. See :func:`fp8export.calibration.api.calibrate`."""
     from fp8export._threads import prepare
     from fp8export.calibration.api import calibrate as _calibrate
@@ -38,7 +50,7 @@ def calibrate(config: Any) -> Any:
     return _calibrate(config)
 
 
-def export_onnx(config: Any) -> Any:
+def export_onnx(config: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → ONNX Q/DQ graph. See :func:`fp8export.onnx.export.export_onnx`."""
     from fp8export._threads import prepare
 
@@ -48,24 +60,26 @@ def export_onnx(config: Any) -> Any:
     return _export(config)
 
 
-def build_engine(config: Any) -> Any:
+def build_engine(config: BuildEngineConfig) -> BuildEngineResult:
     """ONNX → TensorRT engine. See :func:`fp8export.engine.build.build_engine`."""
     from fp8export.engine.build import build_engine as _build
 
     return _build(config)
 
 
-def verify(config: Any) -> Any:
-    """Reference vs candidate → verification result and report. See :mod:`fp8export.verify`."""
+def verify(config: VerifyConfig) -> VerifyResult:
+    """Reference vs candidate → verification result and its reports. See :mod:`fp8export.verify`
+    and :func:`fp8export.reports.report.verify_and_report`."""
     from fp8export._threads import prepare
-    from fp8export.verify.run import verify as _verify
+    from fp8export.reports.report import verify_and_report
 
     prepare()
-    return _verify(config)
+    return verify_and_report(config)
 
 
-def inspect(path: Any, **options: Any) -> Any:
+def inspect(path: str | Path, *, plot: str | Path | None = None, as_json: bool = False,
+            force: bool = False) -> InspectResult:
     """Describe a checkpoint, FP8 folder or ONNX graph. See :mod:`fp8export.inspect`."""
     from fp8export.inspect import inspect as _inspect
 
-    return _inspect(path, **options)
+    return _inspect(path, plot=plot, as_json=as_json, force=force)

@@ -7,13 +7,15 @@ maps outcomes to the exit codes of the CLI contract and ends every run of a comm
 ``PASSED | <cmd> | <s>`` or ``FAILED | <cmd> | <s>`` line on stderr: Fp8ExportError → 1 with one
 message and no traceback, usage errors (click's and UsageError) → 2, VerificationFailed → 3,
 Ctrl-C → 130, SIGTERM/SIGHUP → 128 + the signal (unwound like Ctrl-C, so temporary outputs are
-removed). Any other exception is a bug: its traceback is printed, then ``FAILED``, exit 1.
+removed). Any other exception is a bug: one line naming it and how to report it (the traceback
+with ``fp8export --debug`` or ``FP8EXPORT_DEBUG=1``), then ``FAILED``, exit 4.
 ``--help`` and ``--version`` print no status line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -25,6 +27,7 @@ from fp8export import __version__
 from fp8export._progress import printable
 from fp8export.errors import (
     EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
@@ -125,6 +128,25 @@ def _command_name(argv: list[str]) -> str:
     return "fp8export"
 
 
+def _debug(argv: list[str]) -> bool:
+    """``fp8export --debug CMD`` (before the command) or ``FP8EXPORT_DEBUG=1``."""
+    name = _command_name(argv)
+    flags = argv[:argv.index(name)] if name in argv else argv
+    return "--debug" in flags or os.environ.get("FP8EXPORT_DEBUG", "") not in ("", "0")
+
+
+def _internal_error(exc: Exception, debug: bool) -> None:
+    """A bug, not the user's input: say so, how to report it, and where the traceback is."""
+    if debug:
+        click.echo(printable(traceback.format_exc()).rstrip("\n"), err=True)
+    click.echo(f"Internal error (a bug in fp8export {__version__}, not in your input): "
+               f"{type(exc).__name__}: {printable(exc)}", err=True)
+    how = "the traceback above" if debug else \
+        "the traceback (rerun with `fp8export --debug ...` or FP8EXPORT_DEBUG=1 to show it)"
+    click.echo(printable(f"Please report it to the fp8export maintainers with the command "
+                         f"line, the output of `fp8export --version` and {how}."), err=True)
+
+
 class LazyGroup(click.Group):
     """Imports a command's module only when that command is listed or run."""
 
@@ -166,9 +188,9 @@ class LazyGroup(click.Group):
             click.echo(f"\n{what}: outputs are written atomically, nothing was left "
                        "half-written.", err=True)
             code = 128 + term.signum if term else EXIT_INTERRUPTED
-        except Exception:  # a bug in fp8export: keep the traceback for the report
-            click.echo(printable(traceback.format_exc()).rstrip("\n"), err=True)
-            code = EXIT_BAD_INPUT
+        except Exception as exc:  # a bug in fp8export, not bad input: its own code
+            _internal_error(exc, _debug(argv))
+            code = EXIT_INTERNAL
         else:
             if isinstance(rv, int):  # --help, --version: click's own exits, not a run
                 return self._finish(rv, standalone_mode)
@@ -186,7 +208,9 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fp8export")
-def cli():
+@click.option("--debug", is_flag=True,
+              help="On an internal error (exit 4), print its traceback (also FP8EXPORT_DEBUG=1).")
+def cli(debug):
     """Take a trained transformer to a verified FP8 (E4M3) deployment.
 
     Inputs: Hugging Face folders, .safetensors, .pt/.pth/.bin state dicts, Transformer Engine

@@ -6,6 +6,7 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 1  # bad input or environment: one clear message, no traceback
 EXIT_USAGE = 2  # usage errors: click's own and UsageError
 EXIT_VERIFY_FAILED = 3  # verification ran and the candidate failed its thresholds
+EXIT_INTERNAL = 4  # an unexpected exception: a bug in fp8export, not the user's input
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell convention 128 + 2
 
 
@@ -14,7 +15,8 @@ class Fp8ExportError(Exception):
 
     The message names the file, tensor or option at fault and says what to do about it. The
     CLI prints it as ``Error: <message>`` and exits 1 without a traceback. Any other exception
-    is a bug in fp8export and keeps its traceback.
+    is a bug in fp8export: exit 4, with how to report it (the traceback with ``--debug`` or
+    ``FP8EXPORT_DEBUG=1``).
     """
 
 

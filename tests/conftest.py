@@ -23,6 +23,30 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="fp8export-test-hf-modules-"))
 SAMPLES = REPO / "samples"
 
+
+def _map_calibration() -> None:
+    """Test this checkout's ``calibration/`` as ``fp8export.calibration``, installed or not.
+
+    setup.py maps the folder to that name when installing; from a checkout that is not
+    installed (or whose venv holds another install) nothing does, and every module importing
+    it fails to collect. The mapping here is the same one: the folder as the subpackage.
+    """
+    name, folder = "fp8export.calibration", REPO / "calibration"
+    found = importlib.util.find_spec(name)
+    if found is not None and Path(found.origin).resolve().parent == folder:
+        return
+    import fp8export
+
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    fp8export.calibration = module
+
+
+_map_calibration()
+
 # open_checkpoint loads the built-in readers only while its registry is empty; a reader
 # registered earlier by another module (e.g. Transformer Engine's) would hide them. Loading
 # them here keeps the tests independent of collection order.
@@ -96,7 +120,7 @@ def python_exe() -> str:
 def keras_float8_folder(tmp_path_factory) -> Path:
     """The shipped Keras float8 sample converted with ``--scales history`` (read-only)."""
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     out = tmp_path_factory.mktemp("keras-float8") / "fp8"
     convert(ConvertConfig(checkpoint=SAMPLES / "keras-float8" / "model" / "float8_model.keras",
@@ -138,3 +162,42 @@ def tiny_bert(tmp_path_factory) -> Path:
     import tiny_checkpoints
 
     return tiny_checkpoints.tiny_bert(tmp_path_factory)
+
+
+# The trained tiny Llama of tests/fp8_folders.py and FP8 folders made from it, built once a
+# session for the verify, analysis and report tests (each names them as its own tests do).
+@pytest.fixture(scope="session")
+def markov_llama(tmp_path_factory):
+    from fp8_folders import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("ref") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def markov_fp8(markov_llama, tmp_path_factory):
+    from fp8_folders import make_fp8_folder
+
+    return make_fp8_folder(markov_llama, tmp_path_factory.mktemp("fp8") / "tiny-llama-fp8")
+
+
+@pytest.fixture(scope="session")
+def markov_damaged_fp8(markov_fp8, tmp_path_factory):
+    import shutil
+
+    from fp8_folders import DAMAGED, damage_scale
+
+    out = tmp_path_factory.mktemp("damaged") / "tiny-llama-fp8-damaged"
+    shutil.copytree(markov_fp8, out)
+    damage_scale(out, DAMAGED, 8.0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def markov_eval_npz(tmp_path_factory):
+    """16 held-out sequences of 48 tokens from the tiny Llama's own Markov chain."""
+    import numpy as np
+    from fp8_folders import markov_tokens
+
+    path = tmp_path_factory.mktemp("data") / "eval.npz"
+    np.savez(path, input_ids=markov_tokens(256, 16, 48, seed=99).numpy())
+    return path

@@ -1,12 +1,13 @@
 """Options that cannot work together are usage errors (exit 2) before any file is read: the
 checkpoint given here does not even exist, so any work before the check would end in exit 1.
-(``fp8export/config.py``, ``fp8export/verify/config.py``.)"""
+(``fp8export/convert/config.py``, ``fp8export/verify/config.py``.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from fp8export.config import ConvertConfig
+from fp8export.config import CalibMethod, Device
+from fp8export.convert.config import ConvertConfig
 from fp8export.errors import EXIT_USAGE, UsageError
 
 INCOMPATIBLE = {
@@ -61,3 +62,12 @@ def test_scaled_mm_on_the_cpu_is_a_usage_error_before_any_work(tmp_path, run_cli
     assert r.exit_code == EXIT_USAGE, r.output
     assert "--fp8-mode scaled_mm runs torch._scaled_mm on a CUDA GPU" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_config_gives_calibration_what_it_reads():
+    """calibration sits below convert: it reads convert's options through a Protocol."""
+    from fp8export.calibration.config import ConvertCalibration
+
+    cfg = ConvertConfig(checkpoint="m", scales="calibrate", calib_data="d.txt")
+    assert isinstance(cfg, ConvertCalibration)
+    assert isinstance(cfg.calib_method, CalibMethod) and isinstance(cfg.device, Device)

@@ -25,14 +25,17 @@ STAGES: list[tuple[str, set[str]]] = [
     ("fp8 folder", {"fp8dir"}),
     ("models", {"models", "moe", "keras_model"}),
     ("inputs", {"inputs"}),
+    ("runtime", {"runtime"}),
     ("calibration", {"calibration"}),
     ("plots", {"plots"}),
     ("onnx", {"onnx"}),
     ("engine", {"engine"}),
     ("runners", {"runners"}),
     ("inspect", {"inspect"}),
-    ("verify", {"verify"}),
+    ("analysis", {"analysis"}),
     ("convert", {"convert"}),
+    ("verify", {"verify"}),
+    ("reports", {"reports"}),
     ("front", {"api", "commands", "cli"}),
 ]
 STAGE_OF = {unit: i for i, (_, units) in enumerate(STAGES) for unit in units}
@@ -132,3 +135,22 @@ def test_the_graph_test_sees_imports():
     targets = {t for _, t, _ in _imports(path, "fp8export.convert.activation")}
     assert "fp8export.calibration.api" in targets  # imported inside a function
     assert "fp8export.scales.history" in targets
+
+
+# Each verb's config lives with its stage; the foundation's config.py holds only shared enums.
+VERB_CONFIGS = {"ConvertConfig": "convert", "CalibrateConfig": "calibration",
+                "ExportOnnxConfig": "onnx", "BuildEngineConfig": "engine",
+                "VerifyConfig": "verify"}
+
+
+def test_each_verbs_config_lives_with_its_stage():
+    homes: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name in VERB_CONFIGS:
+                homes.setdefault(node.name, []).append(_unit(module))
+    assert homes == {name: [unit] for name, unit in VERB_CONFIGS.items()}
+    shared = ast.parse(MODULES["fp8export.config"].read_text(encoding="utf-8"))
+    assert not [n.name for n in shared.body
+                if isinstance(n, ast.ClassDef) and n.name.endswith("Config")]

@@ -256,7 +256,7 @@ def test_onnx_is_delegated_to_the_checker(tmp_path, monkeypatch):
 def test_checkpoint_prediction_matches_what_convert_writes(tmp_path, checkpoint):
     """inspect on a checkpoint predicts the scale and SQNR that convert then records."""
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     d, _ = checkpoint
     out = tmp_path / "out-fp8"

@@ -70,3 +70,19 @@ def test_core_dependencies_cover_the_common_path(wheel):
     keras = [r for r in requires if 'extra == "keras"' in r]
     assert [r.split(";")[0].split(">")[0].strip() for r in keras] == ["h5py"]
     assert "keras" in (meta.get_all("Provides-Extra") or [])
+
+
+def test_pytest_runs_from_a_checkout_that_is_not_installed():
+    """``python -m pytest`` from the checkout's root, with the editable install's finder (which
+    maps ``calibration/`` to ``fp8export.calibration``) removed, as in a fresh checkout or a venv
+    holding another install: the calibration tests still collect."""
+    code = ("import sys, pytest\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path\n"
+            "                    if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+            "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider',\n"
+            "                      'tests/calibration']))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "ERROR " not in done.stdout, done.stdout[-3000:]
+    assert "tests/calibration/test_cli.py::" in done.stdout

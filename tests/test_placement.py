@@ -109,7 +109,7 @@ def test_two_gpu_split_matches_one_gpu(repo_root, tmp_path):
         pytest.skip("needs 2 GPUs")
     from fp8export import api
     from fp8export.calibration.config import CalibrateConfig
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
 
     model = repo_root / "samples" / "tiny-llama" / "model"

@@ -136,7 +136,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
     exclusions.
     """
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     cfg = ConvertConfig(
         checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,

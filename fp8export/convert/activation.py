@@ -20,7 +20,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from fp8export.config import ConvertConfig, ScalesMode
+from fp8export.convert.config import ConvertConfig, ScalesMode
 from fp8export.errors import Fp8ExportError
 from fp8export.scales.groups import group_max
 from fp8export.scales.history import ranges_from_history

@@ -7,7 +7,7 @@ in a path fails in milliseconds instead of after the source was hashed and a mod
 from __future__ import annotations
 
 from fp8export.checkpoint.source import check_checkpoint_path
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.fp8dir.manifest import MANIFEST_NAME
 from fp8export.io.outputs import claim_output_folder
 

@@ -43,16 +43,16 @@ from fp8export._progress import progress
 from fp8export._timings import Timings
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
-from fp8export.config import (
+from fp8export.config import OutputFormat
+from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.checks import check_inputs
+from fp8export.convert.config import (
     ConvertConfig,
     DynamicActivations,
     KvCache,
-    OutputFormat,
     WeightGranularity,
     WeightRounding,
 )
-from fp8export.convert.activation import resolve_activation_ranges
-from fp8export.convert.checks import check_inputs
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,
@@ -140,16 +140,15 @@ def _apply_budget(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, weight_s
                   input_scales: dict) -> tuple[Selection, Any, dict[str, Any], list[str]]:
     """Keep in high precision the fewest layers that bring the measured KL within the budget.
 
-    The search (``fp8export.verify.fallback``) gets every layer as it will be written: the same
+    The search (``fp8export.analysis.fallback``) gets every layer as it will be written: the same
     E4M3 bytes, weight scales (group max or per channel) and input scales.
     """
     import numpy as np
 
+    # The search runs the model (torch, transformers): imported only when asked.
+    from fp8export.analysis.fallback import FallbackLayer, start
     from fp8export.numerics.channel import quantize_channels_sqnr
     from fp8export.scales.weights import quantize_weight_sqnr
-
-    # The search runs the model (torch, transformers): imported only when asked.
-    from fp8export.verify.fallback import FallbackLayer, start
 
     layers = []
     for t in sel.targets:

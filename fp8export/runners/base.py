@@ -4,6 +4,10 @@
 and returns output names to numpy arrays, ``deactivate()`` frees it. A runner is also a
 context manager. Subclasses implement ``_activate`` / ``_infer`` / ``_deactivate``; the public
 methods check the lifecycle and the feed.
+
+The optional capabilities verify uses (the model's config, placement over devices, the head's
+activation, the FP8 path, the torch module and manifest for per-layer attribution) are declared
+here with neutral defaults; an adapter that has one overrides it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,20 @@ class Runner(ABC):
         #: ``time.monotonic()`` by which inference must end (None: no limit). Runners that can
         #: stop mid-batch (onnxruntime) do; the others are checked before each batch.
         self.deadline: float | None = None
+        #: the model's config.json once active ({}: the runner has none, e.g. a bare graph)
+        self.config: dict[str, Any] = {}
+        #: per-device memory budgets (``fp8export.placement``) a runner that can spread a
+        #: model over devices is given; None: it runs on one device
+        self.max_memory: dict[int | str, int] | None = None
+        #: the ``Placement`` of a model spread over several devices once active; None: one device
+        self.placement = None
+        #: the model's torch module once active (None: the runner runs something else)
+        self.model = None
+        #: convert's manifest of the FP8 folder the runner runs ({}: not an FP8 folder)
+        self.manifest: dict[str, Any] = {}
+        #: what follows the last layer: "linear" (logits) or "sigmoid"/"softmax" (a Keras head
+        #: that outputs probabilities, which the comparison turns back into logits)
+        self.output_activation = "linear"
 
     # lifecycle -----------------------------------------------------------------------------
     def activate(self) -> Runner:
@@ -73,6 +91,15 @@ class Runner(ABC):
     def describe(self) -> dict[str, Any]:
         """JSON-serialisable facts about the runner for reports."""
         return {"name": self.name, "backend": self.backend}
+
+    def data_config(self) -> dict[str, Any]:
+        """What the data reader needs to fit samples to the model (``vocab_size``,
+        ``max_position_embeddings``): the model's config unless the runner knows better."""
+        return self.config
+
+    def fp8_path(self) -> str | None:
+        """One line: which FP8 GEMM path runs (None: the runner does not run FP8 weights)."""
+        return None
 
     # implementation ------------------------------------------------------------------------
     @abstractmethod

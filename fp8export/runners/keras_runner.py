@@ -25,16 +25,15 @@ class KerasRunner(TorchModelRunner):
     def __init__(self, path, *, dtype: str = "bf16", device: str = "auto",
                  name: str | None = None):
         super().__init__(path, dtype=dtype, device=device, name=name)
-        self.output_activation = "linear"
-        self.data_config: dict[str, Any] = {}
+        self._data_config: dict[str, Any] = {}
 
     def _build(self):
         from fp8export.keras_model.build import load_keras_model
 
         model = load_keras_model(self.path, self.dtype)
         self.output_activation = model.output_activation
-        self.data_config = {"vocab_size": model.vocab_size,
-                            "max_position_embeddings": model.max_positions}
+        self._data_config = {"vocab_size": model.vocab_size,
+                             "max_position_embeddings": model.max_positions}
         return model.to(self.device), model.config
 
     def _infer(self, feed):
@@ -42,7 +41,7 @@ class KerasRunner(TorchModelRunner):
 
         from fp8export.errors import Fp8ExportError
 
-        vocab = self.data_config.get("vocab_size")
+        vocab = self._data_config.get("vocab_size")
         ids = np.asarray(feed["input_ids"])
         if vocab and ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise Fp8ExportError(
@@ -50,6 +49,10 @@ class KerasRunner(TorchModelRunner):
                 f"outside the model's vocabulary (0..{vocab - 1}); the data was tokenised for "
                 "another model.")
         return super()._infer(feed)
+
+    def data_config(self) -> dict[str, Any]:
+        """The rebuilt model's vocabulary and positions (a Keras config names neither)."""
+        return self._data_config or self.config
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "format": "keras (rebuilt in torch)",

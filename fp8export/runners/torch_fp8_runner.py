@@ -40,14 +40,13 @@ class TorchFp8Runner(TorchModelRunner):
         self.mode = mode
         self.compile = compile
         self.info: dict[str, Any] = {}
-        self.manifest: dict[str, Any] = {}
         self.execution: dict[str, str] = {}
 
     def _build(self):
         import torch
 
         from fp8export.models import checkpoint_bytes
-        from fp8export.runners.fp8_model import load_fp8_model
+        from fp8export.runtime.fp8_model import load_fp8_model
 
         spread = self._budgets(lambda: checkpoint_bytes(self.path, None))
         device = self.device
@@ -78,7 +77,7 @@ class TorchFp8Runner(TorchModelRunner):
         if info.get("mode") == "emulate":
             gemm = "emulated FP8 (fake-quantize + fp32 matmul)"
         else:
-            from fp8export.runners.fp8_gemm import EAGER_M
+            from fp8export.runtime.fp8_gemm import EAGER_M
 
             gemm = "torch._scaled_mm" + (f" (eager, <= {EAGER_M} rows: one-launch Triton FP8 "
                                          "GEMM)" if EAGER_M else "")

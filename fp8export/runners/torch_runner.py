@@ -40,9 +40,6 @@ class TorchModelRunner(Runner):
         #: per-device budgets (``fp8export.placement``); None: one device unless the model
         #: does not fit the GPU and several are visible
         self.max_memory = max_memory
-        self.placement = None  # a Placement once activated spread over several devices
-        self.model = None
-        self.config: dict[str, Any] = {}
 
     @abstractmethod
     def _build(self):  # -> (model, config)

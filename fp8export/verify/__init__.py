@@ -1,1 +1,1 @@
-"""Comparison of reference and candidate outputs, thresholds, and reports."""
+"""Comparison of reference and candidate outputs and its judgement against thresholds."""

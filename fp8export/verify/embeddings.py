@@ -74,7 +74,7 @@ class EmbeddingComparison:
     def sample_stats(self):
         """Per-sample statistics for the bootstrap (``confidence.SampleStats``); the
         neighbour agreement compares samples with each other and is not resampled."""
-        from fp8export.verify.confidence import SampleStats
+        from fp8export.analysis.confidence import SampleStats
 
         r, c = np.stack(self._ref), np.stack(self._cand)
         cols = {"cosine": [s["cosine"] for s in self.per_sample],

@@ -205,7 +205,7 @@ class Comparison:
 
     def sample_stats(self):
         """Per-sample statistics for the bootstrap (``confidence.SampleStats``)."""
-        from fp8export.verify.confidence import SampleStats
+        from fp8export.analysis.confidence import SampleStats
 
         tok = self._tok
         cols = {"tokens": [a.size for a in tok["kl"]], "kl_sum": [a.sum() for a in tok["kl"]],

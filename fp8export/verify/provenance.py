@@ -185,7 +185,7 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         cfg: the :class:`~fp8export.verify.config.VerifyConfig` that ran.
         reference, candidate: the runners' ``describe()``.
         kind: the candidate kind ("fp8-folder", "onnx", "engine", "hf-folder").
-        data: ``data_info`` of :func:`fp8export.verify.data.load_verify_samples`.
+        data: ``data_info`` of :func:`fp8export.inputs.eval_data.load_verify_samples`.
         backend: the candidate runner's backend name.
     """
     size = sum(p.stat().st_size for root in (Path(cfg.reference), Path(cfg.candidate))

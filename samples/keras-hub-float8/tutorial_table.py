@@ -83,7 +83,7 @@ def _ort(path: Path, ids: np.ndarray) -> np.ndarray:
 
 def _torch_fp8(folder: Path, ids: np.ndarray) -> np.ndarray:
     """The FP8 folder in fp8export's torch runtime, as verify runs it (bf16 activations)."""
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     model, *_ = load_fp8_model(folder, dtype=torch.bfloat16, mode="auto")
     with torch.no_grad():

@@ -99,7 +99,7 @@ def test_read_amax_file_validates(tmp_path):
 
 def test_calibrate_ranges_for_convert(tiny_llama, calib_txt, tmp_path):
     from fp8export.calibration.api import calibrate_ranges
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     mods = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
             "model.layers.0.mlp.down_proj"]

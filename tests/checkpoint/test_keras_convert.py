@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from fp8export.api import convert
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8" / "model"
 

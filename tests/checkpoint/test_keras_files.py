@@ -11,7 +11,7 @@ import pytest
 from fp8export.api import convert
 from fp8export.checkpoint.keras_files import is_keras_checkpoint, keras_file
 from fp8export.checkpoint.source import open_checkpoint
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.errors import Fp8ExportError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "keras-float8" / "model"

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from fp8export.api import convert
 from fp8export.checkpoint.loader_files import loader_files
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.errors import Fp8ExportError
 
 MODULES = [

@@ -1,4 +1,5 @@
-"""The exit-code contract, per command: 0 / 1 bad input / 2 usage / 3 verify / 130 Ctrl-C, and a
+"""The exit-code contract, per command: 0 / 1 bad input / 2 usage / 3 verify / 4 internal error /
+130 Ctrl-C, and a
 last stderr line ``PASSED | <cmd> | <s>`` or ``FAILED | <cmd> | <s>`` in every case.
 
 Runs the real CLI in-process on the shipped sample LM. Ctrl-C is simulated per command by making
@@ -18,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from fp8export.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, EXIT_VERIFY_FAILED
+from fp8export.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    EXIT_VERIFY_FAILED,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "samples" / "tiny-llama"
@@ -135,6 +142,29 @@ def test_ctrl_c_is_130_and_failed(run_cli, tmp_path, monkeypatch, name):
     assert r.exit_code == EXIT_INTERRUPTED, r.output
     assert _status(r) == ("FAILED", name)
     assert "Interrupted" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("debug", ["", "--debug", "env"])
+def test_a_bug_is_exit_4_with_how_to_report_it(run_cli, tmp_path, monkeypatch, debug):
+    """An unexpected exception is not bad input (1): exit 4, one line naming it, how to report
+    it; the traceback only with --debug or FP8EXPORT_DEBUG=1."""
+    from fp8export import api
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("division by zero in a helper")
+
+    monkeypatch.setattr(api, "inspect", bug)
+    monkeypatch.delenv("FP8EXPORT_DEBUG", raising=False)
+    if debug == "env":
+        monkeypatch.setenv("FP8EXPORT_DEBUG", "1")
+    r = run_cli(*(["--debug"] if debug == "--debug" else []), "inspect", MODEL)
+    assert r.exit_code == EXIT_INTERNAL == 4, r.output
+    assert _status(r) == ("FAILED", "inspect")
+    assert "Internal error (a bug in fp8export" in r.stderr
+    assert "ZeroDivisionError: division by zero in a helper" in r.stderr
+    assert "report it" in r.stderr
+    assert not any(line.startswith("Error:") for line in r.stderr.splitlines())  # not a 1
+    assert ("Traceback" in r.stderr) == bool(debug), r.stderr
 
 
 def default_sigint() -> None:

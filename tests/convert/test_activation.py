@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from fp8export.checkpoint.training.base import AmaxHistory, TrainingState
-from fp8export.config import ConvertConfig, ScaleSource
+from fp8export.config import ScaleSource
 from fp8export.convert.activation import resolve_activation_ranges
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 
@@ -181,9 +182,9 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
         seen["layers"] = {la.module: la for la in layers}
         return Search()
 
-    fake = types.ModuleType("fp8export.verify.fallback")
+    fake = types.ModuleType("fp8export.analysis.fallback")
     fake.start, fake.FallbackLayer = start, lambda *a: types.SimpleNamespace(module=a[0])
-    monkeypatch.setitem(sys.modules, "fp8export.verify.fallback", fake)
+    monkeypatch.setitem(sys.modules, "fp8export.analysis.fallback", fake)
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
                                 accuracy_budget=0.01))
     assert seen["budget"] == 0.01 and len(seen["layers"]) == 14

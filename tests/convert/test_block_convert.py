@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.fp8dir.reader import read_fp8_folder
@@ -202,7 +202,7 @@ def test_an_fp8_kv_cache_goes_with_block_weights(tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
     assert qc["config_groups"]["group_0"]["input_activations"]["strategy"] == "group"
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     info = load_fp8_model(out, dtype=torch.float32, mode="emulate")[3]
     assert info["kv_cache"].startswith("fp8") and info["weight_granularity"] == "block"

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.fp8dir.reader import read_fp8_folder
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_model import load_fp8_model
+from fp8export.runtime.fp8_model import load_fp8_model
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama"
 

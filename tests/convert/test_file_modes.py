@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 
 REPO = Path(__file__).resolve().parents[2]

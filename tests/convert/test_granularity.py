@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import amax_to_scale
@@ -85,7 +85,7 @@ def test_runtime_runs_what_was_written(tiny_llama, tmp_path, granularity, dynami
     hand-written per-row / per-token fake-quant, and the logits stay close to bf16."""
     from transformers import AutoModelForCausalLM
 
-    from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
+    from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
 
     out = tmp_path / "o"
     convert(ConvertConfig(checkpoint=tiny_llama, output=out, weight_granularity=granularity,
@@ -112,7 +112,7 @@ def test_default_dynamic_folder_declares_and_runs_per_token(tiny_llama, tmp_path
     """A default convert without activation ranges declares per-token dynamic inputs (what
     vLLM runs) and the FP8 runtime runs them per token; --dynamic-activations tensor declares
     and runs per tensor, with a note that vLLM would still go per token."""
-    from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
+    from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
 
     out = tmp_path / "d"
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=out))
@@ -140,7 +140,7 @@ def test_default_dynamic_folder_declares_and_runs_per_token(tiny_llama, tmp_path
 def test_the_config_declaration_wins_over_the_manifest(tiny_llama, tmp_path):
     """verify runs what config.json declares, which engines read: a manifest saying "tensor"
     (or nothing, as folders of other tools) does not make a per-token folder run per tensor."""
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     out = tmp_path / "d"
     convert(ConvertConfig(checkpoint=tiny_llama, output=out))

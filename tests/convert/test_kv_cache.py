@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.numerics.fp8 import amax_to_scale
@@ -89,7 +89,7 @@ def test_scales_written_where_loaders_read_them(tiny_llama, calib, tmp_path, fmt
 def test_runtime_emulates_the_fp8_kv_cache(tiny_llama, calib, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     plain, kv = tmp_path / "plain", tmp_path / "kv"
     for out, cache in ((plain, "none"), (kv, "fp8")):

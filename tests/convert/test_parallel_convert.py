@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import fp8export.fp8dir.parallel_write as pw
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8export.config import ConvertConfig
+from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import UsageError
 

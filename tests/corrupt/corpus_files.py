@@ -256,7 +256,7 @@ def sha256_file(path) -> str:
 def fp8_folder(root: Path, name: str) -> Path:
     """A real FP8 folder, written by fp8export's own convert (in-process), to be damaged."""
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     src = root / "fp8-source"
     if not src.exists():

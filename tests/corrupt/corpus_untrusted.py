@@ -199,7 +199,7 @@ def _verify_code(root, cid, *, side: str, data: bool, what: str = "config"):
         ref, cand = valid_ref(root), with_code_config(fp8_folder(root, cid), marker)
     else:  # tokenizer payload in the reference (verify tokenises with the reference's)
         from fp8export import api
-        from fp8export.config import ConvertConfig
+        from fp8export.convert.config import ConvertConfig
 
         ref = with_code_tokenizer(model_with_tokenizer(root / cid, HELIUM_CONFIG), marker)
         cand = root / f"{cid}-fp8"

@@ -25,7 +25,7 @@ THRESHOLDS = {"preset": "loose", "kl_mean": 0.002, "top1_agreement": 0.75}
 
 def _run_pipeline(src, out, repo):
     from fp8export.api import convert, export_onnx, verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig
     from fp8export.verify.config import VerifyConfig
 
@@ -72,12 +72,13 @@ def test_wrong_expert_scale_fails(family_dir, tmp_path):
     """The matrix's thresholds catch one MoE expert projection with a weight scale 8x off."""
     import shutil
 
+    from fp8_folders import damage_scale
+
     from fp8export.api import convert, verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
     from tests.conftest import REPO
-    from tests.verify.fp8_folders import damage_scale
 
     src = family_dir("mixtral")
     fp8 = tmp_path / "fp8"

@@ -73,7 +73,7 @@ def _scales(folder: Path, suffix: str) -> dict[str, float]:
 @pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
 def pair(request, tmp_path_factory):
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     family = request.param
     root = tmp_path_factory.mktemp(f"peer-{family}")

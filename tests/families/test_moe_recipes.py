@@ -21,7 +21,7 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_moe_recipe(recipe, family_dir, tmp_path):
     from fp8export.api import convert, verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
 
     src = family_dir("mixtral")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import fp8_folder_kind, read_fp8_folder
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
+from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

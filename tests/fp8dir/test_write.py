@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fp8export.config import ConvertConfig, OutputFormat
+from fp8export.config import OutputFormat
+from fp8export.convert.config import ConvertConfig
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import quantization_config, scale_shape
 from fp8export.fp8dir.readback import verify_output

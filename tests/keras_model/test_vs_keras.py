@@ -178,10 +178,10 @@ def test_fp8_model_matches_keras_float8_inference(float8_keras, tmp_path):
     import onnxruntime as ort
 
     from fp8export.api import convert, export_onnx
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig
-    from fp8export.runners.fp8_linear import Fp8Linear
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     path, keras_p = float8_keras
     convert(ConvertConfig(checkpoint=path, output=tmp_path / "fp8", scales="history",

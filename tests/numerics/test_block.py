@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8export.config import parse_block_size
+from fp8export.convert.config import parse_block_size
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics import block as blk
 from fp8export.numerics.block import (

@@ -36,7 +36,7 @@ def make_fp8_folder(out: Path, *, scales: str = "calibrate", seed: int = 0, **op
     """Source + calibration tokens + ``convert`` -> the FP8 folder at ``out`` (``options``: more
     ConvertConfig fields, e.g. ``weight_granularity="channel"``)."""
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     out = Path(out)
     src = make_source(out.parent / f"{out.name}-src", seed)

@@ -40,7 +40,7 @@ def test_weight_dq_is_per_axis_and_passes_the_checkers(channel_export):
 
 
 def test_logits_match_the_torch_fp8_runtime(channel_export):
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     folder, path, _ = channel_export
     fp8_model = load_fp8_model(folder, dtype=torch.float32, mode="emulate")[0]

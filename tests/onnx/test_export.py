@@ -47,7 +47,7 @@ def _torch_logits(model, feed):
 
 def test_fp32_logits_match_torch_fp8_model(onnx_fp32, fp8_static):
     """The acceptance bound: rel L2 <= 1e-3 against the torch FP8 model with the same scales."""
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     _, path = onnx_fp32
     fp8_model = load_fp8_model(fp8_static, dtype=torch.float32, mode="emulate")[0]
@@ -213,9 +213,9 @@ def test_gpt2_conv1d_in_out_layout(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig, export_onnx
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,

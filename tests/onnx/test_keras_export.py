@@ -71,7 +71,7 @@ def test_graph_scales_are_the_folder_scales(exported):
 
 
 def test_graph_matches_the_torch_fp8_runtime_and_the_labels(exported):
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     result, fp8 = exported
     sess = _session(result.output)

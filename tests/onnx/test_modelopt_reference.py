@@ -115,7 +115,7 @@ def bert(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig
 
     tmp = tmp_path_factory.mktemp("modelopt_bert")
@@ -218,7 +218,7 @@ def test_sample_lm_matches_modelopt(tmp_path):
     from transformers import AutoTokenizer
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.onnx.export import ExportOnnxConfig
 
     fp8 = tmp_path / "fp8"

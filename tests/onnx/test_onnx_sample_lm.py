@@ -37,8 +37,8 @@ def _feed(tokenizer, texts: list[str], seq: int) -> dict[str, np.ndarray]:
 def test_sample_lm_done_when(run_cli, tmp_path):
     from transformers import AutoTokenizer
 
-    from fp8export.runners.fp8_model import load_fp8_model
     from fp8export.runners.ort_runner import OrtRunner
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     out = tmp_path / "out"
     res = run_cli("convert", SAMPLE / "model", "-o", out, "--calib-data",

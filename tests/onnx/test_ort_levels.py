@@ -210,7 +210,7 @@ def test_rewrite_writes_the_shapes_every_level_computes_alike():
 def keras_hub_parity(tmp_path_factory):
     """The tutorial's model (samples/keras-hub-float8) converted for parity with Keras."""
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     out = tmp_path_factory.mktemp("keras-hub") / "fp8"
     convert(ConvertConfig(checkpoint=SAMPLES / "keras-hub-float8" / "model" / "float8_model.keras",
@@ -231,7 +231,7 @@ def opt_fp8(tmp_path_factory):
     from transformers import OPTConfig, OPTForCausalLM
 
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     root = tmp_path_factory.mktemp("opt")
     torch.manual_seed(0)

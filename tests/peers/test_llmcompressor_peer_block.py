@@ -63,7 +63,7 @@ def block_pair(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     root = tmp_path_factory.mktemp("peer-block")
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def test_our_runtime_runs_both_alike(block_pair):
     from transformers import AutoModelForCausalLM
 
     from fp8export.numerics.metrics import rel_l2
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     src, ours, theirs = block_pair
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -95,7 +95,7 @@ def _open_all(path: Path) -> int:
 
 def _convert(path: Path, out: Path, **kw):
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     return api.convert(ConvertConfig(checkpoint=path, output=out, **kw))
 

@@ -21,9 +21,9 @@ DATA = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama" / "data"
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
 def test_expert_gemms_scaled_mm_match_emulation(family, tmp_path):
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.moe import expert_summary
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     src = save_family(family, tmp_path / "src")
     out = tmp_path / "fp8"
@@ -46,7 +46,7 @@ def test_expert_gemms_scaled_mm_match_emulation(family, tmp_path):
 
 def test_verify_reports_expert_gemms_on_gpu(tmp_path):
     from fp8export.api import convert, verify
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
 
     src = save_family("mixtral", tmp_path / "src")

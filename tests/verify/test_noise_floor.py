@@ -68,9 +68,9 @@ def _kl_mean(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 def test_verify_measures_the_floor_on_the_same_inputs(tiny_llama, tiny_fp8, eval_npz, tmp_path):
+    from fp8export.api import verify
     from fp8export.runners.torch_runner import TorchRunner
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     res = verify(VerifyConfig(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz,
                               report_dir=tmp_path, device="cpu"))
@@ -97,9 +97,9 @@ def test_verify_measures_the_floor_on_the_same_inputs(tiny_llama, tiny_fp8, eval
 
 def test_relative_gate_and_when_the_floor_is_not_measured(tiny_llama, damaged_fp8, tiny_fp8,
                                                           eval_npz, tmp_path):
+    from fp8export.api import verify
     from fp8export.errors import VerificationFailed
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     relative = {"floor": {"kl_mean": {"factor": 50}, "top1_agreement": {"delta": 0.05}}}
     ok = verify(VerifyConfig(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz,

@@ -163,7 +163,7 @@ def test_cuda_without_gpu_is_bad_input(run_cli, tiny_llama, tiny_fp8, tmp_path):
 
 @pytest.mark.gpu
 def test_scaled_mm_runtime_passes_on_gpu(run_cli, tiny_llama, tiny_fp8, eval_npz, tmp_path):
-    from fp8export.runners.fp8_linear import scaled_mm_available
+    from fp8export.runtime.fp8_linear import scaled_mm_available
 
     if not scaled_mm_available("cuda"):
         pytest.skip("needs compute capability >= 8.9")
@@ -178,8 +178,8 @@ def test_independently_written_folder_and_dynamic_activations(tiny_llama, eval_n
     """A folder written from docs/fp8-folder.md alone, and a weights-only (dynamic) convert."""
     from fp8_folders import make_fp8_folder, write_fp8_folder
 
+    from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     for cand in (write_fp8_folder(tiny_llama, tmp_path / "indep"),
                  make_fp8_folder(tiny_llama, tmp_path / "dyn", static=False)):

@@ -38,7 +38,7 @@ def sample(repo_root, tmp_path_factory):
     if not (model / "config.json").is_file():
         pytest.skip("samples/tiny-llama/model is not built")
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     root = tmp_path_factory.mktemp("sample")
     data = repo_root / "samples" / "tiny-llama" / "data"

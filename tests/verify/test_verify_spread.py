@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
 
 
 def test_spread_verify_matches_one_device(tiny_llama, tiny_fp8, eval_npz, tmp_path):
+    from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     common = dict(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz, device="cpu",
                   samples=8, seq_len=32, per_layer=True, write_reports=False)
@@ -37,9 +37,9 @@ def test_spread_verify_matches_one_device(tiny_llama, tiny_fp8, eval_npz, tmp_pa
 
 
 def test_spread_verify_has_no_room_for_the_noise_floor(tiny_llama, tiny_fp8, eval_npz):
+    from fp8export.api import verify
     from fp8export.errors import Fp8ExportError
     from fp8export.verify.config import VerifyConfig
-    from fp8export.verify.run import verify
 
     common = dict(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz, device="cpu",
                   samples=4, seq_len=16, write_reports=False, max_memory="cpu=200KiB")

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from te_helpers import fixtures_module, open_ckpt
 
-from fp8export import api, config
+from fp8export import api
+from fp8export.convert.config import ConvertConfig
 from fp8export.errors import Fp8ExportError
 
 mf = fixtures_module()
@@ -22,8 +23,8 @@ INCLUDE = ("*layernorm_qkv*", "*layernorm_mlp.fc*")
 
 def _convert(src, out, **kw):
     open_ckpt(src).close()  # registers the readers (the TE reader included)
-    return api.convert(config.ConvertConfig(checkpoint=src, output=out, scales="history",
-                                            include=INCLUDE, **kw))
+    return api.convert(ConvertConfig(checkpoint=src, output=out, scales="history",
+                                     include=INCLUDE, **kw))
 
 
 @pytest.mark.parametrize("layout", ["2.x", "1.x", "0.6"])

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fp8export import api
-from fp8export.config import ConvertConfig
+from fp8export.analysis.fallback import FallbackLayer, FallbackSearch
+from fp8export.convert.config import ConvertConfig
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
-from fp8export.verify.fallback import FallbackLayer, FallbackSearch
 
 
 def _convert(src, out, data, **kw):

@@ -9,10 +9,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fp8export.verify.report import header_rows, markdown, metric_rows, report_dict, write_reports
-from fp8export.verify.report_html import html_report
-from fp8export.verify.report_samples import display_text, worst_samples
+from fp8export.reports.html import html_report
+from fp8export.reports.report import header_rows, markdown, metric_rows, report_dict, write_reports
 from fp8export.verify.thresholds import evaluate, load_thresholds
+from fp8export.verify.worst_samples import display_text, worst_samples
 
 EVIL = "</td></tr><script>alert(1)</script> ![pixel](http://evil.example/p.png) `x` | \u202edlrow"
 

@@ -7,10 +7,10 @@ import torch
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_fused import Fp8FusedLinear, Fp8LinearSlice, fusable, fuse_projections
-from fp8export.runners.fp8_linear import Fp8Linear
-from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
 from fp8export.runners.torch_fp8_runner import TorchFp8Runner
+from fp8export.runtime.fp8_fused import Fp8FusedLinear, Fp8LinearSlice, fusable, fuse_projections
+from fp8export.runtime.fp8_linear import Fp8Linear
+from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def llama_fp8(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llama")
@@ -169,7 +169,7 @@ def _integer_members(n_out=(64, 32, 32), in_f=256, bias=(True, False, True), sta
 
 
 def _needs_fp8_gpu():
-    from fp8export.runners.fp8_linear import scaled_mm_available
+    from fp8export.runtime.fp8_linear import scaled_mm_available
 
     if not scaled_mm_available("cuda"):
         pytest.skip("needs compute capability >= 8.9 for FP8 GEMMs")
@@ -191,7 +191,7 @@ def _integer_input(rows: int, static: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 300])  # small-M Triton kernel and _scaled_mm
 def test_gpu_paths_are_bit_identical_to_emulation(rows, static, monkeypatch):
     _needs_fp8_gpu()
-    from fp8export.runners import fp8_fused, fp8_gemm
+    from fp8export.runtime import fp8_fused, fp8_gemm
 
     members = [m.cuda() for m in _integer_members(static=static)]
     x = _integer_input(rows, static).to("cuda")
@@ -226,8 +226,8 @@ def test_gpu_paths_are_bit_identical_to_emulation(rows, static, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 16, 33, 64])
 def test_gpu_small_m_kernel_matches_emulation_on_random_data(rows):
     _needs_fp8_gpu()
-    from fp8export.runners.fp8_gemm import small_m_matmul
-    from fp8export.runners.fp8_quant import quantize_eager
+    from fp8export.runtime.fp8_gemm import small_m_matmul
+    from fp8export.runtime.fp8_quant import quantize_eager
 
     torch.manual_seed(rows)
     for n, k in ((3072, 2048), (2048, 8192), (96, 64)):

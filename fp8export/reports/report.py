@@ -15,9 +15,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp8export.errors import Fp8ExportError
+
+if TYPE_CHECKING:
+    from fp8export.verify.config import VerifyConfig
+    from fp8export.verify.result import VerifyResult
 
 JSON_KEYS_ORDER = ("passed", "backend", "samples", "metrics", "thresholds", "failures",
                    "per_layer", "header")
@@ -225,7 +229,7 @@ NOISE_FLOOR_TEXT = ("The reference runs in {dtype}; the same checkpoint run in f
 def worst_sample_text(s: dict[str, Any]) -> tuple[str, str | None, str]:
     """``(context, token, predictions)`` of a worst-sample entry, display-safe whoever wrote it
     (controls and bidi characters visible, lengths bounded); still to be escaped per format."""
-    from fp8export.verify.report_samples import display_text
+    from fp8export.verify.worst_samples import display_text
 
     s = {k: display_text(v, 400) if isinstance(v, str) else v for k, v in s.items()}
     if s.get("position") is not None:
@@ -361,8 +365,8 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     or full location) the ones already written are removed and Fp8ExportError says why.
     """
     from fp8export.io.atomic import write_file_atomic
-    from fp8export.verify.junit import junit_xml
-    from fp8export.verify.report_html import html_report
+    from fp8export.reports.html import html_report
+    from fp8export.reports.junit import junit_xml
 
     report_dir = Path(report_dir)
     created = not report_dir.exists()
@@ -393,3 +397,34 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
                 report_dir.rmdir()
         raise
     return {k: str(v) for k, v in paths.items()}
+
+
+def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
+    """``verify`` with its reports: the report folder is checked before any model loads, and
+    the reports are written whether the candidate passes or fails (VerificationFailed is raised
+    again after them, its result naming the files)."""
+    from fp8export._progress import stage
+    from fp8export.errors import VerificationFailed
+    from fp8export.verify.run import verify
+    from fp8export.verify.thresholds import PRESETS
+
+    if not cfg.write_reports:
+        return verify(cfg)
+    if cfg.data is not None:  # a typo'd data file is named before the report folder
+        from fp8export.inputs.samples import check_data_file
+
+        check_data_file(cfg.data)
+    thresholds_file = None if isinstance(cfg.thresholds, dict) or \
+        str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
+    check_report_dir(cfg.report_dir, cfg.force,
+                     inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
+    try:
+        result = verify(cfg)
+    except VerificationFailed as exc:
+        result = exc.result
+        with stage(f"writing the reports to {cfg.report_dir}"):
+            result.reports = write_reports(result.to_dict(), cfg.report_dir)
+        raise
+    with stage(f"writing the reports to {cfg.report_dir}"):
+        result.reports = write_reports(result.to_dict(), cfg.report_dir)
+    return result

@@ -146,7 +146,7 @@ def make_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
     import numpy as np
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     calib = None
     if static:
@@ -177,3 +177,13 @@ def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
                     manifest_path.write_text(json.dumps(manifest, indent=2))
             return
     raise KeyError(key)
+
+
+def one_torch_thread():
+    """These models are tiny: one thread is faster, and far faster on a busy 2-core machine
+    (two spinning intra-op threads under load made training ~30x slower). A generator for a
+    session fixture: the thread count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

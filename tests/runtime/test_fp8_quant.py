@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8export.numerics.fp8 import E4M3_MAX, quantize_e4m3
-from fp8export.runners.fp8_quant import quantize_eager, quantize_input
+from fp8export.runtime.fp8_quant import quantize_eager, quantize_input
 
 
 def _edge_values(device):
@@ -45,7 +45,7 @@ def test_fused_is_bit_identical_on_gpu(dtype):
 def test_runtime_launch_skips_the_jit_and_stays_bit_identical():
     """After the first call of a shape class, quantize_input launches the compiled kernel
     directly (checked against the JIT once); many fresh inputs later it is still exact."""
-    from fp8export.runners.fp8_quant import _launcher
+    from fp8export.runtime.fp8_quant import _launcher
 
     torch.manual_seed(1)
     s = torch.tensor(0.02, device="cuda")
@@ -117,7 +117,7 @@ def _launch(launcher, x, scale):
 
 @pytest.fixture()
 def cpu_launcher(monkeypatch):
-    from fp8export.runners.fp8_quant import Launcher
+    from fp8export.runtime.fp8_quant import Launcher
 
     # CPU-only torch builds raise from the capture query; nothing is being captured here
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -183,7 +183,7 @@ def test_launcher_adopts_nothing_while_capturing_or_when_disabled(cpu_launcher, 
 
 
 def test_quantize_input_on_cpu_is_the_eager_path_for_any_layout():
-    from fp8export.runners.fp8_quant import triton_cdiv
+    from fp8export.runtime.fp8_quant import triton_cdiv
 
     x = (torch.randn(32, 48) * 7).t()  # not contiguous
     s = torch.tensor(0.013)

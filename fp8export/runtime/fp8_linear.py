@@ -29,7 +29,7 @@ from torch import nn
 
 from fp8export.numerics.block import expand_blocks, fake_quantize_groups, grid_shape
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, quantize_e4m3
-from fp8export.runners.fp8_gemm import fp8_matmul, rowwise_matmul
+from fp8export.runtime.fp8_gemm import fp8_matmul, rowwise_matmul
 
 MODES = ("auto", "emulate", "scaled_mm")
 
@@ -114,7 +114,7 @@ class Fp8Linear(nn.Module):
         self.dynamic = dynamic
         self.fallback_reason: str | None = None
         if self.block is not None or dynamic in ("group", "none"):
-            from fp8export.runners.fp8_block import block_fallback_reason
+            from fp8export.runtime.fp8_block import block_fallback_reason
 
             self.fallback_reason = block_fallback_reason(self)
         elif self.in_features % 16 or self.out_features % 16:
@@ -232,7 +232,7 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.block is not None or (self.input_scale is None and self.dynamic in ("group",
                                                                                      "none")):
-            from fp8export.runners.fp8_block import block_forward
+            from fp8export.runtime.fp8_block import block_forward
 
             return block_forward(self, x2).view(*x.shape[:-1], self.out_features)
         s_in = self.input_scale_for(x2)

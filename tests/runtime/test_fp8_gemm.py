@@ -7,14 +7,14 @@ import torch
 
 from fp8export.numerics.fp8 import quantize_e4m3
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_gemm import (
+from fp8export.runtime.fp8_gemm import (
     fp8_matmul,
     quantized_matmul,
     rowwise_matmul,
     small_m_config,
     small_m_matmul,
 )
-from fp8export.runners.fp8_quant import quantize_input
+from fp8export.runtime.fp8_quant import quantize_input
 
 
 def _exact(n=48, k=64, m=6, seed=0):
@@ -67,7 +67,7 @@ def test_quantized_matmul_on_a_column_slice_of_the_fused_weight():
 
 
 def test_fp8_matmul_with_and_without_a_kept_transpose(monkeypatch):
-    from fp8export.runners import fp8_gemm
+    from fp8export.runtime import fp8_gemm
 
     monkeypatch.setattr(fp8_gemm, "EAGER_M", 0)  # the _scaled_mm branch (no Triton on CPU)
     x, w, s_in, s_w, bias = _exact(m=9)

@@ -8,10 +8,10 @@ import torch
 
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_linear import Fp8Linear
-from fp8export.runners.fp8_model import fp8_modules, load_fp8_model
 from fp8export.runners.torch_fp8_runner import TorchFp8Runner
 from fp8export.runners.torch_runner import TorchRunner
+from fp8export.runtime.fp8_linear import Fp8Linear
+from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def gpt2_pair(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fp8export import api
-    from fp8export.config import ConvertConfig
+    from fp8export.convert.config import ConvertConfig
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -15,8 +15,8 @@ import torch
 from fp8export.numerics.block import block_amax, block_scales, quantize_blocks_sqnr
 from fp8export.numerics.fp8 import quantize_e4m3
 from fp8export.numerics.metrics import rel_l2
-from fp8export.runners.fp8_fused import fusable
-from fp8export.runners.fp8_linear import Fp8Linear
+from fp8export.runtime.fp8_fused import fusable
+from fp8export.runtime.fp8_linear import Fp8Linear
 
 
 def _block_layer(out_f=320, in_f=384, block=(128, 128), bias=True, dtype=torch.bfloat16,
@@ -103,7 +103,7 @@ def test_bad_grids_are_refused():
 
 # ----------------------------------------------------------------------------------- GPU
 def _fp8_gpu():
-    from fp8export.runners.fp8_linear import scaled_mm_available
+    from fp8export.runtime.fp8_linear import scaled_mm_available
 
     if not scaled_mm_available("cuda"):
         pytest.skip("needs compute capability >= 8.9 for FP8 GEMMs")
@@ -114,7 +114,7 @@ def _fp8_gpu():
     (512, 1024, (128, 128), (4, 33)), (320, 384, (128, 128), (1, 1)),  # ragged N, decode row
     (256, 512, (64, 32), (2, 70)), (4096, 4096, (128, 128), (2, 512))])
 def test_triton_kernel_matches_the_emulation(out_f, in_f, block, tokens, monkeypatch):
-    import fp8export.runners.fp8_block as fb
+    import fp8export.runtime.fp8_block as fb
 
     _fp8_gpu()
     monkeypatch.setattr(fb, "_FORCE", "triton")
@@ -135,7 +135,7 @@ def test_cublas_block_scaled_mm_matches_the_emulation(tokens):
     """torch._scaled_mm with BlockWise1x128 inputs and BlockWise128x128 weights (cuBLAS, SM 9.0,
     CUDA >= 12.9): skips naming torch's own refusal where this build has no such kernel."""
     from fp8export.numerics.block import group_scales, quantize_groups
-    from fp8export.runners.fp8_block import _cublas
+    from fp8export.runtime.fp8_block import _cublas
 
     _fp8_gpu()
     if torch.cuda.get_device_capability() != (9, 0):
@@ -159,7 +159,7 @@ def test_cublas_block_scaled_mm_matches_the_emulation(tokens):
 def test_every_shape_takes_a_path_that_matches_the_emulation(m, n, k, monkeypatch):
     """cuBLAS's block GEMM through torch._scaled_mm is wrong for K not a multiple of 512 or M
     not a multiple of 4 (measured on an H100): those calls never reach it."""
-    import fp8export.runners.fp8_block as fb
+    import fp8export.runtime.fp8_block as fb
 
     _fp8_gpu()
     calls = []
@@ -174,7 +174,7 @@ def test_every_shape_takes_a_path_that_matches_the_emulation(m, n, k, monkeypatc
 
 @pytest.mark.gpu
 def test_auto_path_records_which_gemm_ran():
-    import fp8export.runners.fp8_block as fb
+    import fp8export.runtime.fp8_block as fb
 
     _fp8_gpu()
     layer = _block_layer(1024, 2048).cuda()
@@ -194,8 +194,8 @@ def test_a_block_folder_runs_on_the_gpu(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fp8export.api import convert
-    from fp8export.config import ConvertConfig
-    from fp8export.runners.fp8_model import load_fp8_model
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     _fp8_gpu()
     torch.manual_seed(0)
@@ -208,7 +208,7 @@ def test_a_block_folder_runs_on_the_gpu(tmp_path):
     gpu, _, _, info = load_fp8_model(tmp_path / "fp8", device="cuda", mode="scaled_mm")
     assert info["fallbacks"] == {} and info["weight_granularity"] == "block"
     emu = load_fp8_model(tmp_path / "fp8", device="cuda", mode="emulate")[0]
-    from fp8export.runners.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_linear import Fp8Linear
 
     layer_err: dict[str, float] = {}
 

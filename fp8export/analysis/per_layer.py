@@ -40,7 +40,7 @@ class PerLayerProbe:
 
     def __init__(self, reference: torch.nn.Module, fp8_model: torch.nn.Module,
                  manifest: dict[str, Any] | None = None):
-        from fp8export.runners.fp8_model import fp8_modules
+        from fp8export.runtime.fp8_model import fp8_modules
 
         self.fp8 = fp8_modules(fp8_model)
         if not self.fp8:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from fp8export.verify.report import (
+from fp8export.reports.report import (
     NOISE_FLOOR_HEAD,
     NOISE_FLOOR_TEXT,
     NOISE_FLOOR_TITLE,
@@ -99,7 +99,7 @@ def _noise_floor(result: dict[str, Any]) -> list[str]:
 
 def _figures(result: dict[str, Any]) -> list[str]:
     from fp8export.plots.svg import to_svg
-    from fp8export.verify.report_plots import figures
+    from fp8export.reports.charts import figures
 
     parts = []
     for i, fig in enumerate(figures(result)):

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from fp8export.runners.fp8_quant import Launcher, quantize_input
+from fp8export.runtime.fp8_quant import Launcher, quantize_input
 
 EAGER_M = (int(os.environ.get("FP8EXPORT_EAGER_M", "128"))
            if importlib.util.find_spec("triton") is not None else 0)

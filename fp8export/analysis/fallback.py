@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from fp8export._progress import info, progress
+from fp8export.analysis.fallback_units import Base, base_units, greedy_path, predicted, structures
 from fp8export.errors import Fp8ExportError
-from fp8export.runners.fp8_linear import Fp8Linear
-from fp8export.verify.fallback_units import Base, base_units, greedy_path, predicted, structures
+from fp8export.runtime.fp8_linear import Fp8Linear
 
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQ_LEN = 128
@@ -68,10 +68,10 @@ class FallbackSearch:
 
     def __init__(self, checkpoint: Path, layers: Sequence[FallbackLayer], *, data: Path | None,
                  samples: int | None, seq_len: int | None, dynamic: str = "tensor"):
+        from fp8export.inputs.eval_data import load_verify_samples
         from fp8export.inputs.samples import iter_batches
         from fp8export.models import load_model, module_names
         from fp8export.moe import unfuse_experts
-        from fp8export.verify.data import load_verify_samples
 
         self.t0 = time.perf_counter()
         self.model, config = load_model(checkpoint, dtype=torch.bfloat16, device="cpu")
@@ -284,7 +284,7 @@ class FallbackSearch:
         """KL of the written FP8 folder (through the FP8 runtime) on the held-out samples (the
         search tokens when the data has none, or with ``held_out=False``), with its interval
         and its gap to the search's measurement ``kl_selected``."""
-        from fp8export.runners.fp8_model import load_fp8_model
+        from fp8export.runtime.fp8_model import load_fp8_model
 
         t0 = time.perf_counter()
         batches, where = self.held_out, "held-out"
@@ -323,7 +323,7 @@ def _split(s, n: int):
 def _measure(model, batches, ref_logp) -> dict[str, Any]:
     """KL(reference || model) per token, top-1 agreement and the KL's bootstrap interval over
     samples, on ``batches`` against the reference's log-probabilities ``ref_logp``."""
-    from fp8export.verify.confidence import SampleStats, intervals
+    from fp8export.analysis.confidence import SampleStats, intervals
 
     total, agree, count = 0.0, 0, 0
     kl_sum: list[float] = []

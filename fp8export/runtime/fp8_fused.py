@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8export.runners.fp8_gemm import quantized_matmul
-from fp8export.runners.fp8_linear import Fp8Linear, dynamic_scale
-from fp8export.runners.fp8_quant import quantize_input
+from fp8export.runtime.fp8_gemm import quantized_matmul
+from fp8export.runtime.fp8_linear import Fp8Linear, dynamic_scale
+from fp8export.runtime.fp8_quant import quantize_input
 
 SPLIT_M = 4096
 """Rows from which an eager group runs one GEMM per member (see the module docstring)."""

@@ -5,7 +5,7 @@ The folder is opened by the one reader (``fp8dir.reader.read_fp8_folder``): one 
 fp8``, ModelOpt), described the same way. The architecture comes from the folder's
 ``config.json`` (``quantization_config`` dropped), the high-precision tensors are loaded as they
 are, and every module the manifest lists under ``quantized`` is replaced by
-:class:`~fp8export.runners.fp8_linear.Fp8Linear` holding its E4M3 weight and scales (per tensor,
+:class:`~fp8export.runtime.fp8_linear.Fp8Linear` holding its E4M3 weight and scales (per tensor,
 per channel or per block) and its activation mode (static, or dynamic per tensor, token, token
 group, or none). GPT-2 style ``in_out`` weights are transposed to ``[out, in]`` once, at load.
 Members of a fused group (the manifest's ``fused_group``: q/k/v, gate/up) that share their
@@ -27,8 +27,8 @@ import torch
 
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import read_fp8_folder
-from fp8export.runners.fp8_fused import Fp8FusedLinear, fuse_projections
-from fp8export.runners.fp8_linear import DYNAMIC, MODES, Fp8Linear, scaled_mm_available
+from fp8export.runtime.fp8_fused import Fp8FusedLinear, fuse_projections
+from fp8export.runtime.fp8_linear import DYNAMIC, MODES, Fp8Linear, scaled_mm_available
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -178,7 +178,7 @@ def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.
     entry = manifest.get("kv_cache")
     if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
         return None
-    from fp8export.calibration.kv_cache import emulate_fp8_kv
+    from fp8export.runtime.kv_cache import emulate_fp8_kv
 
     scales = {}
     for attn, layer in entry["layers"].items():

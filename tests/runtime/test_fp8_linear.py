@@ -9,8 +9,8 @@ import torch
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import amax_to_scale, fake_quantize_e4m3, quantize_e4m3
 from fp8export.numerics.metrics import cosine, rel_l2
-from fp8export.runners.fp8_linear import Fp8Linear, dynamic_scale
-from fp8export.runners.fp8_model import resolve_mode
+from fp8export.runtime.fp8_linear import Fp8Linear, dynamic_scale
+from fp8export.runtime.fp8_model import resolve_mode
 
 
 def _layer(out_f=48, in_f=32, static=True, bias=True, mode="auto", dtype=torch.bfloat16, seed=0):
@@ -93,7 +93,7 @@ def _cpu_scaled_mm() -> bool:
 
 def _device(name: str) -> torch.device:
     if name == "cuda":
-        from fp8export.runners.fp8_linear import scaled_mm_available
+        from fp8export.runtime.fp8_linear import scaled_mm_available
 
         if not scaled_mm_available("cuda"):
             pytest.skip("needs compute capability >= 8.9 for FP8 GEMMs")
@@ -209,8 +209,8 @@ def test_a_doubled_input_scale_passes_cosine_and_fails_rel_l2():
     """Why the checks above compare values: the GEMM given twice the input scale it quantized
     with returns twice the answer, which cosine calls perfect."""
     _device("cpu")
-    from fp8export.runners.fp8_gemm import quantized_matmul
-    from fp8export.runners.fp8_quant import quantize_input
+    from fp8export.runtime.fp8_gemm import quantized_matmul
+    from fp8export.runtime.fp8_quant import quantize_input
 
     layer, _, _ = _layer(out_f=64, in_f=128, bias=False, dtype=torch.float32)
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))

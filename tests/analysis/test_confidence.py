@@ -1,11 +1,11 @@
-"""Bootstrap confidence intervals of the gated metrics (fp8export/verify/confidence.py)."""
+"""Bootstrap confidence intervals of the gated metrics (fp8export/analysis/confidence.py)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from fp8export.verify.confidence import (
+from fp8export.analysis.confidence import (
     MIN_SAMPLES,
     STATISTICS,
     SampleStats,
@@ -82,7 +82,7 @@ def test_weighted_p99_is_the_inverted_cdf_percentile_with_each_sample_once():
     rng = np.random.default_rng(5)
     token_kl = [rng.exponential(0.02, size=n) for n in (7, 40, 13, 90)]
     stats = SampleStats({"tokens": np.array([7.0, 40, 13, 90])}, token_kl=token_kl)
-    from fp8export.verify import confidence
+    from fp8export.analysis import confidence
 
     got = confidence._weighted_p99(token_kl, np.ones((1, 4)))[0]
     assert got == np.percentile(np.concatenate(token_kl), 99, method="inverted_cdf")

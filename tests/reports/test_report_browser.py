@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from browser import chromium, layout_problems, measure
 
+from fp8export.api import verify
 from fp8export.verify.config import VerifyConfig
-from fp8export.verify.run import verify
 
 pytestmark = pytest.mark.skipif(chromium() is None, reason="needs Chromium (apt install chromium)")
 
@@ -37,7 +37,7 @@ def test_report_reads_cleanly_in_a_browser(damaged_report, width):
 def test_untrusted_text_stays_text_in_a_browser(tmp_path):
     from test_report import EVIL, _result, _with_header
 
-    from fp8export.verify.report_html import html_report
+    from fp8export.reports.html import html_report
 
     page = tmp_path / "report.html"
     page.write_text(html_report(_with_header(_result())), encoding="utf-8")

@@ -1,0 +1,1 @@
+"""Charts: the hand-drawn SVG renderer and the matplotlib backend the report and inspect use."""

@@ -1,0 +1,1 @@
+"""Reports of a verification: report.json, report.md, report.html with its charts, junit.xml."""
