@@ -8,7 +8,6 @@ _HINTS = {
     "tensorrt": "pip install 'fp8export[tensorrt]' (TensorRT 10.x or 11.x from NVIDIA's index)",
     "keras": "pip install 'fp8export[keras]'",
     "h5py": "pip install 'fp8export[keras]'",
-    "matplotlib": "pip install 'fp8export[plot]'",
     "onnxruntime": "pip install onnxruntime (or onnxruntime-gpu via 'fp8export[gpu]')",
 }
 

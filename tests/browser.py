@@ -2,7 +2,8 @@
 
 No driver or Python package: ``chromium --headless --dump-dom`` loads a copy of the page with
 a small measuring script appended, and the script writes what it measured (every SVG text
-box, plot area, legend and panel) into the DOM that Chromium prints. ``--screenshot`` takes
+box, plot area, legend and panel, found by the ids ``fp8export.plots.mpl`` gives them) into
+the DOM that Chromium prints. ``--screenshot`` takes
 pictures. ``chromium()`` is None when no browser is installed (tests skip).
 """
 
@@ -26,16 +27,16 @@ _MEASURE = """<script>
 (() => {
   const box = e => { const r = e.getBoundingClientRect();
                      return [r.left, r.top, r.right, r.bottom]; };
+  const ids = (root, re) => [...root.querySelectorAll('g[id]')].filter(g => re.test(g.id));
   const figures = [...document.querySelectorAll('svg')].map(svg => ({
     box: box(svg),
     title: (svg.querySelector('title') || {}).textContent || '',
-    texts: [...svg.querySelectorAll('text')].map(t => ({text: t.textContent,
-                                                        cls: t.getAttribute('class'),
-                                                        box: box(t)})),
-    plotAreas: [...svg.querySelectorAll('.plot-area')].map(box),
-    legends: [...svg.querySelectorAll('.legend')].map(box),
-    panels: [...svg.querySelectorAll('.panel')].map(p => ({
-      title: p.getAttribute('data-title'), marks: p.querySelectorAll('.mark').length})),
+    texts: [...svg.querySelectorAll('text')].map(t => ({text: t.textContent, box: box(t)})),
+    plotAreas: ids(svg, /-plot-area$/).map(box),
+    legends: ids(svg, /-legend$/).map(box),
+    panels: ids(svg, /-panel-\\d+$/).map(p => ({
+      title: ((ids(p, /-title$/)[0] || {}).textContent || '').trim(),
+      marks: ids(p, /-mark-\\d+$/).length + p.querySelectorAll('image').length})),
   }));
   const out = document.createElement('pre');
   out.id = 'fp8export-layout';

@@ -23,7 +23,7 @@ def single_linear_model(layer, *, dtype: str = "fp32", opset: int = 21):
     import torch
     from onnx import helper, numpy_helper
 
-    from fp8export.onnx.qdq import np_dtype, onnx_dtype, rewrite_qdq
+    from fp8export.onnx.qdq import np_dtype, onnx_dtype
 
     w = layer.weight_out_in.to(torch.float32) * layer.weight_scale_out_in  # [out, in]
     out_f, in_f = w.shape
@@ -38,8 +38,18 @@ def single_linear_model(layer, *, dtype: str = "fp32", opset: int = 21):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = max(10, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
-    rewrite_qdq(model, {layer.name: layer}, dtype=dtype, opset=opset)
-    return model
+    return rewrite_proto(model, {layer.name: layer}, dtype=dtype, opset=opset)[0]
+
+
+def rewrite_proto(model, layers, **kwargs):
+    """``rewrite_qdq`` on a ModelProto: returns ``(rewritten ModelProto, RewriteResult)``."""
+    import onnx_ir as ir
+
+    from fp8export.onnx.qdq import rewrite_qdq
+
+    graph = ir.from_proto(model)
+    result = rewrite_qdq(graph, layers, **kwargs)
+    return ir.to_proto(graph), result
 
 
 def _attrs(node) -> dict[str, Any]:

@@ -11,8 +11,7 @@ from fp8export._progress import echo
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Write a plot of per-layer weight scale, input scale and SQNR: FILE.svg "
-                   "(built in) or FILE.png (needs matplotlib: pip install 'fp8export[plot]'). "
-                   "Default: no plot.")
+                   "or FILE.png. Default: no plot.")
 @click.option("--force", is_flag=True, help="Replace an existing --plot file.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print machine-readable JSON instead of the table.")

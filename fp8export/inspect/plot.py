@@ -1,5 +1,5 @@
 """``inspect --plot``: per-layer weight scale, input scale and weight SQNR of a checkpoint or an
-FP8 folder, as SVG (no extra packages) or PNG (matplotlib), chosen by the file's extension.
+FP8 folder, drawn by matplotlib as SVG or PNG, chosen by the file's extension.
 
 What the figure shows: one panel per quantity that has data (a bf16 checkpoint has no input
 scales, so no input-scale panel). Members of a fused group (q/k/v, gate/up) share one weight
@@ -158,16 +158,8 @@ def check_plot_target(path: Path, force: bool = False, source: Path | None = Non
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         what = repr(path.suffix) if path.suffix else "a name without extension"
-        raise Fp8ExportError(f"{path}: --plot writes .svg (built in) or .png (needs matplotlib), "
-                             f"not {what}. Name the file e.g. scales.svg or scales.png.")
-    if path.suffix.lower() == ".png":
-        from fp8export._lazy import missing
-
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise missing("matplotlib", "--plot to a .png file; a .svg file needs nothing",
-                          exc) from exc
+        raise Fp8ExportError(f"{path}: --plot writes .svg or .png, not {what}. Name the file "
+                             "e.g. scales.svg or scales.png.")
     if path.is_dir() and not path.is_symlink():
         raise Fp8ExportError(f"{path}: is a folder. Give a file name for --plot, e.g. "
                              f"{path / 'scales.svg'}.")
@@ -177,7 +169,7 @@ def check_plot_target(path: Path, force: bool = False, source: Path | None = Non
 
 def write_plot(result: InspectResult, path: Path, force: bool = False,
                source: Path | None = None) -> None:
-    """Write the figure to ``path``: ``.svg`` (built in) or ``.png`` (needs matplotlib).
+    """Write the figure to ``path``: ``.svg`` or ``.png``, by its extension.
 
     Raises:
         Fp8ExportError: another extension, nothing to plot, ``path`` exists without ``force``,
@@ -192,12 +184,7 @@ def write_plot(result: InspectResult, path: Path, force: bool = False,
     if fig is None:
         raise Fp8ExportError(f"{result.path}: no quantized or quantizable linear layers, so "
                              "there is nothing to plot. Inspect without --plot for the table.")
-    if suffix == ".svg":
-        from fp8export.plots.svg import to_svg
+    from fp8export.plots.mpl import png_bytes, svg_text
 
-        data = to_svg(fig, "inspect").encode("utf-8")
-    else:
-        from fp8export.plots.mpl import png_bytes
-
-        data = png_bytes(fig)
+    data = svg_text(fig, "inspect").encode("utf-8") if suffix == ".svg" else png_bytes(fig)
     write_file_atomic(path, data, what="the plot")  # an OSError becomes one clear error

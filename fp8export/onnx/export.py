@@ -271,10 +271,11 @@ def _keras_traceable(folder, dtype: OnnxDtype):
     return _Ids(model), (ids,), ["input_ids"], dynamic, output_name
 
 
-def torch_export(folder, dtype: OnnxDtype, opset: int):
-    """Trace the model of ``folder`` to an ``onnx.ModelProto`` (dequantized weights, no Q/DQ).
+def trace_model(folder, dtype: OnnxDtype, opset: int):
+    """Trace the model of ``folder`` to an ``onnx_ir.Model`` (dequantized weights, no Q/DQ):
+    the exporter's own in-memory graph, which the Q/DQ rewrite edits before it is serialized.
 
-    Returns ``(model_proto, output_name, feed)``; ``feed``: the example inputs it traced with
+    Returns ``(model, output_name, feed)``; ``feed``: the example inputs it traced with
     (numpy). The ``model.`` prefix of the node name scopes is the wrapper's;
     :func:`fp8export.onnx.qdq.module_of` strips it.
     """
@@ -307,14 +308,21 @@ def torch_export(folder, dtype: OnnxDtype, opset: int):
             "this model, or serve the FP8 folder directly (vLLM / the torch FP8 runner).") from exc
     finally:
         quiet.setLevel(level)
-    proto = program.model_proto
-    if proto.graph.output[0].name != output_name:  # exporter may rename; keep the contract
-        proto.graph.output[0].name = output_name
+    model = program.model
+    if model.graph.outputs[0].name != output_name:  # exporter may rename; keep the contract
+        model.graph.outputs[0].name = output_name
     longest = wrapped.model.max_positions if keras else max_positions(folder.config)
     if longest:
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = MAX_POSITIONS_KEY, str(int(longest))
-    return proto, output_name, probe_feed(input_names, args)
+        model.metadata_props[MAX_POSITIONS_KEY] = str(int(longest))
+    return model, output_name, probe_feed(input_names, args)
+
+
+def torch_export(folder, dtype: OnnxDtype, opset: int):
+    """:func:`trace_model` as an ``onnx.ModelProto``: the plain graph, without Q/DQ."""
+    import onnx_ir as ir
+
+    model, output_name, feed = trace_model(folder, dtype, opset)
+    return ir.to_proto(model), output_name, feed
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,6 +422,7 @@ def check_levels(proto, feed: dict, dtype: OnnxDtype):
 def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     """FP8 folder → checked ONNX Q/DQ graph. Raises Fp8ExportError; never leaves a partial file."""
     import onnx
+    import onnx_ir as ir
 
     from fp8export.fp8dir.manifest import kv_cache_line
     from fp8export.fp8dir.reader import read_fp8_folder
@@ -443,9 +452,11 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         arch = (folder.config.get("architectures")
                 or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
         with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
-            proto, output_name, feed = torch_export(folder, dtype, opset)
+            model, output_name, feed = trace_model(folder, dtype, opset)
         with stage("rewriting quantized linears into FP8 Q/DQ"):
-            rewrite = rewrite_qdq(proto, graph_layers(folder), dtype=dtype.value, opset=opset)
+            rewrite = rewrite_qdq(model, graph_layers(folder), dtype=dtype.value, opset=opset)
+            # here: the FP8 initializers may be views of the folder's memory-mapped tensors
+            proto = ir.to_proto(model)
     strip_metadata(proto)
     min_ir = onnx.helper.find_min_ir_version_for(list(proto.opset_import))
     proto.ir_version = max(int(proto.ir_version), int(min_ir))  # opset 23 needs IR >= 11

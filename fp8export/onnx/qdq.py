@@ -31,6 +31,11 @@ Two shapes keep onnxruntime's graph optimizations from changing the answer (docs
 * a quantized Gemm's bias is stored as ``[1, N]``: onnxruntime re-quantizes a 1-D bias of a
   Q/DQ Gemm to int32 at ``input_scale * weight_scale``, which overflows (fp16 at once).
 
+The graph is edited as an ``onnx_ir`` model (what ``torch.onnx.export(dynamo=True)`` returns),
+before it is serialized; its use lists tell which float weights and Transposes the rewrite
+left unread, and only those are dropped (a general dead-code pass would also drop the shared
+zero point of a weight-only graph, which the files have always carried).
+
 Binding a manifest layer to its GEMM: by provenance first (the dynamo exporter records the module
 path in the node's ``pkg.torch.onnx.name_scopes``), confirmed by content; else by content alone
 (the dequantized weight equals an initializer up to transpose) — the path the Keras export uses.
@@ -58,9 +63,9 @@ _WRAPPER_PREFIX = "model."
 @dataclass
 class Binding:
     layer: str
-    node: object  # onnx.NodeProto (MatMul/Gemm)
-    initializer: str  # name of the float weight initializer now feeding it
-    transpose_node: object | None  # a Transpose(initializer) between, to remove
+    node: Any  # onnx_ir.Node (MatMul/Gemm)
+    initializer: Any  # onnx_ir.Value: the float weight initializer now feeding it
+    transpose_node: Any | None  # a Transpose(initializer) between, left unused by the rewrite
     orientation: str  # the float initializer's layout: "in_out" ([K, N]) or "out_in" ([N, K])
     how: str  # "provenance" | "content"
 
@@ -83,17 +88,17 @@ class RewriteResult:
 
 def module_of(node, prefix: str = _WRAPPER_PREFIX) -> str | None:
     """Module path that produced ``node`` (from the dynamo exporter's name scopes), or None."""
-    for prop in node.metadata_props:
-        if prop.key == _SCOPES_KEY:
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                return None
-            if len(scopes) < 2:
-                return None
-            name = scopes[-2]
-            return name[len(prefix):] if prefix and name.startswith(prefix) else name
-    return None
+    value = node.metadata_props.get(_SCOPES_KEY)
+    if value is None:
+        return None
+    try:
+        scopes = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    if len(scopes) < 2:
+        return None
+    name = scopes[-2]
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def np_dtype(name: str):
@@ -114,25 +119,31 @@ def scale_dtype_for(dtype: str, opset: int) -> str:
     return "fp32" if dtype == "bf16" and opset >= 23 else dtype
 
 
-def _weight_source(node, inits: Mapping, producers: Mapping):
-    """(initializer name, transpose node or None) feeding the GEMM's B, or None."""
-    name = node.input[1]
-    if name in inits:
-        return name, None
-    prod = producers.get(name)
-    if prod is not None and prod.op_type == "Transpose" and prod.input[0] in inits:
-        perm = [a.ints for a in prod.attribute if a.name == "perm"]
-        if not perm or list(perm[0]) == [1, 0]:
-            return prod.input[0], prod
+def _is_initializer(value) -> bool:
+    return value is not None and value.is_initializer() and value.const_value is not None
+
+
+def _weight_source(node):
+    """(initializer value, transpose node or None) feeding the GEMM's B, or None."""
+    b = node.inputs[1]
+    if _is_initializer(b):
+        return b, None
+    prod = b.producer() if b is not None else None
+    if prod is not None and prod.op_type == "Transpose" and _is_initializer(prod.inputs[0]):
+        perm = prod.attributes.get_ints("perm")
+        if perm is None or list(perm) == [1, 0]:
+            return prod.inputs[0], prod
     return None
 
 
 def _orientation(node, transposed: bool) -> str:
     """Layout of the initializer behind B: "in_out" ([K, N]) or "out_in" ([N, K])."""
-    trans_b = 0
-    if node.op_type == "Gemm":
-        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+    trans_b = node.attributes.get_int("transB", 0) if node.op_type == "Gemm" else 0
     return "out_in" if bool(trans_b) != transposed else "in_out"
+
+
+def _shape(init) -> tuple[int, ...]:
+    return tuple(init.const_value.shape.numpy())
 
 
 def _expected(layer, orientation: str, dtype: str) -> np.ndarray:
@@ -152,23 +163,21 @@ def _matches(value: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
-    """Find the MatMul/Gemm of every quantized layer. Raises naming any layer not found."""
-    from onnx import numpy_helper
+    """Find the MatMul/Gemm of every quantized layer of ``model`` (an ``onnx_ir.Model``).
 
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
-    candidates = []  # (node, init name, transpose node, orientation)
-    for node in graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+    Raises naming any layer not found.
+    """
+    candidates = []  # (node, initializer value, transpose node, orientation)
+    for node in model.graph:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
             continue
-        src = _weight_source(node, inits, producers)
-        if src is None or len(inits[src[0]].dims) != 2:
+        src = _weight_source(node)
+        if src is None or len(_shape(src[0])) != 2:
             continue
         candidates.append((node, src[0], src[1], _orientation(node, src[1] is not None)))
 
-    def value(name: str) -> np.ndarray:  # not cached: a float32 copy of every weight is large
-        return numpy_helper.to_array(inits[name]).astype(np.float32)
+    def value(init) -> np.ndarray:  # not cached: a float32 copy of every weight is large
+        return init.const_value.numpy().astype(np.float32)
 
     bindings: dict[str, Binding] = {}
     used: set[int] = set()
@@ -188,7 +197,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
         out_f, in_f = layer.weight_out_in.shape
         for i, (node, init, tnode, orient) in enumerate(candidates):
             shape = (in_f, out_f) if orient == "in_out" else (out_f, in_f)
-            if i in used or tuple(inits[init].dims) != shape:
+            if i in used or _shape(init) != shape:
                 continue
             if _matches(value(init), _expected(layer, orient, dtype)):
                 hits.append(i)
@@ -197,7 +206,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
                 f"layer {layer.name}: no MatMul/Gemm in the exported graph uses its weight (by "
                 "module name or by content). Exclude it at convert time (--exclude "
                 f"'{layer.name}') or report the architecture.")
-        inits_hit = {candidates[i][1] for i in hits}
+        inits_hit = {id(candidates[i][1]) for i in hits}
         if len(inits_hit) > 1:
             raise Fp8ExportError(
                 f"layer {layer.name}: its weight matches {len(inits_hit)} different initializers "
@@ -209,41 +218,70 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
     return bindings
 
 
-def reads_relu(x: str, producers: Mapping) -> bool:
-    """True when tensor ``x`` is a Relu's output, directly or through ops Q/DQ propagate across."""
-    node = producers.get(x)
-    while node is not None and node.op_type in _Q_PROPAGATES and node.input:
-        node = producers.get(node.input[0])
+def reads_relu(x) -> bool:
+    """True when value ``x`` is a Relu's output, directly or through ops Q/DQ propagate across."""
+    node = x.producer() if x is not None else None
+    while node is not None and node.op_type in _Q_PROPAGATES and node.inputs:
+        src = node.inputs[0]
+        node = src.producer() if src is not None else None
     return node is not None and node.op_type == "Relu"
 
 
-def _bias_as_row(gemm, inits: Mapping, consumers: dict, name: str, new_inits: list) -> str | None:
+def _initializer(graph, name: str, array: np.ndarray):
+    """Register ``array`` as initializer ``name``; returns its value."""
+    import onnx_ir as ir
+
+    # no type or shape on the value: onnx_ir would write a value_info entry for it
+    value = ir.Value(name=name, const_value=ir.Tensor(np.asarray(array)))
+    graph.register_initializer(value)
+    return value
+
+
+def _node(op_type: str, inputs: list, output: str, name: str, **attrs):
+    import onnx_ir as ir
+
+    # attributes in name order, as onnx.helper.make_node writes them: stable bytes
+    return ir.node(op_type, inputs, dict(sorted(attrs.items())),
+                   outputs=[ir.Value(name=output)], name=name)
+
+
+def _drop_unused(graph, value) -> None:
+    """Remove ``value`` if nothing reads it any more: a Transpose's output (then its input), or
+    an initializer."""
+    if value is None or value.uses() or value.is_graph_output():
+        return
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose":
+        source = node.inputs[0]
+        graph.remove(node, safe=True)
+        _drop_unused(graph, source)
+    elif node is None and value.is_initializer():
+        del graph.initializers[value.name]
+
+
+def _bias_as_row(graph, gemm, name: str) -> None:
     """Store a quantized Gemm's 1-D bias initializer as ``[1, N]`` (same values, same result).
 
     onnxruntime's WeightBiasQuantization rewrites the 1-D bias ``C`` of a Gemm fed by a DQ into
     ``DQ(int32(round(C / (input_scale * weight_scale))))``, which overflows int32 (or, in a
     float16 graph, the float16 division) for ordinary FP8 scales; it leaves a 2-D ``C`` alone.
-    Returns the 1-D initializer's name when it was replaced.
     """
-    from onnx import numpy_helper
+    if gemm.op_type != "Gemm" or len(gemm.inputs) < 3:
+        return
+    old = gemm.inputs[2]
+    if not _is_initializer(old) or len(_shape(old)) != 1:
+        return
+    import onnx_ir as ir
 
-    if gemm.op_type != "Gemm" or len(gemm.input) < 3 or not gemm.input[2]:
-        return None
-    old = gemm.input[2]
-    bias = inits.get(old)
-    if bias is None or len(bias.dims) != 1:
-        return None
-    row = numpy_helper.from_array(numpy_helper.to_array(bias).reshape(1, -1), f"{name}.bias")
-    new_inits.append(row)
-    consumers[old] -= 1
-    gemm.input[2] = row.name
-    return old
+    row = ir.Value(name=f"{name}.bias",
+                   const_value=ir.Tensor(old.const_value.numpy().reshape(1, -1)))
+    gemm.replace_input_with(2, row)
+    _drop_unused(graph, old)  # before registering the row: it may have had the same name
+    graph.register_initializer(row)
 
 
-def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResult):
-    """A scalar scale, a 1-D per-channel one, or a 2-D block one (float32 values)."""
-    from onnx import numpy_helper
-
+def _scale_array(value, sdtype: str, layer: str, result: RewriteResult) -> np.ndarray:
+    """A scalar scale, a 1-D per-channel one, or a 2-D block one, cast to ``sdtype``."""
     want = np.asarray(value, dtype=np.float32)
     cast = want.astype(np_dtype(sdtype))
     back = cast.astype(np.float32)
@@ -255,7 +293,7 @@ def _scale_tensor(name: str, value, sdtype: str, layer: str, result: RewriteResu
             "or exclude the layer at convert time.")
     rounding = float(np.max(np.abs(back - want) / want))
     result.max_scale_rounding = max(result.max_scale_rounding, rounding)
-    return numpy_helper.from_array(np.asarray(cast), name)
+    return np.asarray(cast)
 
 
 def _weight_scale_for(layer, read_as: str) -> tuple[Any, int, dict[str, int]]:
@@ -280,111 +318,73 @@ def _weight_scale_for(layer, read_as: str) -> tuple[Any, int, dict[str, int]]:
 
 
 def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteResult:
-    """Rewrite ``model`` (in place) so every layer in ``layers`` uses the FP8 Q/DQ pattern.
+    """Rewrite ``model`` (an ``onnx_ir.Model``, in place) so every layer in ``layers`` uses the
+    FP8 Q/DQ pattern.
 
     ``layers`` maps module names to :class:`~fp8export.fp8dir.reader.QuantLayer`. ``dtype`` is
     the activation dtype ("fp32"|"fp16"|"bf16"), ``opset`` the graph's opset.
     """
     import ml_dtypes
     import torch
-    from onnx import helper, numpy_helper
 
     sdtype = scale_dtype_for(dtype, opset)
     result = RewriteResult()
     bindings = bind_layers(model, layers, dtype)
     graph = model.graph
-    consumers: dict[str, int] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
-    outputs = {o.name for o in graph.output}
-    producers = {o: n for n in graph.node for o in n.output}
-    inits = {t.name: t for t in graph.initializer}
+    layer_of = {id(b.node): name for name, b in bindings.items()}
 
-    zp = numpy_helper.from_array(np.zeros((), dtype=ml_dtypes.float8_e4m3fn), ZERO_POINT)
-    new_inits = [zp]
+    fp8 = ml_dtypes.float8_e4m3fn
+    zp = _initializer(graph, ZERO_POINT, np.zeros((), dtype=fp8))
     out_dtype_attr = {}
     if sdtype != dtype:  # opset 23: DQ emits the activation dtype from an fp32 scale
         out_dtype_attr = {"output_dtype": onnx_dtype(dtype)}
-    remove_inits: set[str] = set()
-    remove_nodes: set[int] = set()
-    insert_before: dict[int, list] = {}
-    act_dq: dict[tuple[str, float], str] = {}
+    act_dq: dict[tuple[Any, float], Any] = {}  # (activation, scale) -> its DQ output
 
-    position = {id(n): i for i, n in enumerate(graph.node)}
     # graph order: a shared activation Q/DQ is created before its first consumer
-    for name in sorted(layers, key=lambda k: position[id(bindings[k].node)]):
+    for gemm in [n for n in graph if id(n) in layer_of]:
+        name = layer_of[id(gemm)]
         b = bindings[name]
         layer = layers[name]
-        gemm = b.node
-        q = layer.weight_out_in.contiguous()  # [out, in] float8
-        raw = q.view(torch.uint8).numpy()
+        raw = layer.weight_out_in.contiguous().view(torch.uint8).numpy()  # [out, in] float8
         raw = raw.T if b.read_as == "in_out" else raw
-        w8 = np.ascontiguousarray(raw).view(ml_dtypes.float8_e4m3fn)
-        w_name, s_name = f"{name}.weight", f"{name}.weight_scale"
-        new_inits.append(numpy_helper.from_array(w8, w_name))
+        w = _initializer(graph, f"{name}.weight", np.ascontiguousarray(raw).view(fp8))
         scale, axis, blocked = _weight_scale_for(layer, b.read_as)
-        new_inits.append(_scale_tensor(s_name, scale, sdtype, name, result))
-        w_zp = ZERO_POINT
+        s = _initializer(graph, f"{name}.weight_scale",
+                         _scale_array(scale, sdtype, name, result))
+        w_zp = zp
         if np.ndim(scale):  # per channel or block: the zero point has the scale's shape
-            w_zp = f"{name}.weight_zero_point"
-            new_inits.append(numpy_helper.from_array(
-                np.zeros(np.shape(scale), dtype=ml_dtypes.float8_e4m3fn), w_zp))
-        nodes = [helper.make_node("DequantizeLinear", [w_name, s_name, w_zp],
-                                  [f"{name}.weight_dq"], name=f"{name}/weight_dq", axis=axis,
-                                  **blocked, **out_dtype_attr)]
+            w_zp = _initializer(graph, f"{name}.weight_zero_point",
+                                np.zeros(np.shape(scale), dtype=fp8))
+        nodes = [_node("DequantizeLinear", [w, s, w_zp], f"{name}.weight_dq",
+                       f"{name}/weight_dq", axis=axis, **blocked, **out_dtype_attr)]
         # activation
         if layer.input_scale is not None:
-            x = gemm.input[0]
+            x = gemm.inputs[0]
             key = (x, float(layer.input_scale))
-            if key in act_dq:
-                gemm.input[0] = act_dq[key]
-            else:
-                i_name = f"{name}.input_scale"
-                new_inits.append(_scale_tensor(i_name, layer.input_scale, sdtype, name, result))
-                q_inputs, q_type = [x, i_name, ZERO_POINT], {}
-                if opset >= 21 and reads_relu(x, producers):  # output_dtype exists from 21
-                    q_inputs, q_type = [x, i_name], {"output_dtype": _E4M3FN}
-                nodes.append(helper.make_node(
-                    "QuantizeLinear", q_inputs, [f"{name}.input_q"],
-                    name=f"{name}/input_q", axis=1, saturate=1, **q_type))
-                nodes.append(helper.make_node(
-                    "DequantizeLinear", [f"{name}.input_q", i_name, ZERO_POINT],
-                    [f"{name}.input_dq"], name=f"{name}/input_dq", axis=1, **out_dtype_attr))
-                act_dq[key] = f"{name}.input_dq"
-                gemm.input[0] = f"{name}.input_dq"
+            if key not in act_dq:
+                i_s = _initializer(graph, f"{name}.input_scale",
+                                   _scale_array(layer.input_scale, sdtype, name, result))
+                q_inputs, q_type = [x, i_s, zp], {}
+                if opset >= 21 and reads_relu(x):  # output_dtype exists from 21
+                    q_inputs, q_type = [x, i_s], {"output_dtype": _E4M3FN}
+                q = _node("QuantizeLinear", q_inputs, f"{name}.input_q", f"{name}/input_q",
+                          axis=1, saturate=1, **q_type)
+                dq = _node("DequantizeLinear", [q.outputs[0], i_s, zp], f"{name}.input_dq",
+                           f"{name}/input_dq", axis=1, **out_dtype_attr)
+                nodes += [q, dq]
+                act_dq[key] = dq.outputs[0]
+            gemm.replace_input_with(0, act_dq[key])
             result.static.append(name)
         else:
             result.dynamic.append(name)
-        old_bias = _bias_as_row(gemm, inits, consumers, name, new_inits)
-        # weight
-        old = gemm.input[1]
-        gemm.input[1] = f"{name}.weight_dq"
-        consumers[old] -= 1
-        if b.transpose_node is not None and consumers[old] == 0 and old not in outputs:
-            remove_nodes.add(id(b.transpose_node))
-            consumers[b.initializer] -= 1
-        for init in (b.initializer, old_bias):  # old_bias: replaced by its [1, N] row
-            if init and consumers.get(init, 0) == 0 and init not in outputs:
-                remove_inits.add(init)
+        _bias_as_row(graph, gemm, name)
+        old = gemm.inputs[1]
+        gemm.replace_input_with(1, nodes[0].outputs[0])
+        _drop_unused(graph, old)  # the float weight (and its Transpose) once no GEMM reads it
         gemm.name = f"{name}/{gemm.op_type}"  # readable TensorRT layer names
-        insert_before.setdefault(position[id(gemm)], []).extend(nodes)
+        graph.insert_before(gemm, nodes)
         result.bound[name] = b.how
 
-    new_nodes = []
-    for i, n in enumerate(graph.node):
-        new_nodes.extend(insert_before.get(i, []))
-        if id(n) not in remove_nodes:
-            new_nodes.append(n)
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    kept = [t for t in graph.initializer if t.name not in remove_inits]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
-    # value_info for removed tensors would dangle; shape inference rebuilds what is needed
-    vi = [v for v in graph.value_info if v.name not in remove_inits]
-    del graph.value_info[:]
-    graph.value_info.extend(vi)
     if result.dynamic:
         result.notes.append(
             f"{len(result.dynamic)} layer(s) have no static input scale (dynamic activations): "

@@ -1,6 +1,6 @@
-"""report.html: one self-contained page (inline CSS and SVG plots; no scripts, no images to
-fetch, no libraries needed to draw it). Every string from the run is HTML-escaped: paths,
-module names and sample text are untrusted input."""
+"""report.html: one self-contained page (inline CSS and SVG charts drawn by matplotlib; no
+scripts, nothing to fetch). Every string from the run is HTML-escaped: paths, module names and
+sample text are untrusted input (matplotlib escapes the text it writes into the SVG)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ table.header th{width:9em;background:none;border:none;padding:2px 8px 2px 0;colo
 table.header td{border:none;padding:2px 0;overflow-wrap:anywhere}
 .note{background:#fff8e1;padding:8px;border-left:4px solid #f0b400}
 figure{margin:1em 0}figure svg{max-width:100%;height:auto;border:1px solid #eee}
+figcaption p{margin:.3em 0;font-size:14px}
 td.text{max-width:34em;overflow-wrap:anywhere;font-family:ui-monospace,monospace;font-size:13px}
 mark{background:#ffd54f;padding:0 1px}.muted{color:#666}
 code span.w{white-space:nowrap}
@@ -98,13 +99,15 @@ def _noise_floor(result: dict[str, Any]) -> list[str]:
 
 
 def _figures(result: dict[str, Any]) -> list[str]:
-    from fp8export.plots.svg import to_svg
+    from fp8export.plots.mpl import svg_text
     from fp8export.reports.charts import figures
 
     parts = []
     for i, fig in enumerate(figures(result)):
-        svg = to_svg(fig, f"fig{i}", title=False)
-        parts.append(f"<h2 id='figure-{i + 1}'>{_e(fig.title)}</h2><figure>{svg}</figure>")
+        svg = svg_text(fig, f"fig{i}", caption=False)
+        notes = "".join(f"<p>{_e(n)}</p>" for n in fig.notes)  # text that reflows with the page
+        parts.append(f"<h2 id='figure-{i + 1}'>{_e(fig.title)}</h2><figure>{svg}"
+                     f"<figcaption class='muted'>{notes}</figcaption></figure>")
     return parts
 
 

@@ -165,7 +165,8 @@ def test_rewrite_writes_the_shapes_every_level_computes_alike():
     from fp8export.fp8dir.reader import QuantLayer
     from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
     from fp8export.onnx.check import check_model
-    from fp8export.onnx.qdq import ZERO_POINT, rewrite_qdq
+    from fp8export.onnx.qdq import ZERO_POINT
+    from tests.onnx_graphs import rewrite_proto
 
     rng = np.random.RandomState(0)
     w1, w2 = (rng.uniform(-1, 1, s).astype(np.float32) for s in ((16, 8), (4, 16)))
@@ -187,7 +188,7 @@ def test_rewrite_writes_the_shapes_every_level_computes_alike():
         "x", TensorProto.FLOAT, [3, 8])], [helper.make_tensor_value_info(
         "y", TensorProto.FLOAT, [3, 4])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    rewrite_qdq(model, layers, dtype="fp32", opset=21)
+    model, _ = rewrite_proto(model, layers, dtype="fp32", opset=21)
     onnx.checker.check_model(model, full_check=True)
     assert check_model(model).ok and len(check_model(model).fp8_gemms) == 2
     q = {n.name: n for n in model.graph.node if n.op_type == "QuantizeLinear"}
@@ -327,7 +328,7 @@ def pre_fix_emitter(monkeypatch):
     that onnxruntime computes wrongly from ORT_ENABLE_EXTENDED up."""
     import fp8export.onnx.qdq as qdq
 
-    monkeypatch.setattr(qdq, "reads_relu", lambda x, producers: False)
+    monkeypatch.setattr(qdq, "reads_relu", lambda x: False)
 
 
 def test_a_wrong_level_is_recorded_noted_and_inspected(pre_fix_emitter, keras_hub_parity,

@@ -13,8 +13,8 @@ from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import QuantLayer
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
 from fp8export.onnx.check import check_model
-from fp8export.onnx.qdq import rewrite_qdq
 from fp8export.runners.ort_runner import OrtRunner
+from tests.onnx_graphs import rewrite_proto
 
 RNG = np.random.RandomState(0)
 W = torch.from_numpy(RNG.uniform(-1, 1, (12, 8)).astype(np.float32))  # [out, in]
@@ -53,7 +53,7 @@ def _run(model, tmp_path) -> np.ndarray:
 def test_gemm_trans_b_keeps_out_in_weight_with_axis0(tmp_path):
     m = _model([helper.make_node("Gemm", ["x", "w"], ["y"], transB=1, name="gemm")],
                [numpy_helper.from_array(_deq_w(), "w")])
-    result = rewrite_qdq(m, {"fc": LAYER}, dtype="fp32", opset=21)
+    m, result = rewrite_proto(m, {"fc": LAYER}, dtype="fp32", opset=21)
     assert result.bound == {"fc": "content"} and result.static == ["fc"]
     w8 = next(t for t in m.graph.initializer if t.name == "fc.weight")
     assert w8.data_type == TensorProto.FLOAT8E4M3FN and list(w8.dims) == [12, 8]
@@ -69,7 +69,7 @@ def test_transpose_between_initializer_and_matmul_is_folded(tmp_path):
     m = _model([helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0], name="t"),
                 helper.make_node("MatMul", ["x", "wt"], ["y"], name="mm")],
                [numpy_helper.from_array(_deq_w(), "w")])
-    rewrite_qdq(m, {"fc": LAYER}, dtype="fp32", opset=21)
+    m, _ = rewrite_proto(m, {"fc": LAYER}, dtype="fp32", opset=21)
     assert [n.op_type for n in m.graph.node] == ["DequantizeLinear", "QuantizeLinear",
                                                  "DequantizeLinear", "MatMul"]
     w8 = next(t for t in m.graph.initializer if t.name == "fc.weight")
@@ -84,14 +84,14 @@ def test_unbound_and_ambiguous_layers_are_errors():
     m = _model([helper.make_node("MatMul", ["x", "w"], ["y"])],
                [numpy_helper.from_array(np.ones((8, 12), np.float32), "w")])
     with pytest.raises(Fp8ExportError, match="layer fc: no MatMul/Gemm"):
-        rewrite_qdq(m, {"fc": LAYER}, dtype="fp32", opset=21)
+        rewrite_proto(m, {"fc": LAYER}, dtype="fp32", opset=21)
     wt = np.ascontiguousarray(_deq_w().T)
     m = _model([helper.make_node("MatMul", ["x", "w1"], ["h"]),
                 helper.make_node("MatMul", ["x", "w2"], ["h2"]),
                 helper.make_node("Add", ["h", "h2"], ["y"])],
                [numpy_helper.from_array(wt, "w1"), numpy_helper.from_array(wt, "w2")])
     with pytest.raises(Fp8ExportError, match="matches 2 different initializers"):
-        rewrite_qdq(m, {"fc": LAYER}, dtype="fp32", opset=21)
+        rewrite_proto(m, {"fc": LAYER}, dtype="fp32", opset=21)
 
 
 def test_scale_that_underflows_fp16_is_refused():
@@ -100,4 +100,4 @@ def test_scale_that_underflows_fp16_is_refused():
                [numpy_helper.from_array(np.ascontiguousarray(
                    (tiny.weight.to(torch.float32) * 1e-11).numpy().T.astype(np.float16)), "w")])
     with pytest.raises(Fp8ExportError, match="--dtype fp32"):
-        rewrite_qdq(m, {"fc": tiny}, dtype="fp16", opset=21)
+        rewrite_proto(m, {"fc": tiny}, dtype="fp16", opset=21)

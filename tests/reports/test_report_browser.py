@@ -53,8 +53,9 @@ def test_the_checker_catches_a_bad_layout(tmp_path):
         '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="200"><title>bad</title>'
         '<text x="10" y="20" font-size="12">overlapping label</text>'
         '<text x="20" y="24" font-size="12">another label</text>'
-        '<g class="panel" data-title="empty"><rect class="plot-area" x="50" y="50" width="200" '
-        'height="100"/><g class="legend"><text x="60" y="70" font-size="11">legend</text></g>'
+        '<g id="f-panel-0"><g id="f-panel-0-title"><text x="10" y="190">empty</text></g>'
+        '<g id="f-panel-0-plot-area"><rect x="50" y="50" width="200" height="100"/></g>'
+        '<g id="f-panel-0-legend"><text x="60" y="70" font-size="11">legend</text></g>'
         '</g></svg>')
     problems = layout_problems(measure(bad))
     assert any("overlaps" in p for p in problems)
