@@ -72,10 +72,10 @@ from fp8export.fp8dir.formats import (
 from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    finite_or_none,
     kv_cache_line,
     options_entry,
     source_files_entry,
+    sqnr_entry,
     write_json,
 )
 from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
@@ -739,7 +739,7 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             **({"weight_scale_min": float(np.min(weight_scales[t.module]))}
                if np.ndim(weight_scales[t.module]) else {}),
             "weight_scale_source": weight_source[t.module],
-            "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
+            "weight_sqnr_db": sqnr_entry(sqnr.get(t.module)),
             "input_amax": float(r.amax) if r else None,
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
             "input_scale_source": str(r.source) if r else None,
