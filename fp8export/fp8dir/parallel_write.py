@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
-import torch
 
 from fp8export._timings import Timings
 from fp8export.checkpoint.safetensors_reader import (
@@ -47,12 +47,14 @@ from fp8export.checkpoint.safetensors_reader import (
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
-from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json, scale_tensor
+from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json
 from fp8export.io.atomic import OUTPUT_MODE
-from fp8export.io.safetensors_dtypes import ST_TO_TORCH
-from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, quantize_weight_sqnr
+from fp8export.io.safetensors_dtypes import ST_BYTES
+from fp8export.numerics import lut
+from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB
 
 SAMPLE = 4096  # bytes per read-back sample
+_NP_FLOAT = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 _ALIGN = 4096
 
 
@@ -74,25 +76,27 @@ class _Job:
 
 
 class _Workspace(threading.local):
-    src: torch.Tensor | None = None
-    fp8: torch.Tensor | None = None
+    src: np.ndarray | None = None
+    fp8: np.ndarray | None = None
     fp8_map = None
 
-    def source_buffer(self, n: int) -> torch.Tensor:
-        if self.src is None or self.src.numel() < n:
+    def source_buffer(self, n: int) -> np.ndarray:
+        if self.src is None or self.src.size < n:
             self.src = None  # free the old one first
-            self.src = torch.empty(n, dtype=torch.uint8)
+            self.src = np.empty(n, dtype=np.uint8)
         return self.src[:n]
 
-    def fp8_buffer(self, n: int, phase: int) -> torch.Tensor:
+    def fp8_buffer(self, n: int, phase: int) -> np.ndarray:
         """n bytes starting ``phase`` bytes into a page: byte i then sits at a page boundary
         exactly where output byte i does (O_DIRECT needs page-aligned memory)."""
         import mmap
 
-        if self.fp8 is None or self.fp8.numel() < n + _ALIGN:
-            self.fp8 = self.fp8_map = None
+        if self.fp8 is None or self.fp8.size < n + _ALIGN:
+            self.fp8 = None
+            if self.fp8_map is not None:
+                self.fp8_map.close()
             self.fp8_map = mmap.mmap(-1, n + _ALIGN)
-            self.fp8 = torch.frombuffer(self.fp8_map, dtype=torch.uint8)
+            self.fp8 = np.frombuffer(self.fp8_map, dtype=np.uint8)
         return self.fp8[phase:phase + n]
 
 
@@ -120,7 +124,7 @@ def _copy_range(src_fd: int, begin: int, n: int, dst_fd: int, offset: int,
             raise
     except AttributeError:  # no os.copy_file_range on this platform
         pass
-    buf = ws.source_buffer(min(n - done, 16 << 20)).numpy()
+    buf = ws.source_buffer(min(n - done, 16 << 20))
     while done < n:
         k = min(len(buf), n - done)
         if pread_exact(src_fd, buf[:k], begin + done) != k:
@@ -136,6 +140,8 @@ class _Writer:
         self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
         self.record = ParallelRecord()
         self.ws = _Workspace()
+        self._tables: dict[tuple[float, str], np.ndarray] = {}  # (scale, dtype) -> E4M3 LUT
+        self._tables_lock = threading.Lock()
         self.stop = threading.Event()
         self.fds: list[int] = []
         self.direct: list[int | None] = []  # O_DIRECT descriptors, where allowed
@@ -183,9 +189,8 @@ class _Writer:
                 self._weight(job, fd)
             else:
                 scales = self.weight_scales if entry.kind == "weight_scale" else self.input_scales
-                t = scale_tensor(scales[entry.source], entry.tensor.shape)
-                # reshape first: a ModelOpt scale is 0-dim, which view() refuses
-                _pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), job.offset)
+                t = np.array(scales[entry.source], dtype="<f4").reshape(entry.tensor.shape)
+                _pwrite_all(fd, t.reshape(-1).view(np.uint8), job.offset)
         except Fp8ExportError:
             raise
         except EOFError as exc:
@@ -211,16 +216,37 @@ class _Writer:
         module = entry.source[: -len(".weight")]
         raw = self.ws.source_buffer(end - begin)
         with self.timings.clock("write: read source"):
-            got = pread_exact(st.fileno(), raw.numpy(), begin) if end > begin else 0
+            got = pread_exact(st.fileno(), raw, begin) if end > begin else 0
         if got != end - begin:
             raise EOFError
-        w = raw.view(ST_TO_TORCH[info.dtype])
-        buf = self.ws.fp8_buffer(w.numel(), job.offset % _ALIGN)
+        n = (end - begin) // ST_BYTES[info.dtype]
+        buf = self.ws.fp8_buffer(n, job.offset % _ALIGN)
+        scale = self.weight_scales[module]
         with self.timings.clock("write: quantize + SQNR"):
-            q, sqnr = quantize_weight_sqnr(w, self.weight_scales[module], out=buf)
+            if info.dtype in lut.LUT_DTYPES:
+                table = self._table(scale, info.dtype)
+                hist = lut.new_histogram()
+                lut.quantize_into(raw.view(np.uint16), table, buf, hist)
+                sqnr = lut.sqnr_from_histogram(hist, table, scale, info.dtype)
+            else:  # float32 / float64 sources: torch's chunked cast (imported only for them)
+                import torch
+
+                from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+                from fp8export.scales.weights import quantize_weight_sqnr
+
+                w = torch.from_numpy(raw).view(ST_TO_TORCH[info.dtype])
+                _, sqnr = quantize_weight_sqnr(w, scale, out=torch.from_numpy(buf))
         self.record.set_sqnr(module, sqnr)
         with self.timings.clock("write: pwrite output"):
-            self._write_out(job, fd, buf.numpy())
+            self._write_out(job, fd, buf)
+
+    def _table(self, scale, dtype: str) -> np.ndarray:
+        key = (float(scale), dtype)  # fused members share one scale: one table for the group
+        with self._tables_lock:
+            table = self._tables.get(key)
+            if table is None:
+                table = self._tables[key] = lut.e4m3_table(scale, dtype)
+            return table
 
     def _write_out(self, job: _Job, fd: int, data: np.ndarray) -> None:
         """The whole pages inside the tensor's range go straight to the device (O_DIRECT:
@@ -261,10 +287,6 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
     worker stops the others and is raised here (an Fp8ExportError naming the tensor).
     """
     writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings)
-    threads = torch.get_num_threads()
-    # One thread per tensor's arithmetic (see quantize_weight_sqnr): the workers are the
-    # parallelism, and the SQNR must not depend on how many there are.
-    torch.set_num_threads(1)
     try:
         with timings.clock("write: create files"):
             jobs = writer.open_shards()
@@ -285,7 +307,6 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                 os.fsync(fd)
     finally:
         writer.close()
-        torch.set_num_threads(threads)
     return writer.record
 
 
@@ -342,12 +363,10 @@ def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile]
                   min_sqnr_db: float) -> list[str]:
     from safetensors import SafetensorError, safe_open
 
-    from fp8export.numerics.fp8 import quantize_e4m3
-
     fname = plan.file_name
     try:
         _infos, _meta, spans, _start = read_header_spans(path)
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="numpy") as f:
             found = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
                      for n in f.keys()}
     except (Fp8ExportError, SafetensorError, OSError) as exc:
@@ -379,7 +398,7 @@ def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile]
                 continue
             st = where[entry.source]
             info = st.info(entry.source)
-            itemsize = ST_TO_TORCH[info.dtype].itemsize
+            itemsize = ST_BYTES[info.dtype]
             out_itemsize = 1 if entry.kind == "weight" else itemsize
             src_begin, _ = st.spans[entry.source]
             for a, b in _sample_ranges(end - begin, out_itemsize):
@@ -391,9 +410,10 @@ def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile]
                 src = bytearray((b - a) * k)
                 pread_exact(st.fileno(), src, src_begin + a * k)
                 if entry.kind == "weight":
-                    x = torch.frombuffer(src, dtype=ST_TO_TORCH[info.dtype])
+                    x = np.frombuffer(src, dtype=_NP_FLOAT[info.dtype]).astype(np.float32)
                     module = entry.source[: -len(".weight")]
-                    want = quantize_e4m3(x, weight_scales[module]).view(torch.uint8).numpy()
+                    # the elementwise reference arithmetic, not the table the writer used
+                    want = lut.quantize_values(x, weight_scales[module])
                     if want.tobytes() != got:
                         problems.append(f"{fname}: the FP8 bytes of {name} on disk (bytes "
                                         f"{a}-{b}) differ from a fresh quantization of the "

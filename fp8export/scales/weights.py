@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fp8export.numerics import lut
 from fp8export.numerics.block import block_amax, block_scales
 from fp8export.numerics.channel import channel_amax, channel_scales
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
@@ -84,6 +85,14 @@ def _round_to_e4m3_grid_(y: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return y.add_(m).sub_(m)
 
 
+_LUT_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _bits(flat: torch.Tensor) -> np.ndarray:
+    """A 16-bit tensor's bit patterns as a contiguous uint16 array (no copy when contiguous)."""
+    return flat.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
 _workspace = threading.local()
 
 
@@ -101,6 +110,10 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
                          ) -> tuple[torch.Tensor, float]:
     """:func:`quantize_weight` and :func:`roundtrip_sqnr` of its result, in one pass.
 
+    bf16 / fp16 weights go through the E4M3 lookup table (``numerics/lut.py``: the same bytes,
+    and the SQNR summed exactly from the histogram of bit patterns); the float32 path below
+    serves float32 / float64 weights.
+
     Same bytes as ``quantize_weight(w, scale)`` and the same float as
     ``roundtrip_sqnr(w, q, scale)`` (same pieces, same float32 operations, same dot products),
     computed while each piece is in cache instead of reading the source twice. ``out``: a
@@ -109,6 +122,12 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
     flat = w.reshape(-1)
     n = flat.numel()
     q = (torch.empty(n, dtype=torch.uint8) if out is None else out[:n]).view(E4M3_DTYPE)
+    dtype = _LUT_DTYPES.get(w.dtype)
+    if dtype is not None:  # 16-bit: the table lookup, bit-identical, and the exact SQNR
+        table = lut.e4m3_table(scale, dtype)
+        hist = lut.new_histogram()
+        lut.quantize_into(_bits(flat), table, q.view(torch.uint8).numpy(), hist)
+        return q.reshape(w.shape), lut.sqnr_from_histogram(hist, table, scale, dtype)
     s = float(scale)
     x, y, tmp = _chunk_buffers()
     signal = noise = 0.0
@@ -144,6 +163,15 @@ def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float
     """
     ref = source.reshape(-1)
     got = q.reshape(-1)
+    dtype = _LUT_DTYPES.get(source.dtype)
+    if dtype is not None:
+        # 16-bit sources: when q holds the table's bytes, its SQNR is the histogram's, exactly
+        # the value quantize_weight_sqnr recorded; other bytes fall through to the sums below.
+        table = lut.e4m3_table(scale, dtype)
+        want, hist = np.empty(ref.numel(), np.uint8), lut.new_histogram()
+        lut.quantize_into(_bits(ref), table, want, hist)
+        if np.array_equal(want, got.view(torch.uint8).numpy()):
+            return lut.sqnr_from_histogram(hist, table, scale, dtype)
     s = float(scale)
     signal = noise = 0.0
     threads = torch.get_num_threads()
