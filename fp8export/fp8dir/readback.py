@@ -28,7 +28,7 @@ import json
 import os
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,11 +36,14 @@ from fp8export.checkpoint.safetensors_reader import pread_exact, read_header_spa
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, WriteRecord, scale_of
+from fp8export.io import safetensors_dtypes
 from fp8export.io.hashing import digest
-from fp8export.io.safetensors_dtypes import ST_TO_TORCH
 from fp8export.numerics.block import blocks_roundtrip_sqnr
 from fp8export.numerics.channel import channels_roundtrip_sqnr
 from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, roundtrip_sqnr
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    pass  # default path runs without it)
 
 _MAX_LISTED = 10
 
@@ -213,6 +216,7 @@ class _DiskReader:
     def read(self, begin: int, end: int):
         import torch
 
+
         n = end - begin
         if n == 0:  # an empty tensor: nothing to read (frombuffer refuses a count of 0)
             return torch.empty(0, dtype=torch.uint8)
@@ -265,7 +269,7 @@ def _check_weight(entry, raw, disk_scale: dict[str, Any], ckpt: Checkpoint,
         if value is None:
             return f"{name}: no SQNR was recorded when it was written"
     else:
-        q = raw.view(ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
+        q = raw.view(safetensors_dtypes.ST_TO_TORCH["F8_E4M3"]).reshape(entry.tensor.shape)
         if np.ndim(scale) == 2:
             value = blocks_roundtrip_sqnr(ckpt.load(entry.source), q, scale, block)
         elif np.ndim(scale):

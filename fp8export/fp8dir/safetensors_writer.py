@@ -22,14 +22,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.io import safetensors_dtypes
 from fp8export.io.atomic import OUTPUT_MODE
 from fp8export.io.hashing import digest
-from fp8export.io.safetensors_dtypes import ST_BYTES, TORCH_TO_ST
+from fp8export.io.safetensors_dtypes import ST_BYTES
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 WRITE_QUEUE = 2  # produced tensors that may wait for the writer thread
 METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
@@ -63,6 +67,8 @@ def header_bytes(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None 
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     if sys.byteorder != "little":  # safetensors is little-endian; torch bytes are native
         raise Fp8ExportError("writing safetensors needs a little-endian machine.")
     flat = t.detach().contiguous().reshape(-1)
@@ -226,7 +232,7 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
         largest = max((t.nbytes for t in plan), default=0)
         for planned in plan:
             tensor = produce(planned)
-            dtype = TORCH_TO_ST.get(tensor.dtype)
+            dtype = safetensors_dtypes.TORCH_TO_ST.get(tensor.dtype)
             if dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise RuntimeError(  # a bug in the plan, not user input
                     f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "

@@ -15,18 +15,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
-from fp8export.io.safetensors_dtypes import TORCH_TO_ST
+from fp8export.io import safetensors_dtypes
 from fp8export.numerics.block import quantize_blocks_sqnr
 from fp8export.numerics.channel import quantize_channels_sqnr
 from fp8export.scales.select import Target
 from fp8export.scales.weights import quantize_weight_sqnr
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -108,10 +111,13 @@ class _BufferPool:
     :data:`_POOL_KEEP` buffers; the writer thread returns them, the main thread takes them."""
 
     def __init__(self) -> None:
+
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:  # the smallest that fits (list.remove would compare tensors by value)
@@ -119,6 +125,8 @@ class _BufferPool:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def put(self, tensor: torch.Tensor) -> None:
+        import torch
+
         base = tensor.view(torch.uint8).reshape(-1)
         storage = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage())
         with self._lock:
@@ -140,6 +148,8 @@ class WriteRecord:
 
 
 def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
 
 
@@ -155,6 +165,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
     shard can start while the next one is written). ``block``: the ``(bn, bk)`` of block-scaled
     weights (their scales are ``[gr, gc]`` grids).
     """
+
     record = WriteRecord()
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
     for p in plans:
@@ -167,7 +178,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             on_tensor()
         if entry.kind == "copy":
             t = ckpt.load(entry.source)
-            st = TORCH_TO_ST.get(t.dtype)
+            st = safetensors_dtypes.TORCH_TO_ST.get(t.dtype)
             if st != entry.tensor.dtype or tuple(t.shape) != entry.tensor.shape:
                 raise Fp8ExportError(
                     f"{ckpt.path}: tensor {entry.source} loads as {st} {tuple(t.shape)} but the "
