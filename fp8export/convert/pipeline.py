@@ -582,7 +582,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                              scales.ranges, scales.input, sqnr, plans)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
-            manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
+            manifest["files"] = _written_files(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -673,14 +673,17 @@ def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
         fsync_dir(sub)  # publish() syncs the top folder only
 
 
-def _written_files(folder: Path, workers: int) -> list[dict[str, Any]]:
+def _written_files(folder: Path, workers: int, known: dict[str, str]) -> list[dict[str, Any]]:
     """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
-    what verify compares to tell a folder edited after convert. From the page cache, files in
-    parallel (sha256 runs without the GIL)."""
+    what verify compares to tell a folder edited after convert. ``known``: the shards' sha256,
+    computed from their bytes as they were written (read-back checked those bytes on disk);
+    the other files (configs, loader files: small) are read, in parallel."""
     files = sorted((p for p in folder.rglob("*") if p.is_file()),
                    key=lambda p: p.relative_to(folder).as_posix())
-    with ThreadPoolExecutor(max(1, min(workers, len(files)))) as pool:
-        digests = list(pool.map(file_sha256, files))
+    todo = [p for p in files if p.relative_to(folder).as_posix() not in known]
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        read = dict(zip(todo, pool.map(file_sha256, todo)))
+    digests = [known.get(p.relative_to(folder).as_posix()) or read[p] for p in files]
     return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
             for p, d in zip(files, digests)]
 

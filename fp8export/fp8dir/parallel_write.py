@@ -4,14 +4,17 @@ Every output tensor's place is known before any data is produced: the plan fixes
 header and so every tensor's byte range. So each shard is created at its final size with its
 header in place, and the tensors become independent jobs that any worker may run in any
 order: read the source tensor (positional reads), quantize it and compute its SQNR
-(``quantize_weight_sqnr``, single-threaded per tensor, so the values do not depend on the
-number of workers), and ``pwrite`` the bytes at their offset. Copied tensors go from file to
-file inside the kernel (``copy_file_range``). The output is byte-identical whatever
-``workers`` is. Jobs run largest first, so the last ones to finish are small.
+(one thread per tensor, so the values do not depend on the number of workers), and ``pwrite``
+the bytes at their offset; copied tensors are read into the same kind of buffer and written
+the same way. The output is byte-identical whatever ``workers`` is.
 
-Memory: each worker holds one source tensor and its FP8 result (1.5x the largest quantized
-weight in bf16/fp16, 1.25x in fp32) plus 3 MiB of float32 pieces; nothing else grows with
-the model.
+The sha256 of each output file (the manifest's ``files``) is computed from these buffers, not
+by reading the files again: jobs start in file order, and a tensor finished before the one in
+front of it is parked until that one is hashed (``io.hashing.OrderedSha256``).
+
+Memory: each worker holds one source tensor and its output bytes (1.5x the largest quantized
+weight in bf16/fp16, 1.25x in fp32; 2x the largest copied tensor), plus at most
+max(64 MiB, the largest output tensor) of finished tensors parked for hashing.
 
 Read-back (:func:`spot_verify`), after every shard is fsynced: each shard's header is
 re-validated and reopened with the real ``safetensors.safe_open`` (names, dtypes, shapes);
@@ -28,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -49,6 +53,7 @@ from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
 from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json
 from fp8export.io.atomic import OUTPUT_MODE
+from fp8export.io.hashing import HashBudget, OrderedSha256
 from fp8export.io.safetensors_dtypes import ST_BYTES
 from fp8export.numerics import lut
 from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB
@@ -61,6 +66,7 @@ _ALIGN = 4096
 @dataclass
 class ParallelRecord:
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB, from all FP8 values
+    files: dict[str, str] = field(default_factory=dict)  # output file -> sha256 of its bytes
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_sqnr(self, module: str, value: float) -> None:
@@ -75,10 +81,37 @@ class _Job:
     offset: int  # absolute offset of the tensor's bytes in the output file
 
 
+class _Buffers:
+    """Page-aligned output buffers (``O_DIRECT`` needs them). A worker's buffer whose bytes are
+    parked for hashing leaves the worker and comes back here once hashed, for reuse (a fresh
+    mapping costs a page fault per 4 KiB)."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self, size: int) -> mmap.mmap:
+        with self._lock:
+            fits = [m for m in self._free if len(m) >= size]
+            if fits:
+                best = min(fits, key=len)
+                self._free.remove(best)
+                return best
+        return mmap.mmap(-1, size)
+
+    def put(self, buf: object) -> None:
+        if isinstance(buf, mmap.mmap):
+            with self._lock:
+                self._free.append(buf)
+                if len(self._free) > self.KEEP:  # the smallest goes (unmapped once unused)
+                    self._free.remove(min(self._free, key=len))
+
+
 class _Workspace(threading.local):
     src: np.ndarray | None = None
-    fp8: np.ndarray | None = None
-    fp8_map = None
+    out_map: mmap.mmap | None = None
 
     def source_buffer(self, n: int) -> np.ndarray:
         if self.src is None or self.src.size < n:
@@ -86,18 +119,19 @@ class _Workspace(threading.local):
             self.src = np.empty(n, dtype=np.uint8)
         return self.src[:n]
 
-    def fp8_buffer(self, n: int, phase: int) -> np.ndarray:
+    def out_buffer(self, n: int, phase: int, pool: _Buffers) -> np.ndarray:
         """n bytes starting ``phase`` bytes into a page: byte i then sits at a page boundary
         exactly where output byte i does (O_DIRECT needs page-aligned memory)."""
-        import mmap
+        if self.out_map is None or len(self.out_map) < n + _ALIGN:
+            if self.out_map is not None:
+                pool.put(self.out_map)
+            self.out_map = pool.get(n + _ALIGN)
+        return np.frombuffer(self.out_map, dtype=np.uint8, count=n, offset=phase)
 
-        if self.fp8 is None or self.fp8.size < n + _ALIGN:
-            self.fp8 = None
-            if self.fp8_map is not None:
-                self.fp8_map.close()
-            self.fp8_map = mmap.mmap(-1, n + _ALIGN)
-            self.fp8 = np.frombuffer(self.fp8_map, dtype=np.uint8)
-        return self.fp8[phase:phase + n]
+    def give_away(self) -> mmap.mmap | None:
+        """The current output buffer, no longer this worker's (its bytes wait to be hashed)."""
+        buf, self.out_map = self.out_map, None
+        return buf
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -107,32 +141,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _copy_range(src_fd: int, begin: int, n: int, dst_fd: int, offset: int,
-                ws: _Workspace) -> None:
-    done = 0
-    try:
-        while done < n:
-            got = os.copy_file_range(src_fd, dst_fd, n - done, begin + done, offset + done)
-            if got == 0:
-                raise EOFError
-            done += got
-        return
-    except EOFError:
-        raise
-    except OSError as exc:  # not supported here (another file system, an old kernel)
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    except AttributeError:  # no os.copy_file_range on this platform
-        pass
-    buf = ws.source_buffer(min(n - done, 16 << 20))
-    while done < n:
-        k = min(len(buf), n - done)
-        if pread_exact(src_fd, buf[:k], begin + done) != k:
-            raise EOFError
-        _pwrite_all(dst_fd, buf[:k], offset + done)
-        done += k
-
-
 class _Writer:
     def __init__(self, out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
                  weight_scales: dict, input_scales: dict, timings: Timings):
@@ -140,6 +148,10 @@ class _Writer:
         self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
         self.record = ParallelRecord()
         self.ws = _Workspace()
+        self.buffers = _Buffers()
+        self.hashes: list[OrderedSha256] = []
+        self.sizes: list[int] = []
+        self.budget: HashBudget | None = None
         self._tables: dict[tuple[float, str], np.ndarray] = {}  # (scale, dtype) -> E4M3 LUT
         self._tables_lock = threading.Lock()
         self.stop = threading.Event()
@@ -162,6 +174,7 @@ class _Writer:
                         raise
             os.ftruncate(fd, size)
             _pwrite_all(fd, head, 0)
+            self.sizes.append(size)
             try:
                 self.direct.append(os.open(self.out_dir / plan.file_name,
                                            os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC))
@@ -171,8 +184,11 @@ class _Writer:
             for entry in plan.entries:
                 jobs.append(_Job(i, entry, offset))
                 offset += entry.tensor.nbytes
-        # Largest first; ties in plan order: the order changes timing only, never bytes.
-        return sorted(jobs, key=lambda j: -j.entry.tensor.nbytes)
+            self.hashes.append(head)  # replaced below, once the budget is known
+        largest = max((j.entry.tensor.nbytes for j in jobs), default=0)
+        self.budget = HashBudget(max(64 << 20, largest), self.buffers.put)
+        self.hashes = [OrderedSha256(head, self.budget) for head in self.hashes]
+        return jobs  # in file order: tensors are hashed in that order as they finish
 
     def run(self, job: _Job) -> None:
         if self.stop.is_set():
@@ -181,16 +197,15 @@ class _Writer:
         name = entry.tensor.name
         try:
             if entry.kind == "copy":
-                st = self.where[entry.source]
-                begin, end = st.spans[entry.source]
-                with self.timings.clock("write: copy unchanged tensors"):
-                    _copy_range(st.fileno(), begin, end - begin, fd, job.offset, self.ws)
+                self._copy(job, fd)
             elif entry.kind == "weight":
                 self._weight(job, fd)
             else:
                 scales = self.weight_scales if entry.kind == "weight_scale" else self.input_scales
                 t = np.array(scales[entry.source], dtype="<f4").reshape(entry.tensor.shape)
-                _pwrite_all(fd, t.reshape(-1).view(np.uint8), job.offset)
+                data = t.reshape(-1).view(np.uint8)
+                _pwrite_all(fd, data, job.offset)
+                self._hash(job, data, owner=None)
         except Fp8ExportError:
             raise
         except EOFError as exc:
@@ -208,6 +223,25 @@ class _Writer:
                                  f"{exc}); nothing was written. This is a bug: please report it."
                                  ) from exc
 
+    def _copy(self, job: _Job, fd: int) -> None:
+        st = self.where[job.entry.source]
+        begin, end = st.spans[job.entry.source]
+        buf = self.ws.out_buffer(end - begin, job.offset % _ALIGN, self.buffers)
+        with self.timings.clock("write: read source"):
+            if end > begin and pread_exact(st.fileno(), buf, begin) != end - begin:
+                raise EOFError
+        with self.timings.clock("write: pwrite output"):
+            self._write_out(job, fd, buf)
+        self._hash(job, buf, owner=self.ws.out_map)
+
+    def _hash(self, job: _Job, data: np.ndarray, owner: object) -> None:
+        """Feed the output file's sha256; a parked buffer stops being the worker's."""
+        if not len(data):
+            return
+        with self.timings.clock("write: sha256 output"):
+            if not self.hashes[job.shard].add(job.offset, data, owner) and owner is not None:
+                self.ws.give_away()
+
     def _weight(self, job: _Job, fd: int) -> None:
         entry = job.entry
         st = self.where[entry.source]
@@ -220,7 +254,7 @@ class _Writer:
         if got != end - begin:
             raise EOFError
         n = (end - begin) // ST_BYTES[info.dtype]
-        buf = self.ws.fp8_buffer(n, job.offset % _ALIGN)
+        buf = self.ws.out_buffer(n, job.offset % _ALIGN, self.buffers)
         scale = self.weight_scales[module]
         with self.timings.clock("write: quantize + SQNR"):
             if info.dtype in lut.LUT_DTYPES:
@@ -239,6 +273,7 @@ class _Writer:
         self.record.set_sqnr(module, sqnr)
         with self.timings.clock("write: pwrite output"):
             self._write_out(job, fd, buf)
+        self._hash(job, buf, owner=self.ws.out_map)
 
     def _table(self, scale, dtype: str) -> np.ndarray:
         key = (float(scale), dtype)  # fused members share one scale: one table for the group
@@ -281,7 +316,8 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                           where: dict[str, SafetensorsFile], weight_scales: dict,
                           input_scales: dict, *, workers: int, timings: Timings,
                           on_tensor: Callable[[], None] | None = None) -> ParallelRecord:
-    """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs.
+    """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs and the
+    sha256 of every file written.
 
     ``where`` maps each source tensor name to its safetensors file. The first error of any
     worker stops the others and is raised here (an Fp8ExportError naming the tensor).
@@ -299,12 +335,15 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                         on_tensor()
             except BaseException:
                 writer.stop.set()
+                writer.budget.abort()
                 for f in futures:
                     f.cancel()
                 raise
         with timings.clock("write: fsync"):
             for fd in writer.fds:
                 os.fsync(fd)
+        for plan, hasher, size in zip(plans, writer.hashes, writer.sizes):
+            writer.record.files[plan.file_name] = hasher.hexdigest(size)
     finally:
         writer.close()
     return writer.record

@@ -189,10 +189,12 @@ _fallocate = None
 
 
 def _put(f, data: memoryview, planned: PlannedTensor, tensor: torch.Tensor,
-         digests: dict[str, str] | None,
+         digests: dict[str, str] | None, file_hash,
          release: Callable[[PlannedTensor, torch.Tensor], None] | None) -> int:
     if digests is not None:
         digests[planned.name] = digest(data)
+    if file_hash is not None:
+        file_hash.update(data)
     if len(data):
         f.write(data)
     if release is not None:
@@ -205,14 +207,16 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                       metadata: dict[str, str] | None = None,
                       digests: dict[str, str] | None = None,
                       release: Callable[[PlannedTensor, torch.Tensor], None] | None = None,
-                      ) -> int:
+                      file_hash=None) -> int:
     """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return its size.
 
     Each produced tensor must match its planned dtype and shape (the header is already on disk).
     With ``digests``, the :func:`digest` of every tensor's bytes, as handed to the file, is
     stored under its name (read-back compares them with the bytes it reads from disk).
     ``release(planned, tensor)`` is called (from the writer thread) once a tensor's bytes were
-    handed to the file, so its buffer can be reused. The file is fsynced (once) before returning.
+    handed to the file, so its buffer can be reused. ``file_hash`` (a ``hashlib`` object) is
+    fed every byte of the file in order, as written: the file's digest without reading it again.
+    The file is fsynced (once) before returning.
     """
     names = [t.name for t in plan]
     if len(set(names)) != len(names):
@@ -226,6 +230,8 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
         head = header_bytes(plan, metadata)
         _preallocate(f.fd, len(head) + sum(t.nbytes for t in plan))
         f.write(head)
+        if file_hash is not None:
+            file_hash.update(head)
         total += len(head)
         pending: deque = deque()
         queued = 0  # bytes of the tensors in ``pending``
@@ -243,7 +249,7 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
             while pending and (len(pending) >= WRITE_QUEUE
                                or queued + planned.nbytes > largest):
                 queued -= pending.popleft().result()  # re-raises the writer's OSError here
-            pending.append(io.submit(_put, f, data, planned, tensor, digests, release))
+            pending.append(io.submit(_put, f, data, planned, tensor, digests, file_hash, release))
             queued += planned.nbytes
             del data, tensor
             total += planned.nbytes

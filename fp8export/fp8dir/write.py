@@ -11,6 +11,7 @@ activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a p
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,11 +141,13 @@ _POOL_KEEP = 3
 
 @dataclass
 class WriteRecord:
-    """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, and
-    the SQNR of every quantized weight, computed from exactly those bytes while quantizing."""
+    """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, the
+    SQNR of every quantized weight, computed from exactly those bytes while quantizing, and the
+    sha256 of every output file, computed from the bytes as they were written."""
 
     digests: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> tensor -> digest
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB
+    files: dict[str, str] = field(default_factory=dict)  # file -> sha256 of all its bytes
 
 
 def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
@@ -205,10 +208,13 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
     for plan in plans:
         by_name = {e.tensor.name: e for e in plan.entries}
         digests = record.digests.setdefault(plan.file_name, {})
+        file_hash = hashlib.sha256()
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
                           lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests,
                           release=lambda pt, t, by_name=by_name: (
-                              pool.put(t) if by_name[pt.name].kind == "weight" else None))
+                              pool.put(t) if by_name[pt.name].kind == "weight" else None),
+                          file_hash=file_hash)
+        record.files[plan.file_name] = file_hash.hexdigest()
         if on_file is not None:
             on_file(plan, record)
     return record

@@ -4,12 +4,14 @@ without its C helper, on real files (scripts/hash_outputs.py checks the whole sa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -65,3 +67,21 @@ def test_the_general_writer_gives_the_same_files(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "fast_path_files", lambda ckpt: None)
     convert(ConvertConfig(checkpoint=SAMPLE, output=tmp_path / "general"))
     assert _hashes(tmp_path / "fast") == _hashes(tmp_path / "general")
+
+
+@pytest.mark.parametrize("ckpt,workers,granularity", [
+    ("tiny_llama", 1, "tensor"), ("tiny_llama_sharded", 2, "tensor"),
+    ("tiny_llama_sharded", 1, "channel")])
+def test_manifest_output_hashes_are_those_of_the_files_on_disk(request, tmp_path, ckpt, workers,
+                                                                granularity):
+    # The shards' sha256 is computed while writing (out of order on the parallel path, in
+    # order on the general one for per-channel scales), never by reading them back.
+    out = tmp_path / "fp8"
+    convert(ConvertConfig(checkpoint=request.getfixturevalue(ckpt), output=out,
+                          workers=workers,
+                          weight_granularity=granularity))
+    man = json.loads((out / "fp8export.json").read_text())
+    listed = {e["name"]: e["sha256"] for e in man["files"]}
+    on_disk = {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+               for p in out.rglob("*") if p.is_file() and p.name != "fp8export.json"}
+    assert listed == on_disk
