@@ -351,9 +351,11 @@ class _Run:
     hashes: Any = None  # source file -> sha256: a dict, or a Future on the general path
     stage: float = field(default_factory=time.perf_counter)
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str, nbytes: int = 0) -> None:
+        """The wall time since the last lap; ``nbytes``: what the stage went through (its
+        MB/s is reported with it)."""
         now = time.perf_counter()
-        self.timings.add(f"wall: {name}", now - self.stage)
+        self.timings.add(f"wall: {name}", now - self.stage, nbytes)
         self.stage = now
 
     def source_hashes(self) -> dict:
@@ -412,7 +414,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel = select_step(cfg, ckpt, notes)
     run.lap("select")
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
-    run.lap("scan (hash + amax)")
+    run.lap("scan (hash + amax)", sum(p.stat().st_size for p in ckpt.source_files))
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
         from fp8export.calibration.amax_file import check_amax_checkpoint
@@ -564,7 +566,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             else:
                 record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)
-            run.lap("write shards")
+            shard_bytes = sum((tmp / p.file_name).stat().st_size for p in plans)
+            run.lap("write shards", shard_bytes)
             written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
             _copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
@@ -577,7 +580,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                 sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
                                      record=record, early=early, kv_scales=scales.kv,
                                      block=scales.block)
-            run.lap("read-back")
+            run.lap("read-back", shard_bytes)
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,

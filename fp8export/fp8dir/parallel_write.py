@@ -227,10 +227,10 @@ class _Writer:
         st = self.where[job.entry.source]
         begin, end = st.spans[job.entry.source]
         buf = self.ws.out_buffer(end - begin, job.offset % _ALIGN, self.buffers)
-        with self.timings.clock("write: read source"):
+        with self.timings.clock("write: read source", end - begin):
             if end > begin and pread_exact(st.fileno(), buf, begin) != end - begin:
                 raise EOFError
-        with self.timings.clock("write: pwrite output"):
+        with self.timings.clock("write: pwrite output", len(buf)):
             self._write_out(job, fd, buf)
         self._hash(job, buf, owner=self.ws.out_map)
 
@@ -238,7 +238,7 @@ class _Writer:
         """Feed the output file's sha256; a parked buffer stops being the worker's."""
         if not len(data):
             return
-        with self.timings.clock("write: sha256 output"):
+        with self.timings.clock("write: sha256 output", len(data)):
             if not self.hashes[job.shard].add(job.offset, data, owner) and owner is not None:
                 self.ws.give_away()
 
@@ -249,14 +249,14 @@ class _Writer:
         begin, end = st.spans[entry.source]
         module = entry.source[: -len(".weight")]
         raw = self.ws.source_buffer(end - begin)
-        with self.timings.clock("write: read source"):
+        with self.timings.clock("write: read source", end - begin):
             got = pread_exact(st.fileno(), raw, begin) if end > begin else 0
         if got != end - begin:
             raise EOFError
         n = (end - begin) // ST_BYTES[info.dtype]
         buf = self.ws.out_buffer(n, job.offset % _ALIGN, self.buffers)
         scale = self.weight_scales[module]
-        with self.timings.clock("write: quantize + SQNR"):
+        with self.timings.clock("write: quantize + SQNR", end - begin):
             if info.dtype in lut.LUT_DTYPES:
                 table = self._table(scale, info.dtype)
                 hist = lut.new_histogram()
@@ -271,7 +271,7 @@ class _Writer:
                 w = torch.from_numpy(raw).view(ST_TO_TORCH[info.dtype])
                 _, sqnr = quantize_weight_sqnr(w, scale, out=torch.from_numpy(buf))
         self.record.set_sqnr(module, sqnr)
-        with self.timings.clock("write: pwrite output"):
+        with self.timings.clock("write: pwrite output", len(buf)):
             self._write_out(job, fd, buf)
         self._hash(job, buf, owner=self.ws.out_map)
 
