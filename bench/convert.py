@@ -21,7 +21,8 @@
    interpreter with ``--llmc-pythonpath`` added to its PYTHONPATH; skipped when neither imports
    it. Every output is fsynced and the fsync counted; outputs are deleted
    after each run.
-4. Convert runs as a child process that imports fp8export and calls ``api.convert`` with the
+4. Convert runs as a fresh child interpreter (``-c``, no torch: the default path does not
+   import it) that imports fp8export and calls ``api.convert`` with the
    config the CLI builds (``--workers N --force``), so the same run also gives the time per
    step (``ConvertResult.timings``); start-up is the child's wall time outside ``convert``.
    Peak RSS of every contender: its high-water mark (``VmHWM``), sampled every 20 ms
@@ -242,22 +243,22 @@ def safetensors_dtypes(path: Path) -> dict[str, int]:
     return counts
 
 
-def child_convert(src: str, out: str, workers: str, result: str) -> int:
-    """One convert in this process (the CLI's config), its timings written to ``result``."""
-    t0 = time.perf_counter()
-    import safetensors  # noqa: F401  (what convert imports first: start-up, not convert)
-    import torch  # noqa: F401
-
-    from fp8export import api
-    from fp8export.config import ConvertConfig
-
-    t1 = time.perf_counter()
-    r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,
-                                  workers=int(workers)))
-    t2 = time.perf_counter()
-    Path(result).write_text(json.dumps({"import_seconds": t1 - t0, "convert_seconds": t2 - t1,
-                                        "timings": r.timings, "quantized": r.quantized}))
-    return 0
+CHILD_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+from fp8export import api
+from fp8export.config import ConvertConfig
+t1 = time.perf_counter()
+src, out, workers, result = sys.argv[1:5]
+r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,
+                              workers=int(workers)))
+t2 = time.perf_counter()
+Path(result).write_text(json.dumps({"import_seconds": t1 - t0, "convert_seconds": t2 - t1,
+                                    "timings": r.timings, "quantized": r.quantized}))
+"""
+"""One convert in a fresh interpreter that imports only what the CLI's convert imports (no
+torch: the default path does not need it), its timings written to the result file."""
 
 
 LLMC_SCRIPT = """
@@ -407,8 +408,7 @@ def bench_size(args, size_gb: float, llmc: tuple[str, dict] | None, rounds: int)
               flush=True)
         for n in args.workers:
             res = args.work / f"timings-{n}.json"
-            argv = [sys.executable, str(Path(__file__).resolve()), "--child-convert", str(ckpt),
-                    str(out), str(n), str(res)]
+            argv = [sys.executable, "-c", CHILD_SCRIPT, str(ckpt), str(out), str(n), str(res)]
             env = dict(os.environ, CI="1", PYTHONPATH=str(REPO))
             r = timed_run(argv, out, args.work / f"convert-{n}.log", env=env)
             if r["exit"] == 0:
@@ -521,8 +521,6 @@ def _pf(ok: bool) -> str:
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child-convert":
-        return child_convert(*sys.argv[2:6])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2.1", help="checkpoint sizes in GB, comma-separated")
     ap.add_argument("--large", action="store_true",
