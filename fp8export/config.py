@@ -34,6 +34,14 @@ class StrEnum(str, Enum):
         raise UsageError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
 
 
+class ReadBack(StrEnum):
+    """How much of the written shards convert reads back before publishing them
+    (``convert --read-back``)."""
+
+    SAMPLED = "sampled"  # 3 x 4 KiB of every tensor, compared with the source re-quantized
+    FULL = "full"  # every byte; each file's sha256 must equal the one taken while writing
+
+
 DEFAULT_BLOCK = (128, 128)
 """Block size (rows of the output dimension x columns of the input dimension) of
 ``--weight-granularity block``: DeepSeek-V3's, Qwen3-FP8's and compressed-tensors' FP8_BLOCK."""
@@ -172,6 +180,7 @@ class ConvertConfig:
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (verify/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
+    read_back: ReadBack | None = None  # None: the writer's own (parallel sampled, general full)
     accuracy_samples: int | None = None  # samples the budget is measured on (default 16)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -203,6 +212,8 @@ class ConvertConfig:
         if self.accuracy_budget is not None and not self.accuracy_budget > 0:
             raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
                              f"{self.accuracy_budget}.")
+        if self.read_back is not None:
+            object.__setattr__(self, "read_back", ReadBack.parse(self.read_back, "--read-back"))
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"--workers must be >= 1, got {self.workers}.")
         self._check_combinations()

@@ -48,6 +48,7 @@ from fp8export.config import (
     DynamicActivations,
     KvCache,
     OutputFormat,
+    ReadBack,
     WeightGranularity,
 )
 from fp8export.convert.activation import resolve_activation_ranges
@@ -78,8 +79,8 @@ from fp8export.fp8dir.manifest import (
     sqnr_entry,
     write_json,
 )
-from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
-from fp8export.fp8dir.readback import verify_output, verify_shard
+from fp8export.fp8dir.parallel_write import write_shards_parallel
+from fp8export.fp8dir.readback import verify_output, verify_parallel_output, verify_shard
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
     OUTPUT_MODE,
@@ -574,8 +575,9 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
             if run.files is not None:
-                sqnr = spot_verify(tmp, plans, where, scales.weight, scales.input, record,
-                                   workers=run.workers)
+                sqnr = verify_parallel_output(tmp, plans, where, scales.weight, scales.input,
+                                              record, workers=run.workers,
+                                              policy=cfg.read_back or ReadBack.SAMPLED)
             else:
                 sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
                                      record=record, early=early, kv_scales=scales.kv,

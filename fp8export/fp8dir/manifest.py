@@ -90,9 +90,10 @@ def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -
 
 def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     """ConvertConfig.to_dict() without paths that vary between machines (basenames kept)."""
-    # workers changes how fast, never what is written: left out so output is identical.
+    # workers and read_back change how fast and how thoroughly, never what is written: left
+    # out so output is identical.
     out = {k: v for k, v in options.items()
-           if k not in ("checkpoint", "output", "force", "workers")}
+           if k not in ("checkpoint", "output", "force", "workers", "read_back")}
     for key in ("calib_data", "calib_amax"):
         if out.get(key):
             out[key] = Path(out[key]).name

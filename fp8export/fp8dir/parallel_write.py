@@ -16,21 +16,12 @@ Memory: each worker holds one source tensor and its output bytes (1.5x the large
 weight in bf16/fp16, 1.25x in fp32; 2x the largest copied tensor), plus at most
 max(64 MiB, the largest output tensor) of finished tensors parked for hashing.
 
-Read-back (:func:`spot_verify`), after every shard is fsynced: each shard's header is
-re-validated and reopened with the real ``safetensors.safe_open`` (names, dtypes, shapes);
-every scale is read from disk and must equal the one computed; from every other tensor,
-three 4 KiB samples (start, middle, end) are read from disk (``O_DIRECT`` where allowed: from
-the device, not the page cache) and compared with the source: copied bytes must be equal,
-FP8 bytes must equal an independent quantization of the same source elements
-(``numerics.fp8.quantize_e4m3``); every weight's SQNR, computed from all of its FP8 values
-while quantizing, must reach the minimum. The index must map every tensor to its shard.
+Read-back is ``readback.verify_parallel_output`` (sampled by default, or full).
 """
 
 from __future__ import annotations
 
 import errno
-import json
-import math
 import mmap
 import os
 import threading
@@ -39,27 +30,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from fp8export._timings import Timings
 from fp8export.checkpoint.safetensors_reader import (
     SafetensorsFile,
     pread_exact,
-    read_header_spans,
 )
 from fp8export.errors import Fp8ExportError
-from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
-from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json
+from fp8export.fp8dir.write import Planned, ShardPlan
 from fp8export.io.atomic import OUTPUT_MODE
 from fp8export.io.hashing import HashBudget, OrderedSha256
 from fp8export.io.safetensors_dtypes import ST_BYTES
 from fp8export.numerics import lut
-from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB
 
-SAMPLE = 4096  # bytes per read-back sample
-_NP_FLOAT = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 _ALIGN = 4096
 
 
@@ -347,157 +332,3 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
     finally:
         writer.close()
     return writer.record
-
-
-# --- read-back ---------------------------------------------------------------------------
-
-
-def _sample_ranges(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
-    """Start, middle and end of a tensor's bytes, SAMPLE bytes each (element-aligned)."""
-    if nbytes <= 3 * SAMPLE:
-        return [(0, nbytes)] if nbytes else []
-    mid = (nbytes // 2) // itemsize * itemsize
-    return [(0, SAMPLE), (mid, mid + SAMPLE), (nbytes - SAMPLE, nbytes)]
-
-
-class _DeviceReader:
-    """Byte ranges of a written file, read with ``O_DIRECT`` where the file system allows it
-    (the bytes the device holds, not pages cached while writing), else ordinary reads."""
-
-    def __init__(self, path: Path):
-        import mmap
-
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.direct = None
-        if hasattr(os, "O_DIRECT"):
-            try:
-                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                self.direct = None
-        self.buf = mmap.mmap(-1, 4 * _ALIGN)  # page-aligned, as O_DIRECT needs
-
-    def read(self, begin: int, end: int) -> bytes | None:
-        if self.direct is not None:
-            start = begin - begin % _ALIGN
-            length = -(-(end - start) // _ALIGN) * _ALIGN
-            try:
-                got = pread_exact(self.direct, memoryview(self.buf)[:length], start)
-            except OSError:
-                os.close(self.direct)
-                self.direct = None
-            else:
-                return self.buf[begin - start:end - start] if got >= end - start else None
-        out = bytearray(end - begin)
-        return bytes(out) if pread_exact(self.fd, out, begin) == end - begin else None
-
-    def close(self) -> None:
-        for fd in (self.fd, self.direct):
-            if fd is not None:
-                os.close(fd)
-        self.buf.close()
-
-
-def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile],
-                  weight_scales: dict, input_scales: dict, record: ParallelRecord,
-                  min_sqnr_db: float) -> list[str]:
-    from safetensors import SafetensorError, safe_open
-
-    fname = plan.file_name
-    try:
-        _infos, _meta, spans, _start = read_header_spans(path)
-        with safe_open(str(path), framework="numpy") as f:
-            found = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
-                     for n in f.keys()}
-    except (Fp8ExportError, SafetensorError, OSError) as exc:
-        return [f"{fname}: cannot be reopened ({exc})"]
-    planned = {e.tensor.name: e for e in plan.entries}
-    if set(found) != set(planned):
-        missing, extra = sorted(set(planned) - set(found)), sorted(set(found) - set(planned))
-        return [f"{fname}: tensors differ from the plan (missing {missing[:3]}, unexpected "
-                f"{extra[:3]})"]
-    problems: list[str] = []
-    disk = _DeviceReader(path)
-    try:
-        for name, entry in planned.items():
-            dtype, shape = found[name]
-            if (dtype, shape) != (entry.tensor.dtype, entry.tensor.shape):
-                problems.append(f"{fname}: {name} is {dtype} {list(shape)}, expected "
-                                f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
-                continue
-            begin, end = spans[name]
-            if entry.kind in ("weight_scale", "input_scale"):
-                raw = disk.read(begin, end)
-                value = float(np.frombuffer(raw, dtype="<f4")[0]) if raw else math.nan
-                want = float((weight_scales if entry.kind == "weight_scale"
-                              else input_scales)[entry.source])
-                if not (math.isfinite(value) and value > 0.0):
-                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
-                elif value != want:
-                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
-                continue
-            st = where[entry.source]
-            info = st.info(entry.source)
-            itemsize = ST_BYTES[info.dtype]
-            out_itemsize = 1 if entry.kind == "weight" else itemsize
-            src_begin, _ = st.spans[entry.source]
-            for a, b in _sample_ranges(end - begin, out_itemsize):
-                got = disk.read(begin + a, begin + b)
-                if got is None:
-                    problems.append(f"{fname}: {name} is cut short on disk")
-                    break
-                k = itemsize // out_itemsize
-                src = bytearray((b - a) * k)
-                pread_exact(st.fileno(), src, src_begin + a * k)
-                if entry.kind == "weight":
-                    x = np.frombuffer(src, dtype=_NP_FLOAT[info.dtype]).astype(np.float32)
-                    module = entry.source[: -len(".weight")]
-                    # the elementwise reference arithmetic, not the table the writer used
-                    want = lut.quantize_values(x, weight_scales[module])
-                    if want.tobytes() != got:
-                        problems.append(f"{fname}: the FP8 bytes of {name} on disk (bytes "
-                                        f"{a}-{b}) differ from a fresh quantization of the "
-                                        "source")
-                        break
-                elif bytes(src) != got:
-                    problems.append(f"{fname}: the bytes of {name} on disk (bytes {a}-{b}) "
-                                    "differ from the source")
-                    break
-            if entry.kind == "weight":
-                module = entry.source[: -len(".weight")]
-                value = record.sqnr.get(module)
-                if value is None:
-                    problems.append(f"{name}: no SQNR was recorded when it was written")
-                elif not value >= min_sqnr_db:
-                    problems.append(f"{name}: the FP8 weight in {fname} has SQNR {value:.1f} dB "
-                                    f"against the source (minimum {min_sqnr_db:.0f} dB)")
-    finally:
-        disk.close()
-    return problems
-
-
-def spot_verify(out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
-                weight_scales: dict, input_scales: dict, record: ParallelRecord, *,
-                workers: int, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
-    """Read the written shards back (module docstring); return the SQNR of each module.
-
-    All problems are collected into one Fp8ExportError.
-    """
-    with ThreadPoolExecutor(max(1, workers), "fp8export-verify") as pool:
-        results = list(pool.map(lambda p: _verify_shard(
-            out_dir / p.file_name, p, where, weight_scales, input_scales, record, min_sqnr_db),
-            plans))
-    problems = [p for found in results for p in found]
-    index = out_dir / INDEX_NAME
-    want = index_json(plans)
-    if want is not None:
-        try:
-            got = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            got = None
-            problems.append(f"{INDEX_NAME}: unreadable ({exc})")
-        if got is not None and got != want:
-            problems.append(f"{INDEX_NAME}: does not match the shards written")
-    elif index.exists():
-        problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
-    raise_problems(problems)
-    return dict(record.sqnr)
