@@ -60,6 +60,7 @@ from _common import (  # noqa: E402
 )
 
 GB = 10**9
+QUIET_LOAD = 2.5  # 1-min load average on 2 cores above which a run is labelled as loaded
 VOCAB = 32000
 # (hidden, intermediate, heads, kv_heads): Llama-family widths; the generator takes the widest
 # whose embedding + lm_head stay under 15 % of the target, then adds layers to reach the size.
@@ -300,9 +301,9 @@ def llmc_runner(venv: Path | None, pythonpath: str | None) -> tuple[str, dict] |
 
 def llmc_version(llmc: tuple[str, dict]) -> str:
     python, env = llmc
-    version = subprocess.run([python, "-c", "import llmcompressor as m; print(m.__version__)"],
-                             env=env, capture_output=True, text=True).stdout.strip()
-    return f"{version} ({python})"
+    out = subprocess.run([python, "-c", "import llmcompressor as m; print(m.__version__)"],
+                         env=env, capture_output=True, text=True).stdout.strip()
+    return f"{(out.splitlines() or [''])[-1]} ({python})"  # its import logs a line first
 
 
 def timed_run(argv: list[str], out: Path, log: Path, env: dict | None = None) -> dict:
@@ -577,7 +578,11 @@ def main(argv=None) -> int:
         s.pop("_breakdown_rows")
         s.pop("_rate_rows")
     write_json(args.results / f"{args.name}.json", result)
-    md = ["# convert benchmark", "",
+    load = machine["load_avg_1m_at_start"]
+    loaded = max(load, result["load_avg_1m_at_end"]) > QUIET_LOAD * machine["cores"] / 2
+    md = ["# convert benchmark" + (f" (LOADED machine: 1-min load {load} at start on "
+                                   f"{machine['cores']} cores; not comparable with a quiet run)"
+                                   if loaded else ""), "",
           f"`bench/convert.py --sizes {args.sizes!r}{' --large' if args.large else ''} --rounds "
           f"{args.rounds}{' --no-llmc' if args.no_llmc else ''}` on {result['date_utc']}, "
           f"commit {machine['git_commit']}"
