@@ -12,9 +12,10 @@ The sha256 of each output file (the manifest's ``files``) is computed from these
 by reading the files again: jobs start in file order, and a tensor finished before the one in
 front of it is parked until that one is hashed (``io.hashing.OrderedSha256``).
 
-Memory: each worker holds one source tensor and its output bytes (1.5x the largest quantized
-weight in bf16/fp16, 1.25x in fp32; 2x the largest copied tensor), plus at most
-max(64 MiB, the largest output tensor) of finished tensors parked for hashing.
+Memory: each worker holds a source buffer (the largest quantized weight it read) and an output
+buffer (the largest output tensor it wrote: FP8 bytes or a copied tensor); besides, at most
+max(64 MiB, the largest output tensor) of finished tensors parked for hashing, and as much in
+spare output buffers kept for reuse.
 
 Read-back is ``readback.verify_parallel_output`` (sampled by default, or full).
 """
@@ -69,13 +70,13 @@ class _Job:
 class _Buffers:
     """Page-aligned output buffers (``O_DIRECT`` needs them). A worker's buffer whose bytes are
     parked for hashing leaves the worker and comes back here once hashed, for reuse (a fresh
-    mapping costs a page fault per 4 KiB)."""
-
-    KEEP = 4
+    mapping costs a page fault per 4 KiB). The spare ones kept hold at most ``limit`` bytes
+    (or one buffer)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        self.limit = 64 << 20
 
     def get(self, size: int) -> mmap.mmap:
         with self._lock:
@@ -90,8 +91,8 @@ class _Buffers:
         if isinstance(buf, mmap.mmap):
             with self._lock:
                 self._free.append(buf)
-                if len(self._free) > self.KEEP:  # the smallest goes (unmapped once unused)
-                    self._free.remove(min(self._free, key=len))
+                while len(self._free) > 1 and sum(map(len, self._free)) > self.limit:
+                    self._free.remove(min(self._free, key=len))  # unmapped once unused
 
 
 class _Workspace(threading.local):
@@ -172,6 +173,7 @@ class _Writer:
             self.hashes.append(head)  # replaced below, once the budget is known
         largest = max((j.entry.tensor.nbytes for j in jobs), default=0)
         self.budget = HashBudget(max(64 << 20, largest), self.buffers.put)
+        self.buffers.limit = self.budget.limit
         self.hashes = [OrderedSha256(head, self.budget) for head in self.hashes]
         return jobs  # in file order: tensors are hashed in that order as they finish
 
