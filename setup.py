@@ -6,7 +6,7 @@ are discovered here: a new subpackage of either is packaged without anyone listi
 without an ``__init__.py`` (namespace discovery).
 """
 
-from setuptools import find_namespace_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 CALIBRATION = "calibration"
 SKIP = ["*__pycache__*"]
@@ -18,4 +18,11 @@ def _find(root: str) -> list[str]:
 
 packages = _find("fp8export") + ["fp8export." + p for p in _find(CALIBRATION)]
 
-setup(packages=packages, package_dir={"fp8export.calibration": CALIBRATION})
+# The E4M3 table-lookup loop (fp8export/numerics/lut.py). optional=True: without a compiler the
+# wheel still builds and lut.py falls back to numpy (same bytes, slower). No Python API in it
+# (ctypes loads it), hence no py_limited_api concerns.
+FP8LUT = Extension("fp8export.numerics._fp8lut", ["fp8export/numerics/_fp8lut.c"],
+                   extra_compile_args=["-O3"], optional=True)
+
+setup(packages=packages, package_dir={"fp8export.calibration": CALIBRATION},
+      ext_modules=[FP8LUT])

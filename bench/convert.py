@@ -14,11 +14,15 @@
    page cache (a container cannot drop caches), as far as RAM holds it.
 3. Per round (``--rounds``, default 2), in this order: ``cp -r`` then an fsync of every
    copied file; convert with each ``--workers`` value (default 1 and 2); llm-compressor
-   ``model_free_ptq(scheme="FP8_DYNAMIC", max_workers=2)`` (when importable, with
-   ``--llmc-pythonpath`` added to its PYTHONPATH; only at the first size unless
-   ``--llmc-all-sizes``). Every output is fsynced and the fsync counted; outputs are deleted
+   ``model_free_ptq(scheme="FP8_DYNAMIC", max_workers=2)`` (only at the first size unless
+   ``--llmc-all-sizes``), run by the python of the peer venv that tests/peers use
+   (``--llmc-venv``; default ``$FP8EXPORT_PEER_VENV``, else ``.venv-peers`` in this checkout or
+   in the main checkout of a git worktree: ``scripts/peer_venv.sh`` builds it), else by this
+   interpreter with ``--llmc-pythonpath`` added to its PYTHONPATH; skipped when neither imports
+   it. Every output is fsynced and the fsync counted; outputs are deleted
    after each run.
-4. Convert runs as a child process that imports fp8export and calls ``api.convert`` with the
+4. Convert runs as a fresh child interpreter (``-c``, no torch: the default path does not
+   import it) that imports fp8export and calls ``api.convert`` with the
    config the CLI builds (``--workers N --force``), so the same run also gives the time per
    step (``ConvertResult.timings``); start-up is the child's wall time outside ``convert``.
    Peak RSS of every contender: its high-water mark (``VmHWM``), sampled every 20 ms
@@ -56,6 +60,7 @@ from _common import (  # noqa: E402
 )
 
 GB = 10**9
+QUIET_LOAD = 2.5  # 1-min load average on 2 cores above which a run is labelled as loaded
 VOCAB = 32000
 # (hidden, intermediate, heads, kv_heads): Llama-family widths; the generator takes the widest
 # whose embedding + lm_head stay under 15 % of the target, then adds layers to reach the size.
@@ -239,22 +244,22 @@ def safetensors_dtypes(path: Path) -> dict[str, int]:
     return counts
 
 
-def child_convert(src: str, out: str, workers: str, result: str) -> int:
-    """One convert in this process (the CLI's config), its timings written to ``result``."""
-    t0 = time.perf_counter()
-    import safetensors  # noqa: F401  (what convert imports first: start-up, not convert)
-    import torch  # noqa: F401
-
-    from fp8export import api
-    from fp8export.convert.config import ConvertConfig
-
-    t1 = time.perf_counter()
-    r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,
-                                  workers=int(workers)))
-    t2 = time.perf_counter()
-    Path(result).write_text(json.dumps({"import_seconds": t1 - t0, "convert_seconds": t2 - t1,
-                                        "timings": r.timings, "quantized": r.quantized}))
-    return 0
+CHILD_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+from fp8export import api
+from fp8export.convert.config import ConvertConfig
+t1 = time.perf_counter()
+src, out, workers, result = sys.argv[1:5]
+r = api.convert(ConvertConfig(checkpoint=Path(src), output=Path(out), force=True,
+                              workers=int(workers)))
+t2 = time.perf_counter()
+Path(result).write_text(json.dumps({"import_seconds": t1 - t0, "convert_seconds": t2 - t1,
+                                    "timings": r.timings, "quantized": r.quantized}))
+"""
+"""One convert in a fresh interpreter that imports only what the CLI's convert imports (no
+torch: the default path does not need it), its timings written to the result file."""
 
 
 LLMC_SCRIPT = """
@@ -265,19 +270,40 @@ model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme="FP8_D
 """
 
 
-def llmc_env(pythonpath: str | None) -> dict | None:
-    """Environment in which llm-compressor imports, or None."""
+def peer_venvs(given: Path | None) -> list[Path]:
+    """Where the llm-compressor peer venv may be, in order (module docstring, step 3)."""
+    if given is not None:
+        return [given]
+    if os.environ.get("FP8EXPORT_PEER_VENV"):
+        return [Path(os.environ["FP8EXPORT_PEER_VENV"])]
+    found = [REPO / ".venv-peers"]
+    common = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
+                             "--git-common-dir"], capture_output=True, text=True)
+    if common.returncode == 0 and common.stdout.strip():  # a worktree: its main checkout's
+        found.append(Path(common.stdout.strip()).parent / ".venv-peers")
+    return found
+
+
+def llmc_runner(venv: Path | None, pythonpath: str | None) -> tuple[str, dict] | None:
+    """(interpreter, environment) under which llm-compressor imports, or None."""
+    candidates = [(str(v / "bin" / "python"), dict(os.environ)) for v in peer_venvs(venv)
+                  if (v / "bin" / "python").exists()]
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    ok = subprocess.run([sys.executable, "-c", "import llmcompressor"], env=env,
-                        capture_output=True).returncode == 0
-    return env if ok else None
+    candidates.append((sys.executable, env))
+    for python, env in candidates:
+        if subprocess.run([python, "-c", "import llmcompressor"], env=env,
+                          capture_output=True).returncode == 0:
+            return python, env
+    return None
 
 
-def llmc_version(env: dict) -> str:
-    return subprocess.run([sys.executable, "-c", "import llmcompressor as m; print(m.__version__)"],
-                          env=env, capture_output=True, text=True).stdout.strip()
+def llmc_version(llmc: tuple[str, dict]) -> str:
+    python, env = llmc
+    out = subprocess.run([python, "-c", "import llmcompressor as m; print(m.__version__)"],
+                         env=env, capture_output=True, text=True).stdout.strip()
+    return f"{(out.splitlines() or [''])[-1]} ({python})"  # its import logs a line first
 
 
 def timed_run(argv: list[str], out: Path, log: Path, env: dict | None = None) -> dict:
@@ -310,7 +336,7 @@ BREAKDOWN = [  # (row, keys summed) -- worker-seconds except the "wall:" keys
     ("read source (write pass)", ["write: read source"]),
     ("quantize + SQNR", ["write: quantize + SQNR"]),
     ("write FP8 (pwrite)", ["write: pwrite output"]),
-    ("copy unchanged tensors", ["write: copy unchanged tensors"]),
+    ("sha256 of output (manifest)", ["write: sha256 output"]),
     ("fsync shards", ["write: fsync"]),
     ("read-back", ["wall: read-back"]),
     ("config, index, manifest, publish", ["wall: config, index, loader files",
@@ -334,7 +360,24 @@ def breakdown_rows(runs: dict[int, dict]) -> list[tuple]:
     return rows
 
 
-def bench_size(args, size_gb: float, llmc: dict | None, rounds: int) -> dict:
+RATES = [  # (row, Timings step): MB/s of the bytes the step went through
+    ("scan: read + sha256 + amax of the source (wall)", "wall: scan (hash + amax)"),
+    ("  sha256 of source (per worker-second)", "scan: sha256 of source"),
+    ("  amax (per worker-second)", "scan: amax"),
+    ("quantize + SQNR, source bytes (per worker-second)", "write: quantize + SQNR"),
+    ("pwrite output (per worker-second)", "write: pwrite output"),
+    ("sha256 of output (per worker-second, waits included)", "write: sha256 output"),
+    ("write shards, output bytes (wall)", "wall: write shards"),
+    ("read-back, output bytes (wall)", "wall: read-back"),
+]
+
+
+def rate_rows(runs: dict[int, dict]) -> list[tuple]:
+    return [(label, *[f"{runs[n]['timings'].get('MB/s: ' + key, 0.0):.0f}"
+                      for n in sorted(runs)]) for label, key in RATES]
+
+
+def bench_size(args, size_gb: float, llmc: tuple[str, dict] | None, rounds: int) -> dict:
     size = int(size_gb * GB)
     ckpt = args.work / f"ckpt-{size_gb:g}gb"
     plan_file = ckpt / "bench_plan.json"
@@ -366,8 +409,7 @@ def bench_size(args, size_gb: float, llmc: dict | None, rounds: int) -> dict:
               flush=True)
         for n in args.workers:
             res = args.work / f"timings-{n}.json"
-            argv = [sys.executable, str(Path(__file__).resolve()), "--child-convert", str(ckpt),
-                    str(out), str(n), str(res)]
+            argv = [sys.executable, "-c", CHILD_SCRIPT, str(ckpt), str(out), str(n), str(res)]
             env = dict(os.environ, CI="1", PYTHONPATH=str(REPO))
             r = timed_run(argv, out, args.work / f"convert-{n}.log", env=env)
             if r["exit"] == 0:
@@ -381,8 +423,8 @@ def bench_size(args, size_gb: float, llmc: dict | None, rounds: int) -> dict:
                   f"{r['total_seconds']:.2f} s, peak RSS {fmt_bytes(r['peak_rss_bytes'])}",
                   flush=True)
         if llmc is not None:
-            argv = [sys.executable, "-c", LLMC_SCRIPT, str(ckpt), str(out)]
-            r = timed_run(argv, out, args.work / "llmc.log", env=llmc)
+            argv = [llmc[0], "-c", LLMC_SCRIPT, str(ckpt), str(out)]
+            r = timed_run(argv, out, args.work / "llmc.log", env=llmc[1])
             runs.setdefault("llmcompressor", []).append(r)
             shutil.rmtree(out, ignore_errors=True)
             print(f"[{size_gb:g} GB, round {rnd}] llm-compressor model_free_ptq: exit "
@@ -424,7 +466,8 @@ def bench_size(args, size_gb: float, llmc: dict | None, rounds: int) -> dict:
             "warmup_read_seconds": round(warm, 2), "rounds": runs, "best": summary,
             "targets": targets,
             "breakdown_seconds": {n: r["timings"] for n, r in best_runs.items()},
-            "_breakdown_rows": breakdown_rows(best_runs) if best_runs else []}
+            "_breakdown_rows": breakdown_rows(best_runs) if best_runs else [],
+            "_rate_rows": rate_rows(best_runs) if best_runs else []}
 
 
 def render(result: dict) -> str:
@@ -467,6 +510,10 @@ def render(result: dict) -> str:
                      *[f"--workers {n}" for n in sorted(s["breakdown_seconds"])])
             lines += ["Where convert's time goes (best round):", "",
                       md_table(s["_breakdown_rows"], heads), ""]
+            heads = ("stage (MB/s, 10^6 bytes per second)",
+                     *[f"--workers {n}" for n in sorted(s["breakdown_seconds"])])
+            lines += ["Throughput per stage (best round):", "",
+                      md_table(s["_rate_rows"], heads), ""]
     return "\n".join(lines)
 
 
@@ -475,8 +522,6 @@ def _pf(ok: bool) -> str:
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child-convert":
-        return child_convert(*sys.argv[2:6])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2.1", help="checkpoint sizes in GB, comma-separated")
     ap.add_argument("--large", action="store_true",
@@ -488,8 +533,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8export-bench"))
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llmc-venv", type=Path, default=None,
+                    help="venv whose python runs llm-compressor (default: $FP8EXPORT_PEER_VENV, "
+                         "else .venv-peers here or in the main checkout)")
     ap.add_argument("--llmc-pythonpath", default=None,
-                    help="extra PYTHONPATH under which llmcompressor imports")
+                    help="else: extra PYTHONPATH under which llmcompressor imports here")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor")
     ap.add_argument("--llmc-all-sizes", action="store_true",
                     help="run llm-compressor at every size (default: the first only)")
@@ -504,9 +552,9 @@ def main(argv=None) -> int:
         sizes.append(math.floor((free - 5 * GB) / 2.6 / GB))
     n_plain = len(sizes) - (1 if args.large else 0)
     machine = machine_info(args.work)
-    llmc = None if args.no_llmc else llmc_env(args.llmc_pythonpath)
+    llmc = None if args.no_llmc else llmc_runner(args.llmc_venv, args.llmc_pythonpath)
     if llmc is None and not args.no_llmc:
-        print("llm-compressor is not importable: skipped (see --llmc-pythonpath)", flush=True)
+        print("llm-compressor is not importable: skipped (see --llmc-venv)", flush=True)
     results = []
     for i, size_gb in enumerate(sizes):
         need = 2.6 * size_gb * GB
@@ -528,8 +576,13 @@ def main(argv=None) -> int:
     print("\n" + table, flush=True)
     for s in result["sizes"]:
         s.pop("_breakdown_rows")
+        s.pop("_rate_rows")
     write_json(args.results / f"{args.name}.json", result)
-    md = ["# convert benchmark", "",
+    load = machine["load_avg_1m_at_start"]
+    loaded = max(load, result["load_avg_1m_at_end"]) > QUIET_LOAD * machine["cores"] / 2
+    md = ["# convert benchmark" + (f" (LOADED machine: 1-min load {load} at start on "
+                                   f"{machine['cores']} cores; not comparable with a quiet run)"
+                                   if loaded else ""), "",
           f"`bench/convert.py --sizes {args.sizes!r}{' --large' if args.large else ''} --rounds "
           f"{args.rounds}{' --no-llmc' if args.no_llmc else ''}` on {result['date_utc']}, "
           f"commit {machine['git_commit']}"

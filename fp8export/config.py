@@ -34,6 +34,14 @@ class StrEnum(str, Enum):
         raise UsageError(f"{option}: unknown value {value!r}; valid values are: {valid}.")
 
 
+class ReadBack(StrEnum):
+    """How much of the written shards convert reads back before publishing them
+    (``convert --read-back``)."""
+
+    SAMPLED = "sampled"  # 3 x 4 KiB of every tensor, compared with the source re-quantized
+    FULL = "full"  # every byte; each file's sha256 must equal the one taken while writing
+
+
 def sibling_output(source: Path, tail: str) -> Path:
     """Default output beside ``source``: ``<name><tail>`` (folder) or ``<stem><tail>`` (file)."""
     stem = source.name if source.is_dir() else source.stem

@@ -92,6 +92,23 @@ S="$REPO/samples"
 LM="$S/tiny-llama"
 K="$S/keras-float8"
 
+echo "== the compiled E4M3 helper, and convert without it (no compiler at install): same bytes"
+SO=$("$WORK/venv/bin/python" -c "import importlib.util as u
+s = u.find_spec('fp8export.numerics._fp8lut'); print(s.origin if s else '')")
+if [ -z "$SO" ]; then
+  bad "the wheel has no compiled helper (fp8export.numerics._fp8lut)"
+else
+  expect 0 convert "" -- fp8export convert "$LM/model" -o "$WORK/with-helper"
+  mv "$SO" "$SO.away"
+  expect 0 convert "" -- fp8export convert "$LM/model" -o "$WORK/without-helper"
+  mv "$SO.away" "$SO"
+  if diff -r "$WORK/with-helper" "$WORK/without-helper" >/dev/null; then
+    ok "convert without the helper wrote the same bytes"
+  else
+    bad "convert without the helper wrote different bytes"
+  fi
+fi
+
 echo "== --help of every command"
 expect 0 - "convert" -- fp8export --help
 for cmd in convert calibrate export-onnx build-engine verify inspect; do

@@ -238,7 +238,9 @@ def _numbers(value) -> list[float]:
     ("- **Multi-GPU calibrate / verify**", "- **Transformer Engine reader**", ["multi_gpu.md"],
      []),
     ("- **Transformer Engine reader**", "- **export-onnx**", ["te_reader.md"], []),
-    ("- **convert** (`bench/convert.py`", "## Reliability", ["convert.md", "convert_large.md"],
+    ("- **convert** (`bench/convert.py`", "## Reliability",
+     ["convert.md", "convert_large.md", "convert_loaded.md", "convert_vs_main.md",
+      "convert_vs_main_loaded.md"],
      []),
 ])
 def test_benchmark_figures_in_the_readme_are_in_the_results(start, end, sources, not_results):

@@ -208,7 +208,7 @@ class SafetensorsFile:
             from safetensors import SafetensorError, safe_open
 
             try:  # structural check only: no tensor is read through the mapping
-                with safe_open(str(self.path), framework="pt", device="cpu") as handle:
+                with safe_open(str(self.path), framework="numpy") as handle:
                     handle.keys()
                 self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except SafetensorError as exc:

@@ -112,6 +112,12 @@ def _choice(*values: str) -> click.Choice:
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
                    "worker.")
+@click.option("--read-back", type=_choice("sampled", "full"), default=None,
+              help="How much of the written shards is read back from disk before the output "
+                   "is published: sampled (3 x 4 KiB of every tensor, compared with the source "
+                   "quantized again; the default for safetensors input with per-tensor "
+                   "scales) or full (every byte, against the sha256 taken while writing; the "
+                   "only mode of the other paths).")
 @click.option("--force", is_flag=True, help="Replace an earlier output folder of fp8export (or "
                                            "an empty one; built first, swapped in only when "
                                            "complete).")
@@ -119,8 +125,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
             dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
-            accuracy_budget, workers,
-            force):
+            accuracy_budget, workers, read_back, force):
     """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
@@ -148,6 +153,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
+        read_back=read_back,
     )
     render(api.convert(cfg))
 

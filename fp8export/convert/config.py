@@ -17,6 +17,7 @@ from fp8export.config import (
     CalibMethod,
     Device,
     OutputFormat,
+    ReadBack,
     StrEnum,
     sibling_output,
 )
@@ -128,6 +129,7 @@ class ConvertConfig:
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (analysis/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
+    read_back: ReadBack | None = None  # None: the writer's own (parallel sampled, general full)
     accuracy_samples: int | None = None  # samples the budget is measured on (default 32)
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -163,6 +165,8 @@ class ConvertConfig:
         if self.accuracy_budget is not None and not self.accuracy_budget > 0:
             raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
                              f"{self.accuracy_budget}.")
+        if self.read_back is not None:
+            object.__setattr__(self, "read_back", ReadBack.parse(self.read_back, "--read-back"))
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"--workers must be >= 1, got {self.workers}.")
         self._check_combinations()

@@ -43,7 +43,7 @@ from fp8export._progress import progress
 from fp8export._timings import Timings
 from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMERS_NOTE
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
-from fp8export.config import OutputFormat
+from fp8export.config import OutputFormat, ReadBack
 from fp8export.convert.activation import resolve_activation_ranges
 from fp8export.convert.checks import check_inputs
 from fp8export.convert.config import (
@@ -73,14 +73,14 @@ from fp8export.fp8dir.formats import (
 from fp8export.fp8dir.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    finite_or_none,
     kv_cache_line,
     options_entry,
     source_files_entry,
+    sqnr_entry,
     write_json,
 )
-from fp8export.fp8dir.parallel_write import spot_verify, write_shards_parallel
-from fp8export.fp8dir.readback import verify_output, verify_shard
+from fp8export.fp8dir.parallel_write import write_shards_parallel
+from fp8export.fp8dir.readback import verify_output, verify_parallel_output, verify_shard
 from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
 from fp8export.io.atomic import (
     OUTPUT_MODE,
@@ -351,9 +351,11 @@ class _Run:
     hashes: Any = None  # source file -> sha256: a dict, or a Future on the general path
     stage: float = field(default_factory=time.perf_counter)
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str, nbytes: int = 0) -> None:
+        """The wall time since the last lap; ``nbytes``: what the stage went through (its
+        MB/s is reported with it)."""
         now = time.perf_counter()
-        self.timings.add(f"wall: {name}", now - self.stage)
+        self.timings.add(f"wall: {name}", now - self.stage, nbytes)
         self.stage = now
 
     def source_hashes(self) -> dict:
@@ -415,7 +417,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel = select_step(cfg, ckpt, notes)
     run.lap("select")
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
-    run.lap("scan (hash + amax)")
+    run.lap("scan (hash + amax)", sum(p.stat().st_size for p in ckpt.source_files))
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
         from fp8export.calibration.amax_file import check_amax_checkpoint
@@ -580,25 +582,27 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             else:
                 record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)
-            run.lap("write shards")
+            shard_bytes = sum((tmp / p.file_name).stat().st_size for p in plans)
+            run.lap("write shards", shard_bytes)
             written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
             _copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
             if run.files is not None:
-                sqnr = spot_verify(tmp, plans, where, scales.weight, scales.input, record,
-                                   workers=run.workers)
+                sqnr = verify_parallel_output(tmp, plans, where, scales.weight, scales.input,
+                                              record, workers=run.workers,
+                                              policy=cfg.read_back or ReadBack.SAMPLED)
             else:
                 sqnr = verify_output(tmp, plans, ckpt, scales.weight, scales.input,
                                      record=record, early=early, kv_scales=scales.kv,
                                      block=scales.block)
-            run.lap("read-back")
+            run.lap("read-back", shard_bytes)
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans, scales.rounding)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
                                  notes)
-            manifest["files"] = _written_files(tmp, run.workers)  # verify checks them
+            manifest["files"] = _written_files(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -693,14 +697,17 @@ def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
         fsync_dir(sub)  # publish() syncs the top folder only
 
 
-def _written_files(folder: Path, workers: int) -> list[dict[str, Any]]:
+def _written_files(folder: Path, workers: int, known: dict[str, str]) -> list[dict[str, Any]]:
     """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
-    what verify compares to tell a folder edited after convert. From the page cache, files in
-    parallel (sha256 runs without the GIL)."""
+    what verify compares to tell a folder edited after convert. ``known``: the shards' sha256,
+    computed from their bytes as they were written (read-back checked those bytes on disk);
+    the other files (configs, loader files: small) are read, in parallel."""
     files = sorted((p for p in folder.rglob("*") if p.is_file()),
                    key=lambda p: p.relative_to(folder).as_posix())
-    with ThreadPoolExecutor(max(1, min(workers, len(files)))) as pool:
-        digests = list(pool.map(file_sha256, files))
+    todo = [p for p in files if p.relative_to(folder).as_posix() not in known]
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        read = dict(zip(todo, pool.map(file_sha256, todo)))
+    digests = [known.get(p.relative_to(folder).as_posix()) or read[p] for p in files]
     return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
             for p, d in zip(files, digests)]
 
@@ -763,7 +770,7 @@ def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_sc
             **({"weight_scale_min": float(np.min(weight_scales[t.module]))}
                if np.ndim(weight_scales[t.module]) else {}),
             "weight_scale_source": weight_source[t.module],
-            "weight_sqnr_db": finite_or_none(sqnr.get(t.module)),
+            "weight_sqnr_db": sqnr_entry(sqnr.get(t.module)),
             "input_amax": float(r.amax) if r else None,
             "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
             "input_scale_source": str(r.source) if r else None,

@@ -117,16 +117,16 @@ def _scan_file(path: Path, fd: int, spans: dict[str, tuple[int, int]], data_star
             if stop.is_set():
                 return "", {}
             n = min(step, end - off)
-            with timings.clock("scan: read source"):
+            with timings.clock("scan: read source", n):
                 got = pread_exact(fd, view[:n], off)
             if got != n:
                 raise Fp8ExportError(f"{path}: cut short at byte {off + got} while reading "
                                      f"{name or 'the header'}; the file changed while converting "
                                      "or is truncated: re-download it.")
-            with timings.clock("scan: sha256 of source"):
+            with timings.clock("scan: sha256 of source", n):
                 h.update(view[:n])
             if dtype is not None:
-                with timings.clock("scan: amax"):
+                with timings.clock("scan: amax", n):
                     mag = max(mag, _magnitude_bits(view[:n], dtype))
         if dtype is not None:
             amax[name] = _bits_to_amax(mag, dtype)
@@ -237,12 +237,11 @@ def scan_sources(ckpt: Checkpoint, files: dict[Path, SafetensorsFile], weights: 
             stop.set()
             raise
     if early is not None:
-        for step, seconds in early.timings.as_dict().items():
-            timings.add(step, seconds)
+        timings.merge(early.timings)
     from fp8export.io.hashing import file_sha256
 
     for p in ckpt.source_files:  # the index (not a weight file): small, read whole
         if p not in sha:
-            with timings.clock("scan: sha256 of source"):
+            with timings.clock("scan: sha256 of source", p.stat().st_size):
                 sha[p] = file_sha256(p)
     return SourceScan(sha256=sha, amax=amax)

@@ -62,6 +62,19 @@ def finite_or_none(x: float | None) -> float | None:
     return float(x)
 
 
+SQNR_DECIMALS = 3
+"""Recorded SQNRs are rounded to 0.001 dB: the digits below that depend on the order a
+computation sums in (float32 dot products, or exact per-value sums from a histogram), not on
+the weights, and the manifest must be the same bytes whichever way they were summed."""
+
+
+def sqnr_entry(x: float | None) -> float | None:
+    """A weight's SQNR as the manifest records it: ``null`` when not finite, else rounded to
+    :data:`SQNR_DECIMALS`."""
+    x = finite_or_none(x)
+    return None if x is None else round(x, SQNR_DECIMALS)
+
+
 def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -> list[dict]:
     """``[{name, sha256, bytes}]`` with names relative to the checkpoint (never absolute)."""
     base = root if root.is_dir() else root.parent
@@ -77,9 +90,10 @@ def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -
 
 def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     """ConvertConfig.to_dict() without paths that vary between machines (basenames kept)."""
-    # workers changes how fast, never what is written: left out so output is identical.
+    # workers and read_back change how fast and how thoroughly, never what is written: left
+    # out so output is identical.
     out = {k: v for k, v in options.items()
-           if k not in ("checkpoint", "output", "force", "workers")}
+           if k not in ("checkpoint", "output", "force", "workers", "read_back")}
     for key in ("calib_data", "calib_amax"):
         if out.get(key):
             out[key] = Path(out[key]).name

@@ -4,30 +4,26 @@ Every output tensor's place is known before any data is produced: the plan fixes
 header and so every tensor's byte range. So each shard is created at its final size with its
 header in place, and the tensors become independent jobs that any worker may run in any
 order: read the source tensor (positional reads), quantize it and compute its SQNR
-(``quantize_weight_sqnr``, single-threaded per tensor, so the values do not depend on the
-number of workers), and ``pwrite`` the bytes at their offset. Copied tensors go from file to
-file inside the kernel (``copy_file_range``). The output is byte-identical whatever
-``workers`` is. Jobs run largest first, so the last ones to finish are small.
+(one thread per tensor, so the values do not depend on the number of workers), and ``pwrite``
+the bytes at their offset; copied tensors are read into the same kind of buffer and written
+the same way. The output is byte-identical whatever ``workers`` is.
 
-Memory: each worker holds one source tensor and its FP8 result (1.5x the largest quantized
-weight in bf16/fp16, 1.25x in fp32) plus 3 MiB of float32 pieces; nothing else grows with
-the model.
+The sha256 of each output file (the manifest's ``files``) is computed from these buffers, not
+by reading the files again: jobs start in file order, and a tensor finished before the one in
+front of it is parked until that one is hashed (``io.hashing.OrderedSha256``).
 
-Read-back (:func:`spot_verify`), after every shard is fsynced: each shard's header is
-re-validated and reopened with the real ``safetensors.safe_open`` (names, dtypes, shapes);
-every scale is read from disk and must equal the one computed; from every other tensor,
-three 4 KiB samples (start, middle, end) are read from disk (``O_DIRECT`` where allowed: from
-the device, not the page cache) and compared with the source: copied bytes must be equal,
-FP8 bytes must equal an independent quantization of the same source elements
-(``numerics.fp8.quantize_e4m3``); every weight's SQNR, computed from all of its FP8 values
-while quantizing, must reach the minimum. The index must map every tensor to its shard.
+Memory: each worker holds a source buffer (the largest quantized weight it read) and an output
+buffer (the largest output tensor it wrote: FP8 bytes or a copied tensor); besides, at most
+max(64 MiB, the largest output tensor) of finished tensors parked for hashing, and as much in
+spare output buffers kept for reuse.
+
+Read-back is ``readback.verify_parallel_output`` (sampled by default, or full).
 """
 
 from __future__ import annotations
 
 import errno
-import json
-import math
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -36,29 +32,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fp8export._timings import Timings
 from fp8export.checkpoint.safetensors_reader import (
     SafetensorsFile,
     pread_exact,
-    read_header_spans,
 )
 from fp8export.errors import Fp8ExportError
-from fp8export.fp8dir.readback import raise_problems
 from fp8export.fp8dir.safetensors_writer import header_bytes
-from fp8export.fp8dir.write import INDEX_NAME, Planned, ShardPlan, index_json, scale_tensor
+from fp8export.fp8dir.write import Planned, ShardPlan
 from fp8export.io.atomic import OUTPUT_MODE
-from fp8export.io.safetensors_dtypes import ST_TO_TORCH
-from fp8export.scales.weights import MIN_WEIGHT_SQNR_DB, quantize_weight_sqnr
+from fp8export.io.hashing import HashBudget, OrderedSha256
+from fp8export.io.safetensors_dtypes import ST_BYTES
+from fp8export.numerics import lut
 
-SAMPLE = 4096  # bytes per read-back sample
 _ALIGN = 4096
 
 
 @dataclass
 class ParallelRecord:
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB, from all FP8 values
+    files: dict[str, str] = field(default_factory=dict)  # output file -> sha256 of its bytes
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_sqnr(self, module: str, value: float) -> None:
@@ -73,27 +67,57 @@ class _Job:
     offset: int  # absolute offset of the tensor's bytes in the output file
 
 
-class _Workspace(threading.local):
-    src: torch.Tensor | None = None
-    fp8: torch.Tensor | None = None
-    fp8_map = None
+class _Buffers:
+    """Page-aligned output buffers (``O_DIRECT`` needs them). A worker's buffer whose bytes are
+    parked for hashing leaves the worker and comes back here once hashed, for reuse (a fresh
+    mapping costs a page fault per 4 KiB). The spare ones kept hold at most ``limit`` bytes
+    (or one buffer)."""
 
-    def source_buffer(self, n: int) -> torch.Tensor:
-        if self.src is None or self.src.numel() < n:
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self.limit = 64 << 20
+
+    def get(self, size: int) -> mmap.mmap:
+        with self._lock:
+            fits = [m for m in self._free if len(m) >= size]
+            if fits:
+                best = min(fits, key=len)
+                self._free.remove(best)
+                return best
+        return mmap.mmap(-1, size)
+
+    def put(self, buf: object) -> None:
+        if isinstance(buf, mmap.mmap):
+            with self._lock:
+                self._free.append(buf)
+                while len(self._free) > 1 and sum(map(len, self._free)) > self.limit:
+                    self._free.remove(min(self._free, key=len))  # unmapped once unused
+
+
+class _Workspace(threading.local):
+    src: np.ndarray | None = None
+    out_map: mmap.mmap | None = None
+
+    def source_buffer(self, n: int) -> np.ndarray:
+        if self.src is None or self.src.size < n:
             self.src = None  # free the old one first
-            self.src = torch.empty(n, dtype=torch.uint8)
+            self.src = np.empty(n, dtype=np.uint8)
         return self.src[:n]
 
-    def fp8_buffer(self, n: int, phase: int) -> torch.Tensor:
+    def out_buffer(self, n: int, phase: int, pool: _Buffers) -> np.ndarray:
         """n bytes starting ``phase`` bytes into a page: byte i then sits at a page boundary
         exactly where output byte i does (O_DIRECT needs page-aligned memory)."""
-        import mmap
+        if self.out_map is None or len(self.out_map) < n + _ALIGN:
+            if self.out_map is not None:
+                pool.put(self.out_map)
+            self.out_map = pool.get(n + _ALIGN)
+        return np.frombuffer(self.out_map, dtype=np.uint8, count=n, offset=phase)
 
-        if self.fp8 is None or self.fp8.numel() < n + _ALIGN:
-            self.fp8 = self.fp8_map = None
-            self.fp8_map = mmap.mmap(-1, n + _ALIGN)
-            self.fp8 = torch.frombuffer(self.fp8_map, dtype=torch.uint8)
-        return self.fp8[phase:phase + n]
+    def give_away(self) -> mmap.mmap | None:
+        """The current output buffer, no longer this worker's (its bytes wait to be hashed)."""
+        buf, self.out_map = self.out_map, None
+        return buf
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -103,32 +127,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _copy_range(src_fd: int, begin: int, n: int, dst_fd: int, offset: int,
-                ws: _Workspace) -> None:
-    done = 0
-    try:
-        while done < n:
-            got = os.copy_file_range(src_fd, dst_fd, n - done, begin + done, offset + done)
-            if got == 0:
-                raise EOFError
-            done += got
-        return
-    except EOFError:
-        raise
-    except OSError as exc:  # not supported here (another file system, an old kernel)
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    except AttributeError:  # no os.copy_file_range on this platform
-        pass
-    buf = ws.source_buffer(min(n - done, 16 << 20)).numpy()
-    while done < n:
-        k = min(len(buf), n - done)
-        if pread_exact(src_fd, buf[:k], begin + done) != k:
-            raise EOFError
-        _pwrite_all(dst_fd, buf[:k], offset + done)
-        done += k
-
-
 class _Writer:
     def __init__(self, out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
                  weight_scales: dict, input_scales: dict, timings: Timings):
@@ -136,6 +134,12 @@ class _Writer:
         self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
         self.record = ParallelRecord()
         self.ws = _Workspace()
+        self.buffers = _Buffers()
+        self.hashes: list[OrderedSha256] = []
+        self.sizes: list[int] = []
+        self.budget: HashBudget | None = None
+        self._tables: dict[tuple[float, str], np.ndarray] = {}  # (scale, dtype) -> E4M3 LUT
+        self._tables_lock = threading.Lock()
         self.stop = threading.Event()
         self.fds: list[int] = []
         self.direct: list[int | None] = []  # O_DIRECT descriptors, where allowed
@@ -156,6 +160,7 @@ class _Writer:
                         raise
             os.ftruncate(fd, size)
             _pwrite_all(fd, head, 0)
+            self.sizes.append(size)
             try:
                 self.direct.append(os.open(self.out_dir / plan.file_name,
                                            os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC))
@@ -165,8 +170,12 @@ class _Writer:
             for entry in plan.entries:
                 jobs.append(_Job(i, entry, offset))
                 offset += entry.tensor.nbytes
-        # Largest first; ties in plan order: the order changes timing only, never bytes.
-        return sorted(jobs, key=lambda j: -j.entry.tensor.nbytes)
+            self.hashes.append(head)  # replaced below, once the budget is known
+        largest = max((j.entry.tensor.nbytes for j in jobs), default=0)
+        self.budget = HashBudget(max(64 << 20, largest), self.buffers.put)
+        self.buffers.limit = self.budget.limit
+        self.hashes = [OrderedSha256(head, self.budget) for head in self.hashes]
+        return jobs  # in file order: tensors are hashed in that order as they finish
 
     def run(self, job: _Job) -> None:
         if self.stop.is_set():
@@ -175,17 +184,15 @@ class _Writer:
         name = entry.tensor.name
         try:
             if entry.kind == "copy":
-                st = self.where[entry.source]
-                begin, end = st.spans[entry.source]
-                with self.timings.clock("write: copy unchanged tensors"):
-                    _copy_range(st.fileno(), begin, end - begin, fd, job.offset, self.ws)
+                self._copy(job, fd)
             elif entry.kind == "weight":
                 self._weight(job, fd)
             else:
                 scales = self.weight_scales if entry.kind == "weight_scale" else self.input_scales
-                t = scale_tensor(scales[entry.source], entry.tensor.shape)
-                # reshape first: a ModelOpt scale is 0-dim, which view() refuses
-                _pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), job.offset)
+                t = np.array(scales[entry.source], dtype="<f4").reshape(entry.tensor.shape)
+                data = t.reshape(-1).view(np.uint8)
+                _pwrite_all(fd, data, job.offset)
+                self._hash(job, data, owner=None)
         except Fp8ExportError:
             raise
         except EOFError as exc:
@@ -203,6 +210,25 @@ class _Writer:
                                  f"{exc}); nothing was written. This is a bug: please report it."
                                  ) from exc
 
+    def _copy(self, job: _Job, fd: int) -> None:
+        st = self.where[job.entry.source]
+        begin, end = st.spans[job.entry.source]
+        buf = self.ws.out_buffer(end - begin, job.offset % _ALIGN, self.buffers)
+        with self.timings.clock("write: read source", end - begin):
+            if end > begin and pread_exact(st.fileno(), buf, begin) != end - begin:
+                raise EOFError
+        with self.timings.clock("write: pwrite output", len(buf)):
+            self._write_out(job, fd, buf)
+        self._hash(job, buf, owner=self.ws.out_map)
+
+    def _hash(self, job: _Job, data: np.ndarray, owner: object) -> None:
+        """Feed the output file's sha256; a parked buffer stops being the worker's."""
+        if not len(data):
+            return
+        with self.timings.clock("write: sha256 output", len(data)):
+            if not self.hashes[job.shard].add(job.offset, data, owner) and owner is not None:
+                self.ws.give_away()
+
     def _weight(self, job: _Job, fd: int) -> None:
         entry = job.entry
         st = self.where[entry.source]
@@ -210,17 +236,39 @@ class _Writer:
         begin, end = st.spans[entry.source]
         module = entry.source[: -len(".weight")]
         raw = self.ws.source_buffer(end - begin)
-        with self.timings.clock("write: read source"):
-            got = pread_exact(st.fileno(), raw.numpy(), begin) if end > begin else 0
+        with self.timings.clock("write: read source", end - begin):
+            got = pread_exact(st.fileno(), raw, begin) if end > begin else 0
         if got != end - begin:
             raise EOFError
-        w = raw.view(ST_TO_TORCH[info.dtype])
-        buf = self.ws.fp8_buffer(w.numel(), job.offset % _ALIGN)
-        with self.timings.clock("write: quantize + SQNR"):
-            q, sqnr = quantize_weight_sqnr(w, self.weight_scales[module], out=buf)
+        n = (end - begin) // ST_BYTES[info.dtype]
+        buf = self.ws.out_buffer(n, job.offset % _ALIGN, self.buffers)
+        scale = self.weight_scales[module]
+        with self.timings.clock("write: quantize + SQNR", end - begin):
+            if info.dtype in lut.LUT_DTYPES:
+                table = self._table(scale, info.dtype)
+                hist = lut.new_histogram()
+                lut.quantize_into(raw.view(np.uint16), table, buf, hist)
+                sqnr = lut.sqnr_from_histogram(hist, table, scale, info.dtype)
+            else:  # float32 / float64 sources: torch's chunked cast (imported only for them)
+                import torch
+
+                from fp8export.io.safetensors_dtypes import ST_TO_TORCH
+                from fp8export.scales.weights import quantize_weight_sqnr
+
+                w = torch.from_numpy(raw).view(ST_TO_TORCH[info.dtype])
+                _, sqnr = quantize_weight_sqnr(w, scale, out=torch.from_numpy(buf))
         self.record.set_sqnr(module, sqnr)
-        with self.timings.clock("write: pwrite output"):
-            self._write_out(job, fd, buf.numpy())
+        with self.timings.clock("write: pwrite output", len(buf)):
+            self._write_out(job, fd, buf)
+        self._hash(job, buf, owner=self.ws.out_map)
+
+    def _table(self, scale, dtype: str) -> np.ndarray:
+        key = (float(scale), dtype)  # fused members share one scale: one table for the group
+        with self._tables_lock:
+            table = self._tables.get(key)
+            if table is None:
+                table = self._tables[key] = lut.e4m3_table(scale, dtype)
+            return table
 
     def _write_out(self, job: _Job, fd: int, data: np.ndarray) -> None:
         """The whole pages inside the tensor's range go straight to the device (O_DIRECT:
@@ -255,16 +303,13 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                           where: dict[str, SafetensorsFile], weight_scales: dict,
                           input_scales: dict, *, workers: int, timings: Timings,
                           on_tensor: Callable[[], None] | None = None) -> ParallelRecord:
-    """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs.
+    """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs and the
+    sha256 of every file written.
 
     ``where`` maps each source tensor name to its safetensors file. The first error of any
     worker stops the others and is raised here (an Fp8ExportError naming the tensor).
     """
     writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings)
-    threads = torch.get_num_threads()
-    # One thread per tensor's arithmetic (see quantize_weight_sqnr): the workers are the
-    # parallelism, and the SQNR must not depend on how many there are.
-    torch.set_num_threads(1)
     try:
         with timings.clock("write: create files"):
             jobs = writer.open_shards()
@@ -277,168 +322,15 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                         on_tensor()
             except BaseException:
                 writer.stop.set()
+                writer.budget.abort()
                 for f in futures:
                     f.cancel()
                 raise
         with timings.clock("write: fsync"):
             for fd in writer.fds:
                 os.fsync(fd)
+        for plan, hasher, size in zip(plans, writer.hashes, writer.sizes):
+            writer.record.files[plan.file_name] = hasher.hexdigest(size)
     finally:
         writer.close()
-        torch.set_num_threads(threads)
     return writer.record
-
-
-# --- read-back ---------------------------------------------------------------------------
-
-
-def _sample_ranges(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
-    """Start, middle and end of a tensor's bytes, SAMPLE bytes each (element-aligned)."""
-    if nbytes <= 3 * SAMPLE:
-        return [(0, nbytes)] if nbytes else []
-    mid = (nbytes // 2) // itemsize * itemsize
-    return [(0, SAMPLE), (mid, mid + SAMPLE), (nbytes - SAMPLE, nbytes)]
-
-
-class _DeviceReader:
-    """Byte ranges of a written file, read with ``O_DIRECT`` where the file system allows it
-    (the bytes the device holds, not pages cached while writing), else ordinary reads."""
-
-    def __init__(self, path: Path):
-        import mmap
-
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.direct = None
-        if hasattr(os, "O_DIRECT"):
-            try:
-                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                self.direct = None
-        self.buf = mmap.mmap(-1, 4 * _ALIGN)  # page-aligned, as O_DIRECT needs
-
-    def read(self, begin: int, end: int) -> bytes | None:
-        if self.direct is not None:
-            start = begin - begin % _ALIGN
-            length = -(-(end - start) // _ALIGN) * _ALIGN
-            try:
-                got = pread_exact(self.direct, memoryview(self.buf)[:length], start)
-            except OSError:
-                os.close(self.direct)
-                self.direct = None
-            else:
-                return self.buf[begin - start:end - start] if got >= end - start else None
-        out = bytearray(end - begin)
-        return bytes(out) if pread_exact(self.fd, out, begin) == end - begin else None
-
-    def close(self) -> None:
-        for fd in (self.fd, self.direct):
-            if fd is not None:
-                os.close(fd)
-        self.buf.close()
-
-
-def _verify_shard(path: Path, plan: ShardPlan, where: dict[str, SafetensorsFile],
-                  weight_scales: dict, input_scales: dict, record: ParallelRecord,
-                  min_sqnr_db: float) -> list[str]:
-    from safetensors import SafetensorError, safe_open
-
-    from fp8export.numerics.fp8 import quantize_e4m3
-
-    fname = plan.file_name
-    try:
-        _infos, _meta, spans, _start = read_header_spans(path)
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            found = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
-                     for n in f.keys()}
-    except (Fp8ExportError, SafetensorError, OSError) as exc:
-        return [f"{fname}: cannot be reopened ({exc})"]
-    planned = {e.tensor.name: e for e in plan.entries}
-    if set(found) != set(planned):
-        missing, extra = sorted(set(planned) - set(found)), sorted(set(found) - set(planned))
-        return [f"{fname}: tensors differ from the plan (missing {missing[:3]}, unexpected "
-                f"{extra[:3]})"]
-    problems: list[str] = []
-    disk = _DeviceReader(path)
-    try:
-        for name, entry in planned.items():
-            dtype, shape = found[name]
-            if (dtype, shape) != (entry.tensor.dtype, entry.tensor.shape):
-                problems.append(f"{fname}: {name} is {dtype} {list(shape)}, expected "
-                                f"{entry.tensor.dtype} {list(entry.tensor.shape)}")
-                continue
-            begin, end = spans[name]
-            if entry.kind in ("weight_scale", "input_scale"):
-                raw = disk.read(begin, end)
-                value = float(np.frombuffer(raw, dtype="<f4")[0]) if raw else math.nan
-                want = float((weight_scales if entry.kind == "weight_scale"
-                              else input_scales)[entry.source])
-                if not (math.isfinite(value) and value > 0.0):
-                    problems.append(f"{fname}: {name} = {value} is not a finite positive scale")
-                elif value != want:
-                    problems.append(f"{fname}: {name} = {value!r} but {want!r} was computed")
-                continue
-            st = where[entry.source]
-            info = st.info(entry.source)
-            itemsize = ST_TO_TORCH[info.dtype].itemsize
-            out_itemsize = 1 if entry.kind == "weight" else itemsize
-            src_begin, _ = st.spans[entry.source]
-            for a, b in _sample_ranges(end - begin, out_itemsize):
-                got = disk.read(begin + a, begin + b)
-                if got is None:
-                    problems.append(f"{fname}: {name} is cut short on disk")
-                    break
-                k = itemsize // out_itemsize
-                src = bytearray((b - a) * k)
-                pread_exact(st.fileno(), src, src_begin + a * k)
-                if entry.kind == "weight":
-                    x = torch.frombuffer(src, dtype=ST_TO_TORCH[info.dtype])
-                    module = entry.source[: -len(".weight")]
-                    want = quantize_e4m3(x, weight_scales[module]).view(torch.uint8).numpy()
-                    if want.tobytes() != got:
-                        problems.append(f"{fname}: the FP8 bytes of {name} on disk (bytes "
-                                        f"{a}-{b}) differ from a fresh quantization of the "
-                                        "source")
-                        break
-                elif bytes(src) != got:
-                    problems.append(f"{fname}: the bytes of {name} on disk (bytes {a}-{b}) "
-                                    "differ from the source")
-                    break
-            if entry.kind == "weight":
-                module = entry.source[: -len(".weight")]
-                value = record.sqnr.get(module)
-                if value is None:
-                    problems.append(f"{name}: no SQNR was recorded when it was written")
-                elif not value >= min_sqnr_db:
-                    problems.append(f"{name}: the FP8 weight in {fname} has SQNR {value:.1f} dB "
-                                    f"against the source (minimum {min_sqnr_db:.0f} dB)")
-    finally:
-        disk.close()
-    return problems
-
-
-def spot_verify(out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
-                weight_scales: dict, input_scales: dict, record: ParallelRecord, *,
-                workers: int, min_sqnr_db: float = MIN_WEIGHT_SQNR_DB) -> dict[str, float]:
-    """Read the written shards back (module docstring); return the SQNR of each module.
-
-    All problems are collected into one Fp8ExportError.
-    """
-    with ThreadPoolExecutor(max(1, workers), "fp8export-verify") as pool:
-        results = list(pool.map(lambda p: _verify_shard(
-            out_dir / p.file_name, p, where, weight_scales, input_scales, record, min_sqnr_db),
-            plans))
-    problems = [p for found in results for p in found]
-    index = out_dir / INDEX_NAME
-    want = index_json(plans)
-    if want is not None:
-        try:
-            got = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            got = None
-            problems.append(f"{INDEX_NAME}: unreadable ({exc})")
-        if got is not None and got != want:
-            problems.append(f"{INDEX_NAME}: does not match the shards written")
-    elif index.exists():
-        problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
-    raise_problems(problems)
-    return dict(record.sqnr)

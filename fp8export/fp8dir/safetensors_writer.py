@@ -22,14 +22,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.errors import Fp8ExportError
+from fp8export.io import safetensors_dtypes
 from fp8export.io.atomic import OUTPUT_MODE
 from fp8export.io.hashing import digest
-from fp8export.io.safetensors_dtypes import ST_BYTES, TORCH_TO_ST
+from fp8export.io.safetensors_dtypes import ST_BYTES
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 WRITE_QUEUE = 2  # produced tensors that may wait for the writer thread
 METADATA = {"format": "pt"}  # what save_file writes for torch; transformers checks it
@@ -63,6 +67,8 @@ def header_bytes(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None 
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     if sys.byteorder != "little":  # safetensors is little-endian; torch bytes are native
         raise Fp8ExportError("writing safetensors needs a little-endian machine.")
     flat = t.detach().contiguous().reshape(-1)
@@ -183,10 +189,12 @@ _fallocate = None
 
 
 def _put(f, data: memoryview, planned: PlannedTensor, tensor: torch.Tensor,
-         digests: dict[str, str] | None,
+         digests: dict[str, str] | None, file_hash,
          release: Callable[[PlannedTensor, torch.Tensor], None] | None) -> int:
     if digests is not None:
         digests[planned.name] = digest(data)
+    if file_hash is not None:
+        file_hash.update(data)
     if len(data):
         f.write(data)
     if release is not None:
@@ -199,14 +207,16 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
                       metadata: dict[str, str] | None = None,
                       digests: dict[str, str] | None = None,
                       release: Callable[[PlannedTensor, torch.Tensor], None] | None = None,
-                      ) -> int:
+                      file_hash=None) -> int:
     """Write ``plan`` to ``path``, asking ``produce`` for each tensor in order; return its size.
 
     Each produced tensor must match its planned dtype and shape (the header is already on disk).
     With ``digests``, the :func:`digest` of every tensor's bytes, as handed to the file, is
     stored under its name (read-back compares them with the bytes it reads from disk).
     ``release(planned, tensor)`` is called (from the writer thread) once a tensor's bytes were
-    handed to the file, so its buffer can be reused. The file is fsynced (once) before returning.
+    handed to the file, so its buffer can be reused. ``file_hash`` (a ``hashlib`` object) is
+    fed every byte of the file in order, as written: the file's digest without reading it again.
+    The file is fsynced (once) before returning.
     """
     names = [t.name for t in plan]
     if len(set(names)) != len(names):
@@ -220,13 +230,15 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
         head = header_bytes(plan, metadata)
         _preallocate(f.fd, len(head) + sum(t.nbytes for t in plan))
         f.write(head)
+        if file_hash is not None:
+            file_hash.update(head)
         total += len(head)
         pending: deque = deque()
         queued = 0  # bytes of the tensors in ``pending``
         largest = max((t.nbytes for t in plan), default=0)
         for planned in plan:
             tensor = produce(planned)
-            dtype = TORCH_TO_ST.get(tensor.dtype)
+            dtype = safetensors_dtypes.TORCH_TO_ST.get(tensor.dtype)
             if dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
                 raise RuntimeError(  # a bug in the plan, not user input
                     f"{planned.name}: produced {dtype} {tuple(tensor.shape)}, planned "
@@ -237,7 +249,7 @@ def write_safetensors(path: Path, plan: Sequence[PlannedTensor],
             while pending and (len(pending) >= WRITE_QUEUE
                                or queued + planned.nbytes > largest):
                 queued -= pending.popleft().result()  # re-raises the writer's OSError here
-            pending.append(io.submit(_put, f, data, planned, tensor, digests, release))
+            pending.append(io.submit(_put, f, data, planned, tensor, digests, file_hash, release))
             queued += planned.nbytes
             del data, tensor
             total += planned.nbytes

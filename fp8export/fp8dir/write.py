@@ -11,22 +11,26 @@ activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a p
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.checkpoint.source import Checkpoint
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.safetensors_writer import PlannedTensor, write_safetensors
-from fp8export.io.safetensors_dtypes import TORCH_TO_ST
+from fp8export.io import safetensors_dtypes
 from fp8export.numerics.block import quantize_blocks_sqnr
 from fp8export.numerics.channel import quantize_channels_sqnr
 from fp8export.scales.select import Target
 from fp8export.scales.weights import quantize_weight_sqnr
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -108,10 +112,13 @@ class _BufferPool:
     :data:`_POOL_KEEP` buffers; the writer thread returns them, the main thread takes them."""
 
     def __init__(self) -> None:
+
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:  # the smallest that fits (list.remove would compare tensors by value)
@@ -119,6 +126,8 @@ class _BufferPool:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def put(self, tensor: torch.Tensor) -> None:
+        import torch
+
         base = tensor.view(torch.uint8).reshape(-1)
         storage = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage())
         with self._lock:
@@ -132,14 +141,18 @@ _POOL_KEEP = 3
 
 @dataclass
 class WriteRecord:
-    """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, and
-    the SQNR of every quantized weight, computed from exactly those bytes while quantizing."""
+    """What :func:`write_shards` wrote: the digest of every tensor's bytes, per output file, the
+    SQNR of every quantized weight, computed from exactly those bytes while quantizing, and the
+    sha256 of every output file, computed from the bytes as they were written."""
 
     digests: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> tensor -> digest
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB
+    files: dict[str, str] = field(default_factory=dict)  # file -> sha256 of all its bytes
 
 
 def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
 
 
@@ -155,6 +168,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
     shard can start while the next one is written). ``block``: the ``(bn, bk)`` of block-scaled
     weights (their scales are ``[gr, gc]`` grids).
     """
+
     record = WriteRecord()
     weight_module: dict[str, str] = {}  # weight tensor name -> module (from its scale entry)
     for p in plans:
@@ -167,7 +181,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             on_tensor()
         if entry.kind == "copy":
             t = ckpt.load(entry.source)
-            st = TORCH_TO_ST.get(t.dtype)
+            st = safetensors_dtypes.TORCH_TO_ST.get(t.dtype)
             if st != entry.tensor.dtype or tuple(t.shape) != entry.tensor.shape:
                 raise Fp8ExportError(
                     f"{ckpt.path}: tensor {entry.source} loads as {st} {tuple(t.shape)} but the "
@@ -194,10 +208,13 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
     for plan in plans:
         by_name = {e.tensor.name: e for e in plan.entries}
         digests = record.digests.setdefault(plan.file_name, {})
+        file_hash = hashlib.sha256()
         write_safetensors(out_dir / plan.file_name, [e.tensor for e in plan.entries],
                           lambda pt, by_name=by_name: produce(by_name[pt.name]), digests=digests,
                           release=lambda pt, t, by_name=by_name: (
-                              pool.put(t) if by_name[pt.name].kind == "weight" else None))
+                              pool.put(t) if by_name[pt.name].kind == "weight" else None),
+                          file_hash=file_hash)
+        record.files[plan.file_name] = file_hash.hexdigest()
         if on_file is not None:
             on_file(plan, record)
     return record

@@ -20,12 +20,16 @@ weight is made.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from fp8export.errors import Fp8ExportError
-from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX
+from fp8export.numerics.fp8 import E4M3_MAX
 from fp8export.numerics.metrics import sqnr_from_sums
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 BAND = 1 << 22  # elements per band of whole block rows
 
@@ -50,6 +54,8 @@ def _bands(w: torch.Tensor, block: tuple[int, int]):
 def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``x`` ``[rows, in]`` as ``[rows/bn, bn, in/bk, bk]`` tiles, zero-padded where ragged
     (a zero adds nothing to a tile's amax or to a sum of squares)."""
+    import torch
+
     bn, bk = block
     rows, cols = x.shape
     pad_r, pad_c = -rows % bn, -cols % bk
@@ -61,6 +67,8 @@ def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def block_amax(w: torch.Tensor, block: tuple[int, int]) -> np.ndarray:
     """max|W| of every tile of a 2-D ``[out, in]`` weight, float64 ``[gr, gc]`` (NaN where a
     tile holds NaN)."""
+    import torch
+
     if w.dim() != 2:
         raise ValueError(f"block scales need a 2-D weight, got shape {tuple(w.shape)}")
     out = np.empty(grid_shape(tuple(w.shape), block), dtype=np.float64)
@@ -99,17 +107,19 @@ def expand_blocks(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
 def quantize_blocks_sqnr(w: torch.Tensor, scales: np.ndarray, block: tuple[int, int],
                          ) -> tuple[torch.Tensor, float]:
     """E4M3 ``w`` ``[out, in]`` with one scale per tile, and the SQNR (dB) of its round trip."""
+    import torch
+
     s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
     if tuple(s_all.shape) != grid_shape(tuple(w.shape), block):
         raise ValueError(f"scale grid {tuple(s_all.shape)} does not fit weight "
                          f"{tuple(w.shape)} in blocks of {block}")
-    q = torch.empty(w.shape, dtype=E4M3_DTYPE)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     signal = noise = 0.0
     bn = block[0]
     for start, stop, band in _bands(w, block):
         x = band.to(torch.float32)
         s = expand_blocks(s_all[start:stop], tuple(x.shape), block)
-        qb = (x / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+        qb = (x / s).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         q[start * bn:start * bn + x.shape[0]] = qb
         d = qb.to(torch.float32).mul_(s).sub_(x)
         noise += float(torch.sum(d.double() * d.double()))
@@ -121,6 +131,8 @@ def blocks_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.ndar
                           block: tuple[int, int]) -> float:
     """SQNR (dB) of ``q * scale[tile]`` (a block-scaled weight as written) against its source:
     the same float :func:`quantize_blocks_sqnr` returns for those bytes."""
+    import torch
+
     s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
     signal = noise = 0.0
     for (start, stop, band), (_, _, qb) in zip(_bands(source, block), _bands(q, block)):
@@ -155,6 +167,8 @@ def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
     """Per-token-group dequantization scales of ``x`` ``[..., K]``: float32 ``[..., ceil(K/g)]``,
     ``amax / 448`` of each group of ``group`` consecutive elements of the last dimension (the
     last group may be partial); an all-zero group gets 1."""
+    import torch
+
     k = x.shape[-1]
     pad = -k % group
     a = x.detach().to(torch.float32).abs()
@@ -166,14 +180,18 @@ def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def quantize_groups(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """E4M3 codes of ``x`` ``[..., K]`` with the group scales ``[..., ceil(K/g)]``."""
+    import torch
+
     k = x.shape[-1]
     s = scales.repeat_interleave(group, dim=-1)[..., :k]
-    return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+    return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """``x`` quantized per token group and dequantized again, in float32: what a layer with
     dynamic group activations multiplies its weight with."""
+    import torch
+
     s = group_scales(x, group)
     q = quantize_groups(x, s, group)
     return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., :x.shape[-1]]

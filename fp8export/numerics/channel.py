@@ -13,12 +13,15 @@ every scale dtype holds).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.errors import Fp8ExportError
-from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX
+from fp8export.numerics.fp8 import E4M3_MAX
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 BLOCK = 1 << 22  # elements per block of whole channels
 
@@ -39,6 +42,8 @@ def _blocks(w: torch.Tensor, axis: int):
 
 def channel_amax(w: torch.Tensor, layout: str = "out_in") -> np.ndarray:
     """max|W| of every output channel of a 2-D weight, float64 ``[out]`` (NaN where NaN)."""
+    import torch
+
     if w.dim() != 2:
         raise ValueError(f"per-channel scales need a 2-D weight, got shape {tuple(w.shape)}")
     axis = _channel_axis(layout)
@@ -73,17 +78,19 @@ def quantize_channels_sqnr(w: torch.Tensor, scales: np.ndarray, layout: str = "o
     """E4M3 ``w`` with one scale per output channel (``w``'s shape and layout) and the SQNR (dB)
     of its round trip. Per element the arithmetic of ``quantize_e4m3``: float32 divide, clamp
     to ±448, round-to-nearest-even cast."""
+    import torch
+
     axis = _channel_axis(layout)
     s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
     if s_all.numel() != w.shape[axis]:
         raise ValueError(f"{s_all.numel()} scales for {w.shape[axis]} output channels")
-    q = torch.empty(w.shape, dtype=E4M3_DTYPE)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     q_view = q if axis == 0 else q.t()
     signal = noise = 0.0
     for start, stop, block in _blocks(w, axis):
         x = block.to(torch.float32)
         s = s_all[start:stop, None]
-        qb = (x / s).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+        qb = (x / s).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         q_view[start:stop] = qb
         d = qb.to(torch.float32).mul_(s).sub_(x)
         noise += float(torch.sum(d.double() * d.double()))
@@ -95,6 +102,8 @@ def channels_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.nd
                             layout: str = "out_in") -> float:
     """SQNR (dB) of ``q * scale[channel]`` (a per-channel FP8 weight as written) against its
     source: the same float :func:`quantize_channels_sqnr` returns for those bytes."""
+    import torch
+
     axis = _channel_axis(layout)
     s_all = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
     signal = noise = 0.0

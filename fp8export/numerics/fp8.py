@@ -15,19 +15,31 @@ gives us.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fp8export.errors import Fp8ExportError
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 E4M3_MAX = 448.0
 """Largest finite OCP float8_e4m3fn value (no infinities; 0x7F/0xFF are NaN)."""
 E5M2_MAX = 57344.0
 """Largest finite float8_e5m2 value. E5M2 is read (training gradients), never written."""
 
-E4M3_DTYPE = torch.float8_e4m3fn
-E5M2_DTYPE = torch.float8_e5m2
+_TORCH_DTYPES = {"E4M3_DTYPE": "float8_e4m3fn", "E5M2_DTYPE": "float8_e5m2"}
+
+
+def __getattr__(name: str):
+    # E4M3_DTYPE / E5M2_DTYPE are torch dtypes: resolved on first use, so importing this
+    # module (amax checks, scales) does not import torch.
+    if name in _TORCH_DTYPES:
+        import torch
+
+        return getattr(torch, _TORCH_DTYPES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_amax(amax: float, name: str) -> float:
@@ -82,16 +94,21 @@ def quantize_e4m3(x: torch.Tensor, scale: float | np.floating | torch.Tensor) ->
     Computes ``x / scale`` in float32 (as ONNX QuantizeLinear does), clamps to ±448 and casts
     with round-to-nearest-even. Returns a ``torch.float8_e4m3fn`` tensor of x's shape.
     """
+    import torch
+
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     y = x.to(torch.float32) / s
-    return y.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+    return y.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def dequantize(q: torch.Tensor, scale: float | np.floating | torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in float32, returned as ``dtype``. Accepts E4M3 or E5M2 input."""
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q * scale`` in float32, returned as ``dtype`` (default float32). Accepts E4M3 or E5M2
+    input."""
+    import torch
+
     s = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
-    return (q.to(torch.float32) * s).to(dtype)
+    return (q.to(torch.float32) * s).to(dtype or torch.float32)
 
 
 def fake_quantize_e4m3(x: torch.Tensor, scale: float | np.floating | torch.Tensor) -> torch.Tensor:

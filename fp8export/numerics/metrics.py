@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the functions that take tensors, not by this module:
+    import torch  # sqnr_from_sums serves the torch-free convert path
 
 
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
@@ -13,6 +15,8 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     Computed in float64. Returns ``inf`` when the two are identical, and ``-inf`` when the
     reference is all zeros but the test is not.
     """
+    import torch
+
     ref = reference.detach().to(torch.float64).flatten()
     err = ref - test.detach().to(torch.float64).flatten()
     noise = float(torch.dot(err, err))
@@ -31,6 +35,8 @@ def sqnr_from_sums(signal: float, noise: float) -> float:
 
 def cosine(reference: torch.Tensor, test: torch.Tensor) -> float:
     """Cosine similarity of the flattened tensors, in float64 (1.0 for two zero tensors)."""
+    import torch
+
     a = reference.detach().to(torch.float64).flatten()
     b = test.detach().to(torch.float64).flatten()
     na, nb = float(a.norm()), float(b.norm())
@@ -43,6 +49,8 @@ def cosine(reference: torch.Tensor, test: torch.Tensor) -> float:
 
 def rel_l2(reference: torch.Tensor, test: torch.Tensor) -> float:
     """``‖ref − test‖₂ / ‖ref‖₂`` in float64 (inf if ref is zero and test is not)."""
+    import torch
+
     a = reference.detach().to(torch.float64).flatten()
     b = test.detach().to(torch.float64).flatten()
     num, den = float((a - b).norm()), float(a.norm())

@@ -12,16 +12,20 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from fp8export.numerics import lut
 from fp8export.numerics.block import block_amax, block_scales
 from fp8export.numerics.channel import channel_amax, channel_scales
-from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, amax_to_scale
+from fp8export.numerics.fp8 import E4M3_MAX, amax_to_scale
 from fp8export.numerics.metrics import sqnr_from_sums
 from fp8export.scales.groups import share_max
 from fp8export.scales.select import Target
+
+if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
+    import torch  # default path runs without it)
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of float32
 SUBCHUNK = 1 << 18  # elementwise pieces of a chunk that stay in cache (1 MiB of float32)
@@ -32,6 +36,8 @@ weight gives ~25-32 dB; below 20 dB the scale is wrong or the tensor has extreme
 
 def chunked_amax(x: torch.Tensor) -> float:
     """max|x| as a Python float (NaN when x holds NaN, inf when it holds ±inf)."""
+    import torch
+
     flat = x.reshape(-1)
     amax = 0.0
     threads = torch.get_num_threads()
@@ -50,8 +56,10 @@ def chunked_amax(x: torch.Tensor) -> float:
 
 def quantize_weight(w: torch.Tensor, scale: np.float32) -> torch.Tensor:
     """E4M3-quantize ``w`` with dequantization ``scale`` (float8_e4m3fn, ``w``'s shape)."""
+    import torch
+
     flat = w.reshape(-1)
-    q = torch.empty(flat.numel(), dtype=E4M3_DTYPE)
+    q = torch.empty(flat.numel(), dtype=torch.float8_e4m3fn)
     s = float(scale)
     for start in range(0, flat.numel(), CHUNK):
         # quantize_e4m3's arithmetic (x/scale in float32, clamp to ±448, RNE cast), done in
@@ -76,6 +84,8 @@ def _round_to_e4m3_grid_(y: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     exactly (a test checks it against the real cast over every bf16 input and random floats).
     It replaces an FP8 -> float32 cast that torch does one element at a time.
     """
+    import torch
+
     bits = tmp.view(torch.int32)
     torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=bits)
     bits.clamp_(min=_E4M3_MIN_NORMAL_BITS)
@@ -84,12 +94,24 @@ def _round_to_e4m3_grid_(y: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return y.add_(m).sub_(m)
 
 
+_LUT_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16"}  # str(dtype): no torch import
+
+
+def _bits(flat: torch.Tensor) -> np.ndarray:
+    """A 16-bit tensor's bit patterns as a contiguous uint16 array (no copy when contiguous)."""
+    import torch
+
+    return flat.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
 _workspace = threading.local()
 
 
 def _chunk_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This thread's three float32 piece buffers (1 MiB each), allocated once and small
     enough to stay in cache through all the operations on a piece."""
+    import torch
+
     bufs = getattr(_workspace, "bufs", None)
     if bufs is None:
         bufs = _workspace.bufs = tuple(torch.empty(SUBCHUNK, dtype=torch.float32)
@@ -101,14 +123,26 @@ def quantize_weight_sqnr(w: torch.Tensor, scale: np.float32, out: torch.Tensor |
                          ) -> tuple[torch.Tensor, float]:
     """:func:`quantize_weight` and :func:`roundtrip_sqnr` of its result, in one pass.
 
+    bf16 / fp16 weights go through the E4M3 lookup table (``numerics/lut.py``: the same bytes,
+    and the SQNR summed exactly from the histogram of bit patterns); the float32 path below
+    serves float32 / float64 weights.
+
     Same bytes as ``quantize_weight(w, scale)`` and the same float as
     ``roundtrip_sqnr(w, q, scale)`` (same pieces, same float32 operations, same dot products),
     computed while each piece is in cache instead of reading the source twice. ``out``: a
     uint8 buffer of at least ``w.numel()`` bytes to hold the result (else one is allocated).
     """
+    import torch
+
     flat = w.reshape(-1)
     n = flat.numel()
-    q = (torch.empty(n, dtype=torch.uint8) if out is None else out[:n]).view(E4M3_DTYPE)
+    q = (torch.empty(n, dtype=torch.uint8) if out is None else out[:n]).view(torch.float8_e4m3fn)
+    dtype = _LUT_DTYPES.get(str(w.dtype))
+    if dtype is not None:  # 16-bit: the table lookup, bit-identical, and the exact SQNR
+        table = lut.e4m3_table(scale, dtype)
+        hist = lut.new_histogram()
+        lut.quantize_into(_bits(flat), table, q.view(torch.uint8).numpy(), hist)
+        return q.reshape(w.shape), lut.sqnr_from_histogram(hist, table, scale, dtype)
     s = float(scale)
     x, y, tmp = _chunk_buffers()
     signal = noise = 0.0
@@ -142,8 +176,19 @@ def roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scale: float) -> float
     ample for 256K elements; one thread so the float does not depend on the core count) added
     up in float64, the pieces :func:`quantize_weight_sqnr` sums.
     """
+    import torch
+
     ref = source.reshape(-1)
     got = q.reshape(-1)
+    dtype = _LUT_DTYPES.get(str(source.dtype))
+    if dtype is not None:
+        # 16-bit sources: when q holds the table's bytes, its SQNR is the histogram's, exactly
+        # the value quantize_weight_sqnr recorded; other bytes fall through to the sums below.
+        table = lut.e4m3_table(scale, dtype)
+        want, hist = np.empty(ref.numel(), np.uint8), lut.new_histogram()
+        lut.quantize_into(_bits(ref), table, want, hist)
+        if np.array_equal(want, got.view(torch.uint8).numpy()):
+            return lut.sqnr_from_histogram(hist, table, scale, dtype)
     s = float(scale)
     signal = noise = 0.0
     threads = torch.get_num_threads()

@@ -113,7 +113,7 @@ def test_failure_mid_way_leaves_nothing_and_keeps_the_old_output(tiny_llama, tmp
         raise Fp8ExportError("simulated read-back failure")
 
     monkeypatch.setattr(conv, "verify_output", boom)
-    monkeypatch.setattr(conv, "spot_verify", boom)
+    monkeypatch.setattr(conv, "verify_parallel_output", boom)
     with pytest.raises(Fp8ExportError, match="simulated"):
         convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "new"))
     assert list(tmp_path.iterdir()) == []
