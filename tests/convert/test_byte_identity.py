@@ -44,7 +44,8 @@ def test_written_fp8_bytes_are_the_torch_quantizers(tmp_path):
 def test_the_numpy_fallback_writes_the_same_files(tmp_path):
     """FP8EXPORT_NO_C=1: the C helper is not loaded; every file is the same."""
     code = ("import sys; from fp8export.api import convert; from "
-            "fp8export.convert.config import ConvertConfig; from fp8export.numerics import lut; assert not lut.compiled(); "
+            "fp8export.convert.config import ConvertConfig; from fp8export.numerics import lut; "
+            "assert not lut.compiled(); "
             "convert(ConvertConfig(checkpoint=sys.argv[1], output=sys.argv[2]))")
     runs = {}
     for name, env in (("c", {}), ("numpy", {"FP8EXPORT_NO_C": "1"})):
