@@ -8,8 +8,8 @@
    2.1, five safetensors shards, index, config.json; N(0, 0.02) weights, windows of a seeded
    64 MiB pool of random numbers) under
    ``--work`` (default ``/tmp/fp8export-bench``) and keeps it there for the next run.
-   ``--large`` adds the largest size that leaves 5 GB free on that disk with a copy and the
-   FP8 output beside it.
+   ``--large`` adds the largest size that leaves 5 GB free on that disk with a copy beside it
+   (the copy is deleted before convert writes its FP8 output, about half the size).
 2. fsyncs the checkpoint and reads it once: every contender starts with the source in the
    page cache (a container cannot drop caches), as far as RAM holds it.
 3. Per round (``--rounds``, default 2), in this order: ``cp -r`` then an fsync of every
@@ -525,7 +525,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2.1", help="checkpoint sizes in GB, comma-separated")
     ap.add_argument("--large", action="store_true",
-                    help="also the largest size that leaves 5 GB free beside a copy and output")
+                    help="also the largest size that leaves 5 GB free beside a copy")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--large-rounds", type=int, default=1, help="rounds at the --large size")
     ap.add_argument("--name", default="convert", help="result file stem (default convert)")
@@ -546,10 +546,10 @@ def main(argv=None) -> int:
     sizes = [float(s) for s in args.sizes.split(",") if s]
     args.work.mkdir(parents=True, exist_ok=True)
     if args.large:
-        # source + copy + FP8 output (about half) side by side, 5 GB left over
+        # source + copy (the copy is deleted before convert writes), 5 GB left over
         generated = sum(p.stat().st_size for p in args.work.rglob("*") if p.is_file())
         free = shutil.disk_usage(args.work).free + generated
-        sizes.append(math.floor((free - 5 * GB) / 2.6 / GB))
+        sizes.append(math.floor((free - 5 * GB) / 2.0 / GB))
     n_plain = len(sizes) - (1 if args.large else 0)
     machine = machine_info(args.work)
     llmc = None if args.no_llmc else llmc_runner(args.llmc_venv, args.llmc_pythonpath)
@@ -557,7 +557,8 @@ def main(argv=None) -> int:
         print("llm-compressor is not importable: skipped (see --llmc-venv)", flush=True)
     results = []
     for i, size_gb in enumerate(sizes):
-        need = 2.6 * size_gb * GB
+        # source + its copy (deleted before convert runs, whose output is about half) + 5 GB
+        need = (2.0 * size_gb + 5) * GB
         free = shutil.disk_usage(args.work).free
         if free < need:
             sys.exit(f"need about {need / GB:.1f} GB free under {args.work}, have {free / GB:.1f}")
