@@ -1,32 +1,10 @@
-"""Fixtures for verify tests: the trained tiny Llama and FP8 folders built from it (session
-fixtures of tests/conftest.py, under the names these tests use), on one torch thread."""
+"""Fixtures for the verify tests: the trained tiny Llama and its FP8 folders
+(tests/markov_fixtures.py)."""
 
-from __future__ import annotations
-
-import pytest
-from fp8_folders import one_torch_thread
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    yield from one_torch_thread()
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(markov_llama):
-    return markov_llama
-
-
-@pytest.fixture(scope="session")
-def tiny_fp8(markov_fp8):
-    return markov_fp8
-
-
-@pytest.fixture(scope="session")
-def damaged_fp8(markov_damaged_fp8):
-    return markov_damaged_fp8
-
-
-@pytest.fixture(scope="session")
-def eval_npz(markov_eval_npz):
-    return markov_eval_npz
+from markov_fixtures import (  # noqa: F401  (fixtures, registered by import)
+    _one_torch_thread,
+    damaged_fp8,
+    eval_npz,
+    tiny_fp8,
+    tiny_llama,
+)
