@@ -84,16 +84,23 @@ def refuse_inside_input(output: str | Path, source: str | Path,
     refuse_overlap(output, [source], option)
 
 
-def check_file_target(path: str | Path, force: bool, option: str = "-o/--output") -> None:
-    """An output file may replace only a regular file, and only with ``force``."""
-    p = Path(path)
+def _lstat_target(p: Path, option: str) -> os.stat_result | None:
+    """The target's own status (links not followed); None when nothing is there."""
     try:
-        st = os.lstat(p)
+        return os.lstat(p)
     except FileNotFoundError:
-        return
+        return None
     except OSError as exc:
         raise Fp8ExportError(f"{p}: cannot check the {option} path ({exc.strerror or exc})."
                              ) from exc
+
+
+def check_file_target(path: str | Path, force: bool, option: str = "-o/--output") -> None:
+    """An output file may replace only a regular file, and only with ``force``."""
+    p = Path(path)
+    st = _lstat_target(p, option)
+    if st is None:
+        return
     if stat.S_ISLNK(st.st_mode):
         raise Fp8ExportError(f"{p}: is a symbolic link; {option} replaces only regular files "
                              "(never what a link points to). Choose another path.")
@@ -129,13 +136,9 @@ def check_folder_target(path: str | Path, force: bool, marker: str,
     """An output folder may replace only a folder fp8export wrote (holding ``marker``) or an
     empty one, and only with ``force``; never a file, a link or anything else."""
     p = Path(path)
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
+    st = _lstat_target(p, option)
+    if st is None:
         return
-    except OSError as exc:
-        raise Fp8ExportError(f"{p}: cannot check the {option} path ({exc.strerror or exc})."
-                             ) from exc
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else file_type_name(st.st_mode)
         if stat.S_ISREG(st.st_mode):
