@@ -142,6 +142,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
     """
     from fp8export import api
     from fp8export.convert.config import ConvertConfig
+    from fp8export.errors import VerificationFailed
 
     cfg = ConvertConfig(
         checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,
@@ -155,7 +156,12 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
         read_back=read_back,
     )
-    render(api.convert(cfg))
+    try:
+        result = api.convert(cfg)
+    except VerificationFailed as missed:  # written, but over its --accuracy-budget: exit 3
+        render(missed.result)
+        raise
+    render(result)
 
 
 def _activation_line(result) -> str:
