@@ -6,8 +6,10 @@ held-out calibration samples no calibration step and no search step read (``met`
     python bench/budget.py                               # SmolLM2-135M + two family models
     python bench/budget.py --models smollm2 --samples 32
 
-Budgets are fractions of each model's all-FP8 KL (measured by the first run, the loosest), so
-each asks for keeping something: 0.8x, 0.5x and 0.25x. A budget no FP8 layer can meet is
+Budgets are fractions of each model's all-FP8 KL (measured by a first run with a budget every
+model meets), so each asks for keeping something: 0.8x, 0.5x and 0.25x; or absolute values
+with ``--budgets`` (no first run). Models already in the results file and not run again keep
+their rows. A budget no FP8 layer can meet is
 recorded as refused. Every run is the real ``api.convert`` (the recipe below, calibration text
 ``samples/tiny-llama/data/calib.txt``), one after another on this machine; results are written
 after each run to ``bench/results/budget.json`` and ``budget.md``.
@@ -76,6 +78,10 @@ def one(src: Path, out: Path, budget: float, args) -> dict:
     return row
 
 
+def _budget(r: dict) -> str:
+    return f"{r['budget']:.3e}" + (f" ({r['fraction']})" if r.get("fraction") else "")
+
+
 def render(doc: dict) -> str:
     lines = ["# convert --accuracy-budget at three budgets per model", "",
              f"Recipe: per-tensor weights, dynamic per-token activations, --weight-rounding "
@@ -89,12 +95,12 @@ def render(doc: dict) -> str:
     for m in doc["models"]:
         for r in m["runs"]:
             if r["outcome"] == "refused":
-                lines.append(f"| {m['model']} | {r['budget']:.3e} ({r['fraction']}) | refused "
+                lines.append(f"| {m['model']} | {_budget(r)} | refused "
                              f"(exit 1) | – | – | – | – | {r['seconds']} |")
                 continue
             si, hi = r["kl_selected_interval"] or [0, 0], r["held_out_interval"] or [0, 0]
             lines.append(
-                f"| {m['model']} | {r['budget']:.3e} ({r['fraction']}) | "
+                f"| {m['model']} | {_budget(r)} | "
                 f"{'met' if r['met'] else 'missed (exit 3)'} | "
                 f"{100 * r['kept_param_fraction']:.1f}% ({r['kept_layers']}/"
                 f"{r['candidate_layers']}) | {r['kl_selected']:.3e} [{si[0]:.2e}, {si[1]:.2e}] "
@@ -112,23 +118,32 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--rounding", default="nearest", choices=("nearest", "gptq"))
+    ap.add_argument("--budgets", type=float, nargs=3, default=None,
+                    help="absolute KL budgets, loosest first (default: fractions of the "
+                         "all-FP8 KL)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "budget")
     args = ap.parse_args()
     doc = {"machine": machine_info(REPO), "rounding": args.rounding, "samples": args.samples,
            "seq_len": args.seq_len, "fractions": list(FRACTIONS), "models": []}
+    old = args.out.with_suffix(".json")
+    if old.exists():  # rows of models not run again stay
+        doc["models"] = [m for m in json.loads(old.read_text())["models"]
+                         if m["model"] not in args.models]
     with tempfile.TemporaryDirectory(prefix="accuracy-budget-") as tmp:
         work = Path(tmp)
         for name in args.models:
             src = model_path(name, work)
             entry = {"model": name, "runs": []}
             doc["models"].append(entry)
-            # the all-FP8 KL: a budget every model meets with nothing kept
-            probe = one(src, work / "probe", 1.0, args)
-            kl_all = probe["kl_all_fp8"]
-            entry["kl_all_fp8"] = kl_all
-            for f in FRACTIONS:
-                row = one(src, work / "out", kl_all * f, args)
-                row["fraction"] = f
+            if args.budgets:
+                budgets = [(b, None) for b in args.budgets]
+            else:  # the all-FP8 KL: a budget every model meets with nothing kept
+                kl_all = one(src, work / "probe", 1.0, args)["kl_all_fp8"]
+                entry["kl_all_fp8"] = kl_all
+                budgets = [(kl_all * f, f) for f in FRACTIONS]
+            for budget, f in budgets:
+                row = one(src, work / "out", budget, args)
+                row.update(fraction=f, samples=args.samples, rounding=args.rounding)
                 entry["runs"].append(row)
                 print(json.dumps(row)[:400], flush=True)
                 kept = [r.get("kept_param_fraction", 1.0) for r in entry["runs"]]
