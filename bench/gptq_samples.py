@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, nargs="+", default=[12, 64, 256])
     ap.add_argument("--eval-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--no-kl", action="store_true",
+                    help="per-layer errors only (no model forward on the eval text)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gptq_samples")
     args = ap.parse_args()
     from fp8export import api
@@ -94,9 +96,11 @@ def main() -> None:
         s, _ = load_verify_samples(DATA / "eval.txt", args.model, cfg,
                                    samples=args.eval_samples, seq_len=args.seq_len)
         batches = [(b.input_ids, b.attention_mask) for b in iter_batches(s, 4)]
-        ref, per_sample = reference_logits(args.model, batches, work / "ref.npy")
-        base = kl_of(near, batches, ref, per_sample)
-        doc["nearest"] = base
+        if args.no_kl:
+            doc["nearest"] = {}
+        else:
+            ref, per_sample = reference_logits(args.model, batches, work / "ref.npy")
+            doc["nearest"] = kl_of(near, batches, ref, per_sample)
         for n in args.samples:
             folder = work / f"gptq-{n}"
             t0 = time.perf_counter()
@@ -116,13 +120,14 @@ def main() -> None:
                    "fewer_tokens_than_inputs": len(entry["fewer_tokens_than_inputs"]),
                    "eval_layers_worse_than_nearest": worse,
                    "eval_gain_db_min": gains[0], "eval_gain_db_median": gains[len(gains) // 2],
-                   "convert_s": round(secs, 1), **kl_of(folder, batches, ref, per_sample)}
+                   "convert_s": round(secs, 1),
+                   **({} if args.no_kl else kl_of(folder, batches, ref, per_sample))}
             doc["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "eval_layers_worse_than"
                               "_nearest"}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    b = doc["nearest"]
+    b = doc["nearest"] or {"kl_mean": float("nan"), "interval": [float("nan")] * 2}
     lines = [f"# --weight-rounding gptq by calibration samples ({doc['model']})", "",
              f"Held-out: {args.eval_samples} lines of eval.txt x {args.seq_len} tokens; "
              f"calibration: calib.txt; CPU, load {doc['machine']['load_avg_1m_at_start']} at "
@@ -136,9 +141,9 @@ def main() -> None:
                      f"{r['held_out_samples']}) | {r['tokens']} | {r['gptq_layers']} / "
                      f"{r['nearest_by_check']} | {len(r['eval_layers_worse_than_nearest'])} "
                      f"of {r['layers']} | {r['eval_gain_db_min']:.2f} / "
-                     f"{r['eval_gain_db_median']:.2f} | {r['kl_mean']:.4f} "
-                     f"[{r['interval'][0]:.4f}, {r['interval'][1]:.4f}] | "
-                     f"{r['top1_agreement']:.4f} |")
+                     f"{r['eval_gain_db_median']:.2f} | " + (
+                         f"{r['kl_mean']:.4f} [{r['interval'][0]:.4f}, {r['interval'][1]:.4f}]"
+                         f" | {r['top1_agreement']:.4f} |" if "kl_mean" in r else "– | – |"))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
