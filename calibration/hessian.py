@@ -7,6 +7,10 @@ attention mask) in float32 on the layer's device. ``H`` is ``in × in`` per stre
 streams of a model do not fit :data:`BUDGET_BYTES` at once they are collected in several
 passes over the data, each holding a share. MoE experts run routed (each expert sees the
 tokens the router gives it, as it will when served); an expert no token reached gets no ``H``.
+
+With ``holdout``, every ``holdout``-th sample (the last one of every ``holdout``) is held out:
+its tokens go into a second ``H`` per stream, on which the rounding is checked
+(``fp8export.numerics.gptq.round_checked``); the others are fitted.
 """
 
 from __future__ import annotations
@@ -34,11 +38,27 @@ class Hessians:
     passes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    held_out: dict[str, Any] = field(default_factory=dict)  # H of the held-out samples
+    held_out_tokens: dict[str, int] = field(default_factory=dict)
+    held_out_samples: int = 0
 
     def of(self, module: str):
         """``(H, tokens)`` of the stream feeding ``module``, or ``(None, 0)``."""
         key = self.stream.get(module, module)
         return self.hessian.get(key), self.tokens.get(key, 0)
+
+    def held_out_of(self, module: str):
+        """``(H, tokens)`` of the held-out samples' inputs of ``module``, or ``(None, 0)``."""
+        key = self.stream.get(module, module)
+        return self.held_out.get(key), self.held_out_tokens.get(key, 0)
+
+
+def held_out_indices(n: int, every: int) -> set[int]:
+    """The samples held out of ``n``: the last of every ``every`` (at least one when there are
+    two or more samples, none with ``every`` 0)."""
+    if every <= 0 or n < 2:
+        return set()
+    return {i for i in range(n) if i % every == every - 1} or {n - 1}
 
 
 def _passes(keys: list[str], dims: dict[str, int], budget: int) -> list[list[str]]:
@@ -56,10 +76,13 @@ def _passes(keys: list[str], dims: dict[str, int], budget: int) -> list[list[str
 
 def input_hessians(checkpoint: Path, data: Path, modules: list[str],
                    groups: dict[str, list[str]], *, samples: int, seq_len: int | None,
-                   batch_size: int, device: str = "auto", budget: int = BUDGET_BYTES
-                   ) -> Hessians:
+                   batch_size: int, device: str = "auto", budget: int = BUDGET_BYTES,
+                   holdout: int = 0) -> Hessians:
     """``H`` of the inputs of ``modules`` (checkpoint names) on ``samples`` samples of
-    ``data``, run through the bf16 model on ``device``."""
+    ``data``, run through the bf16 model on ``device``; with ``holdout`` the held-out samples'
+    ``H`` apart (module doc)."""
+    from dataclasses import replace
+
     import torch
 
     from fp8export._threads import fit_torch
@@ -77,6 +100,16 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
     tok_dir = checkpoint if checkpoint.is_dir() else None
     s = load_samples(data, tok_dir, max_samples=samples, seq_len=seq_len,
                      max_positions=max_positions(config), vocab_size=vocab_size(config))
+    held = held_out_indices(len(s), holdout)
+
+    def part(keep):
+        idx = [i for i in range(len(s)) if keep(i)]
+        return replace(s, input_ids=tuple(s.input_ids[i] for i in idx),
+                       labels=None if s.labels is None else tuple(s.labels[i] for i in idx))
+
+    parts = [(part(lambda i: i not in held), False)]
+    if held:
+        parts.append((part(lambda i: i in held), True))
     names = module_names(model, modules)
     stream = {m: m for m in modules}
     for members in groups.values():
@@ -97,12 +130,14 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
                                  "needs linear layers.")
         # GPT-2's Conv1D stores [in, out]
         dims[k] = int(w.shape[0] if type(mod).__name__ == "Conv1D" else w.shape[1])
-    plan = _passes(keys, dims, budget)
+    plan = _passes(keys, dims, budget // (2 if held else 1))
     forward = forward_fn(model, [names[k] for k in keys])
     hessian: dict[str, Any] = {}
     tokens: dict[str, int] = {}
+    held_h: dict[str, Any] = {}
+    held_tokens: dict[str, int] = {}
     t0 = time.perf_counter()
-    state: dict[str, Any] = {"rows": None, "shape": None}
+    state: dict[str, Any] = {"rows": None, "shape": None, "into": (hessian, tokens)}
 
     def hook(key: str):
         def fn(_mod, args):
@@ -113,12 +148,13 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
             if x2.shape[0] == 0:
                 return
             x2 = x2.to(torch.float32)
-            h = hessian.get(key)
+            into, count = state["into"]
+            h = into.get(key)
             if h is None:
-                h = hessian[key] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float32,
-                                               device=x2.device)
+                h = into[key] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float32,
+                                            device=x2.device)
             h.addmm_(x2.t(), x2)
-            tokens[key] = tokens.get(key, 0) + int(x2.shape[0])
+            count[key] = count.get(key, 0) + int(x2.shape[0])
         return fn
 
     for i, share in enumerate(plan):
@@ -127,24 +163,31 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
         desc = "weight rounding: collecting inputs" + (f" ({i + 1}/{len(plan)})"
                                                          if len(plan) > 1 else "")
         try:
-            for batch in progress(iter_batches(s, batch_size), total=-(-len(s) // batch_size),
-                                  desc=desc, unit="batch"):
-                flat = batch.attention_mask.reshape(-1) != 0
-                state["rows"] = None if bool(flat.all()) else torch.nonzero(flat).reshape(-1)
-                state["shape"] = tuple(batch.attention_mask.shape)
-                forward(batch, dev)
+            for samples_part, is_held in parts:
+                state["into"] = (held_h, held_tokens) if is_held else (hessian, tokens)
+                for batch in progress(iter_batches(samples_part, batch_size),
+                                      total=-(-len(samples_part) // batch_size),
+                                      desc=desc + (" (held out)" if is_held else ""),
+                                      unit="batch"):
+                    flat = batch.attention_mask.reshape(-1) != 0
+                    state["rows"] = None if bool(flat.all()) else \
+                        torch.nonzero(flat).reshape(-1)
+                    state["shape"] = tuple(batch.attention_mask.shape)
+                    forward(batch, dev)
         finally:
             for h in handles:
                 h.remove()
         # kept on the host between passes: the device holds one pass's share
         for k in share:
-            if k in hessian:
-                hessian[k] = hessian[k].cpu()
+            for into in (hessian, held_h):
+                if k in into:
+                    into[k] = into[k].cpu()
     notes = []
     unreached = [k for k in keys if k not in hessian]
     if unreached:
         notes.append(f"{len(unreached)} layer(s) received no calibration input and are rounded "
                      f"to nearest: {', '.join(unreached[:6])}"
                      + (" ..." if len(unreached) > 6 else ""))
-    return Hessians(hessian, tokens, stream, samples=len(s), passes=len(plan),
-                    seconds=time.perf_counter() - t0, notes=notes)
+    return Hessians(hessian, tokens, stream, samples=len(s) - len(held), passes=len(plan),
+                    seconds=time.perf_counter() - t0, notes=notes, held_out=held_h,
+                    held_out_tokens=held_tokens, held_out_samples=len(held))

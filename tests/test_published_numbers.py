@@ -117,19 +117,25 @@ def test_recipe_table_is_recipes_json():
         assert cell == f"{f['top1_agreement']:.4f} / {f['kl_mean']:.2e}", model
 
 
-def test_fallback_table_is_fallback_json():
-    files = {"per-token dynamic + GPTQ rounding, KL 0.008": "fallback-gptq-kl0_008.json",
-             "per-token dynamic, KL 0.012": "fallback-token-kl0_012.json"}
-    rows = _table(README, "| recipe, budget | kept (layers, parameters) |")
-    assert [r[0] for r in rows] == list(files)
-    for label, kept, cost, held_out, verdict in rows:
-        d = _json(files[label])
-        s, ev = d["search"], d["fallback_eval"]
-        assert kept == (f"{s['kept_layers']}/{s['candidate_layers']}, "
-                        f"{100 * s['kept_param_fraction']:.1f} %"), label
-        assert cost == f"{d['search_cost_ratio']:.2f}x", label
-        assert held_out == f"{ev['top1_agreement']:.4f}, {ev['kl_mean']:.2e}", label
-        assert verdict == ("pass" if ev["passed"] else "fail"), label
+def test_budget_table_is_budget_json():
+    """README's accuracy-budget table is bench/budget.py's rendering of budget.json, row for
+    row, and each model's kept share grows as its budget tightens."""
+    doc = _json("budget.json")
+    rendered = _bench("budget").render(doc).splitlines()
+    header = "| model | budget (x all-FP8) | outcome |"
+    start = next(i for i, ln in enumerate(rendered) if ln.startswith(header))
+    want = [ln for ln in rendered[start + 2:] if ln.startswith("|")]
+    lines = README.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    got = []
+    for ln in lines[i + 2:]:
+        if not ln.startswith("|"):
+            break
+        got.append(ln)
+    assert got == want
+    for m in doc["models"]:
+        kept = [r.get("kept_param_fraction", 1.0) for r in m["runs"]]
+        assert m["monotone"] and kept == sorted(kept), m["model"]
 
 
 def test_h100_accuracy_row_is_the_gpu_report():

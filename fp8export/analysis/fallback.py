@@ -1,38 +1,50 @@
 """``convert --accuracy-budget KL``: keep the fewest linears in high precision, measured on the
-model convert writes.
+model convert writes, decided on calibration text that no calibration step saw.
 
 convert hands over every layer as it will write it (the E4M3 bytes — GPTQ's codes with
 ``--weight-rounding gptq`` —, the weight scale — per tensor with the fused group's shared max,
-or per channel — and the calibrated input scale or the dynamic scheme), so every model
-measured here is exactly a model convert can write: a layer kept in high precision changes no
-other layer's scales (weight scales are per layer or per fused group, and activation ranges
-were calibrated on the high-precision model).
+per channel or per block — and the calibrated input scale or the dynamic scheme) and, with
+``--kv-cache fp8``, the KV-cache scales, so every model measured here is exactly a model
+convert can write: a layer kept in high precision changes no other layer's scales (weight
+scales are per layer or per fused group, activation ranges were calibrated on the
+high-precision model).
 
-1. **Score** (one forward and one backward of the bf16 reference on the search samples): at
+**Data.** The samples of the data file are split in file order (:func:`plan_split`): the first
+ones calibrate (activation ranges, GPTQ, KV cache), the next ``--accuracy-samples`` are the
+*search* split, and the ``--accuracy-samples / 2`` after them the *check* split. Neither
+budget split was seen by a calibration step (GPTQ fitted to the tokens it measured on looked
+better than it was), and the check split was not seen by the search either.
+
+1. **Score** (one forward and one backward of the bf16 reference on the search split): at
    every candidate linear the FP8 layer's output error ``d = y_fp8 - y`` on the reference's own
    input is paired with the gradient ``g`` of the next-token loss at that output, per token:
    ``p[t, l] = g · d``. ``0.5 · mean_t (Σ_l p[t, l])²`` estimates the KL of any set of FP8
-   layers (``fallback_units.py``: the empirical Fisher, cross terms included); a layer's own
-   score is its diagonal term. The reference's log-probabilities are kept for step 3.
+   layers (``fallback_units.py``: the empirical Fisher, cross terms included).
 2. **Order** (``fallback_units.py``): units — fused groups (kept whole: vLLM refuses a partly
    quantized fused layer), single linears, and each decoder layer's attention, MLP and the
-   whole layer — join the keep list greedily by estimated KL saved per parameter.
-3. **Search** on the number of steps of that order: the KL of the full FP8 model is measured,
-   the estimates (scaled to the last measurement) predict the count that meets the budget, and
-   each measurement (KL of the candidate against the reference's log-probabilities on the same
-   tokens) re-fits the prediction or narrows a bisection, for at most ``max_evals``
-   measurements before the first count that passes is taken.
-4. convert writes the folder without the kept layers and :func:`FallbackSearch.check_written`
-   measures the written folder through the FP8 runtime on **held-out** samples: the samples of
-   the data that follow the search samples (as many as half of them), which the search never
-   saw. The gap between that and the search's estimate goes into the manifest; without
-   held-out samples the written folder is measured on the search tokens.
+   whole layer — join the keep list greedily by estimated KL saved per parameter. The order
+   does not depend on the budget.
+3. **Search** (:func:`bisect_steps`) on the number ``k`` of steps of that order kept: the
+   measured KL of the all-FP8 model first, then a plain bisection over ``k`` to a crossing
+   (``k`` passes, ``k - 1`` fails). A count passes when the upper end of its KL's 95 %
+   bootstrap interval over the search samples is within the budget: the search chose on those
+   samples, so it asks for a margin that holds on others of the same kind. The probes depend
+   on the budget only through the pass/fail outcomes, so a tighter budget never keeps fewer
+   steps (the first probe where two budgets disagree sends the tighter one above it and the
+   looser one at or below it), and the result is never "everything kept" while a count below
+   it was measured to pass. When only keeping everything passes, no FP8 layer can meet the
+   budget: convert refuses, naming the smallest KL measured with FP8 layers in it.
+4. convert writes the folder without the kept layers and :meth:`FallbackSearch.check_written`
+   measures it through the FP8 runtime on the check split: ``met`` is that KL within the
+   budget, with its 95 % bootstrap interval; convert publishes the folder either way and exits
+   3 when it is not met.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,9 +59,8 @@ from fp8export.runtime.fp8_linear import Fp8Linear
 
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQ_LEN = 128
-MAX_EVALS = 4
 BATCH = 4
-HELD_OUT_FRACTION = 0.5  # held-out samples for the written check, per search sample
+HELD_OUT_FRACTION = 0.5  # check samples per search sample
 
 
 @dataclass(frozen=True)
@@ -58,16 +69,112 @@ class FallbackLayer:
 
     module: str
     weight: torch.Tensor  # E4M3 [out, in]
-    weight_scale: Any  # np.float32, or float32 [out] per channel
+    weight_scale: Any  # np.float32, float32 [out] per channel, or the block grid
     input_scale: Any  # np.float32 or None (dynamic)
     group: str | None  # fused group: kept or quantized as a whole
+    block: tuple[int, int] | None = None  # (bn, bk) of a block grid; inputs per token group
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """How the data file's samples are shared, in file order: ``calibration`` first (what the
+    calibration steps may read), then ``search``, then ``check``."""
+
+    calibration: int
+    search: int
+    check: int
+    available: int  # usable samples read (at most what the three want)
+    shortened: bool  # the data held fewer than asked: the splits were shrunk in proportion
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calibration": [0, self.calibration],
+                "search": [self.calibration, self.calibration + self.search],
+                "check": [self.calibration + self.search,
+                          self.calibration + self.search + self.check]}
+
+
+def split_counts(available: int, calibration: int, search: int, check: int) -> BudgetSplit:
+    """The split of :class:`BudgetSplit` for ``available`` samples when the steps want
+    ``calibration``, ``search`` and ``check`` of them. Short data: the budget's splits keep
+    their size while calibration still gets as many samples (calibration wants "up to N"),
+    else all three shrink in proportion, each keeping at least one sample. Raises
+    Fp8ExportError when there are too few samples to split at all."""
+    budget = search + check
+    if available >= calibration + budget:
+        return BudgetSplit(calibration, search, check, available, False)
+    if calibration and available >= 2 * budget:
+        return BudgetSplit(available - budget, search, check, available, True)
+    need = (1 if calibration else 0) + 2
+    if available < need:
+        raise Fp8ExportError(
+            f"--accuracy-budget needs samples that no calibration step reads: at least {need} "
+            f"usable samples in the data ({'1 to calibrate, ' if calibration else ''}1 to "
+            f"search, 1 to check), but it holds {available}. Give more samples.")
+    weight = min(calibration, budget)
+    cal = min(max(1, round(available * weight / (weight + budget))), available - 2) \
+        if calibration else 0
+    rest = available - cal
+    chk = min(max(1, round(rest * check / budget)), rest - 1)
+    return BudgetSplit(cal, rest - chk, chk, available, True)
+
+
+def plan_split(cfg, checkpoint: Path, config: dict[str, Any], calibration: int) -> BudgetSplit:
+    """The split of ``cfg.calib_data`` (or the built-in set) for a budget whose calibration
+    steps want the first ``calibration`` samples."""
+    from fp8export.inputs.eval_data import load_verify_samples
+
+    search = cfg.accuracy_samples or DEFAULT_SAMPLES
+    check = max(1, int(search * HELD_OUT_FRACTION))
+    s, _ = load_verify_samples(cfg.calib_data, Path(checkpoint), config or {},
+                               samples=calibration + search + check,
+                               seq_len=cfg.seq_len or DEFAULT_SEQ_LEN)
+    return split_counts(len(s), calibration, search, check)
+
+
+def bisect_steps(measure: Callable[[int], float], n: int, budget: float, *,
+                 kl_all_kept: float = 0.0) -> tuple[int | None, dict[int, float]]:
+    """The count of kept steps ``k`` in ``[0, n]`` that the search takes, and every
+    measurement ``{k: KL}``. ``measure(0)`` first; then bisection between the largest count
+    known to fail and the smallest known to pass (``n``, everything kept, passes when
+    ``kl_all_kept`` — the KL left without any FP8 linear, e.g. by an FP8 KV cache — is within
+    the budget), to a crossing. Returns ``None`` for ``k`` when not even ``n`` passes.
+
+    Monotone in the budget for any measured curve: the probes are a fixed binary tree walked by
+    pass/fail outcomes, and a looser budget passes wherever a tighter one does."""
+    measured: dict[int, float] = {}
+
+    def passes(k: int) -> bool:
+        if k not in measured:
+            measured[k] = float(measure(k))
+        return measured[k] <= budget
+
+    if n > 0 and kl_all_kept > budget:
+        measured[n] = kl_all_kept
+        return None, measured
+    if n == 0 or passes(0):
+        if n == 0:
+            measured[0] = kl_all_kept
+        return (0 if measured[0] <= budget else None), measured
+    lo, hi = 0, n  # lo fails; hi passes (measured, or everything kept)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, measured
 
 
 class FallbackSearch:
     """The reference, the data and the FP8 twins of every candidate layer (see module doc)."""
 
     def __init__(self, checkpoint: Path, layers: Sequence[FallbackLayer], *, data: Path | None,
-                 samples: int | None, seq_len: int | None, dynamic: str = "tensor"):
+                 samples: int | None, seq_len: int | None, dynamic: str = "tensor",
+                 offset: int = 0, check: int | None = None,
+                 kv_scales: dict[str, tuple[float, float]] | None = None):
+        """``offset``: samples of the data before the search split (the calibration split);
+        ``samples``/``check``: the search and check splits' sizes (defaults 32 and half of
+        it); ``kv_scales``: attention module -> (k_scale, v_scale) of an FP8 KV cache."""
         from fp8export.inputs.eval_data import load_verify_samples
         from fp8export.inputs.samples import iter_batches
         from fp8export.models import load_model, module_names
@@ -81,18 +188,26 @@ class FallbackSearch:
         for p in self.model.parameters():  # gradients are wanted at layer outputs only
             p.requires_grad_(False)
         n = samples or DEFAULT_SAMPLES
-        held = max(1, int(n * HELD_OUT_FRACTION))
+        held = check if check is not None else max(1, int(n * HELD_OUT_FRACTION))
         s, self.data_info = load_verify_samples(data, Path(checkpoint), config,
-                                                samples=n + held,
+                                                samples=offset + n + held,
                                                 seq_len=seq_len or DEFAULT_SEQ_LEN)
-        search, rest = _split(s, n)
-        self.data_info = {**self.data_info, "samples": len(search),
+        if len(s) < offset + 2:
+            raise Fp8ExportError(
+                f"{data or 'the built-in sample set'}: --accuracy-budget needs at least 2 "
+                f"samples after the {offset} that calibrate; it has {len(s)}.")
+        _, s = _split(s, offset)
+        search, rest = _split(s, min(n, len(s) - 1))
+        self.data_info = {**self.data_info, "offset": offset, "samples": len(search),
                           "tokens": search.num_tokens,
                           "held_out_samples": len(rest) if rest is not None else 0,
                           "held_out_tokens": rest.num_tokens if rest is not None else 0}
         self.batches = [(b.input_ids, b.attention_mask) for b in iter_batches(search, BATCH)]
         self.held_out = [] if rest is None else [
             (b.input_ids, b.attention_mask) for b in iter_batches(rest, BATCH)]
+        # the KV scales under the model's names of the attention modules
+        self.kv_scales = None if not kv_scales else dict(zip(
+            module_names(self.model, list(kv_scales)).values(), kv_scales.values()))
         self.orig = {}
         self.twins: dict[str, Fp8Linear] = {}
         for layer in layers:
@@ -103,10 +218,13 @@ class FallbackSearch:
                                      "--accuracy-budget.") from None
             bias = getattr(old, "bias", None)
             self.orig[layer.module] = old
+            block = tuple(layer.block) if layer.block else None
             self.twins[layer.module] = Fp8Linear(
-                layer.weight, np.asarray(layer.weight_scale), layer.input_scale,
+                layer.weight, np.asarray(layer.weight_scale),
+                None if block else layer.input_scale,
                 None if bias is None else bias.detach(), mode="emulate",
-                out_dtype=torch.bfloat16, dynamic=dynamic)
+                out_dtype=torch.bfloat16, dynamic="group" if block else dynamic, block=block,
+                group_size=block[1] if block else None)
         self.layers = list(layers)
         self.ref_logp: list[torch.Tensor] = []
         self.scores: dict[str, float] = {}
@@ -181,14 +299,26 @@ class FallbackSearch:
         setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
 
     def kl(self, keep: set[str], model: torch.nn.Module | None = None) -> dict[str, float]:
-        """KL(reference || candidate) per token and top-1 agreement, on the scored tokens.
+        """KL(reference || candidate) per token and top-1 agreement, on the scored tokens, of
+        the model convert writes when it keeps ``keep`` (its FP8 KV cache included).
         ``model``: measure that model instead (the written folder)."""
-        if model is None:
-            for n in self.twins:
-                self._set(n, self.orig[n] if n in keep else self.twins[n])
-            model = self.model
-        try:
+        if not self.ref_logp:
+            self.score()
+        if model is not None:
             return _measure(model, self.batches, self.ref_logp)
+        for n in self.twins:
+            self._set(n, self.orig[n] if n in keep else self.twins[n])
+        try:
+            if not self.kv_scales:
+                return _measure(self.model, self.batches, self.ref_logp)
+            from fp8export.runtime.kv_cache import emulate_fp8_kv
+
+            base = self.model.config._attn_implementation
+            emulate_fp8_kv(self.model, self.kv_scales)
+            try:
+                return _measure(self.model, self.batches, self.ref_logp)
+            finally:
+                _kv_off(self.model, base)
         finally:
             for n in self.twins:
                 self._set(n, self.orig[n])
@@ -201,8 +331,11 @@ class FallbackSearch:
         path = greedy_path(self.cov, bases, structures(bases))
         return bases, path, predicted(self.cov, bases, path)
 
-    def search(self, budget: float, max_evals: int = MAX_EVALS) -> dict[str, Any]:
-        """The fewest steps of the keep order whose measured KL is within ``budget``."""
+    def search(self, budget: float) -> dict[str, Any]:
+        """The fewest steps of the keep order whose measured KL is within ``budget`` (see
+        :func:`bisect_steps`). Raises Fp8ExportError when no FP8 layer can meet it."""
+        if not math.isfinite(budget) or budget <= 0:
+            raise ValueError(f"budget must be a finite KL > 0, got {budget}")
         if not self.scores:
             self.score()
         t0 = time.perf_counter()
@@ -210,7 +343,8 @@ class FallbackSearch:
         total_params = sum(b.params for b in bases)
         kept_params = np.concatenate([[0], np.cumsum([sum(bases[i].params for i in add)
                                                       for _, add in path])])
-        measured: dict[int, dict[str, Any]] = {}
+        n = len(path)
+        results: dict[int, dict[str, Any]] = {}
 
         def keep_of(k: int) -> list[str]:
             return [m for _, add in path[:k] for i in add for m in bases[i].modules]
@@ -218,59 +352,57 @@ class FallbackSearch:
         def measure(k: int) -> float:
             keep = set(keep_of(k))
             r = self.kl(keep)
-            measured[k] = r
+            results[k] = r
             self.evaluations.append({
                 "kept_steps": k, "kept_layers": len(keep),
                 "kept_param_fraction": float(kept_params[k]) / max(total_params, 1),
                 "estimate": float(estimate[k]),
                 **{key: v for key, v in r.items() if key != "per_sample"}})
             info(f"fallback: {k} step(s) kept ({100 * kept_params[k] / total_params:.1f}% "
-                 f"of the parameters) -> KL {r['kl']:.3e}")
-            return r["kl"]
+                 f"of the parameters) -> KL {r['kl']:.3e}"
+                 + (f" (95% up to {r['interval'][1]:.3e})" if r.get("interval") else ""))
+            return _upper(r)
 
-        lo, hi = 0, None  # lo: a count known to fail; hi: the smallest count known to pass
-        if measure(0) <= budget:
-            hi = 0
-        n = len(path)
-        while hi is None or hi - lo > 1:
-            if hi is not None and len(measured) >= max_evals:
-                break
-            if hi is None:
-                ratio = measured[lo]["kl"] / max(estimate[lo], 1e-30)  # re-fit at the last fail
-                fits = np.flatnonzero(ratio * estimate <= 0.9 * budget)
-                fits = fits[fits > lo]
-                k = int(fits[0]) if fits.size else n
-                if len(measured) >= max_evals:  # out of measurements: double, never stall
-                    k = max(k, min(n, 2 * lo if lo else 1))
-                k = min(n, max(k, lo + 1))
-            else:
-                k = (lo + hi) // 2
-            if measure(k) <= budget:
-                hi = k
-            else:
-                lo = k
-                if k == n:
-                    break
-        if hi is None:
-            raise Fp8ExportError(
-                f"--accuracy-budget {budget}: even with every candidate layer in high precision "
-                f"the measured KL is {measured[lo]['kl']:.3e} (the layers kept by default, such "
-                "as embeddings and the output head, are not FP8). Raise the budget.")
-        keep = keep_of(hi)
+        kv_only = measure(n) if self.kv_scales else 0.0  # the KV cache's own share
+        hi, _ = bisect_steps(measure, n, budget, kl_all_kept=kv_only)
         self.seconds["search"] = time.perf_counter() - t0
-        chosen = measured[hi]
+        with_fp8 = {k: r["kl"] for k, r in results.items() if k < n}
+        if hi is None or hi == n:
+            best = min(with_fp8, key=with_fp8.get) if with_fp8 else None
+            found = (f"the smallest KL measured with FP8 linears is {with_fp8[best]:.3e} "
+                     f"({100 * (1 - kept_params[best] / max(total_params, 1)):.1f}% of the "
+                     "linear parameters in FP8)") if best is not None else \
+                "no FP8 layer was measured"
+            kv = (f"; the FP8 KV cache alone gives KL {results[n]['kl']:.3e}, so drop "
+                  "--kv-cache fp8 "
+                  "or raise the budget above it") if self.kv_scales and kv_only > budget else ""
+            raise Fp8ExportError(
+                f"--accuracy-budget {budget:g}: no FP8 layer can meet it: {found}, on "
+                f"{self.data_info.get('samples')} held-out samples of "
+                f"{self.data_info.get('source')}{kv}. Nothing was written; raise the budget "
+                f"(to at least {min(with_fp8.values()):.3g} for that) or convert without it."
+                if with_fp8 else
+                f"--accuracy-budget {budget:g}: no FP8 layer can meet it ({found}{kv}). "
+                "Nothing was written; raise the budget or convert without it.")
+        keep = keep_of(hi)
+        chosen = results[hi]
         return {
             "budget_kl": budget, "data": self.data_info.get("source"),
             "samples": self.data_info.get("samples"), "tokens": self.tokens,
             "held_out_samples": self.data_info.get("held_out_samples"),
+            "split_offset": self.data_info.get("offset"),
             "score": "empirical Fisher with cross terms: 0.5 * mean_t (sum_l grad_l . "
                      "(y_fp8 - y)_l)^2 over the FP8 layers",
+            "search": "bisection over the kept steps of the keep order, to a crossing; a count "
+                      "passes when the upper end of its KL's 95% interval is within the "
+                      "budget",
             "keep": keep, "kept_layers": len(keep), "candidate_layers": len(self.layers),
             "kept_params": int(kept_params[hi]), "linear_params": total_params,
             "kept_param_fraction": float(kept_params[hi]) / max(total_params, 1),
-            "kl_all_fp8": measured[0]["kl"], "kl_selected": chosen["kl"],
+            "kl_all_fp8": results[0]["kl"], "kl_selected": chosen["kl"],
             "kl_selected_interval": chosen.get("interval"),
             "top1_selected": chosen["top1_agreement"],
+            **({"kl_kv_cache_only": results[n]["kl"]} if self.kv_scales else {}),
             "kl_estimated_all_fp8": float(estimate[0]),
             "steps": [{"unit": name, "layers": [m for i in add for m in bases[i].modules]}
                       for name, add in path[:hi]],
@@ -280,32 +412,58 @@ class FallbackSearch:
         }
 
     def check_written(self, folder: Path, kl_selected: float | None = None, *,
-                      held_out: bool = True) -> dict[str, Any]:
-        """KL of the written FP8 folder (through the FP8 runtime) on the held-out samples (the
-        search tokens when the data has none, or with ``held_out=False``), with its interval
-        and its gap to the search's measurement ``kl_selected``."""
+                      held_out: bool = True, budget: float | None = None) -> dict[str, Any]:
+        """KL of the written FP8 folder (through the FP8 runtime) on the check split (the
+        search tokens when the data has none, or with ``held_out=False``), with its interval,
+        its gap to the search's measurement ``kl_selected`` and, given the ``budget``,
+        ``met``: the KL within it."""
         from fp8export.runtime.fp8_model import load_fp8_model
 
         t0 = time.perf_counter()
         batches, where = self.held_out, "held-out"
-        if batches and held_out:
-            with torch.inference_mode():  # the reference on the held-out samples
+        if not (batches and held_out):
+            batches, where = self.batches, "search"
+        if where == "search" and self.ref_logp:
+            ref = self.ref_logp
+        else:
+            with torch.inference_mode():  # the reference on these samples
                 ref = [torch.log_softmax(self._logits(ids, mask)[mask > 0].float(), -1)
                        for ids, mask in batches]
-        else:
-            batches, ref, where = self.batches, self.ref_logp, "search"
         model = load_fp8_model(folder, dtype=torch.bfloat16, mode="emulate")[0]
         r = _measure(model, batches, ref)
         r.pop("per_sample", None)
         r.update(data=where, samples=sum(int(ids.shape[0]) for ids, _ in batches))
         if kl_selected:
             r["gap"] = r["kl"] / kl_selected - 1.0  # > 0: the estimate was optimistic
+        if budget is not None:
+            r["budget_kl"] = budget
+            r["met"] = bool(r["kl"] <= budget)
+            iv = r.get("interval")
+            # how sure: the whole interval on one side of the budget, or not
+            r["certain"] = bool(iv is not None and (iv[1] <= budget or iv[0] > budget))
         self.seconds["check_written"] = time.perf_counter() - t0
         return r
 
     def cost(self) -> dict[str, float]:
         return {k: round(v, 2) for k, v in
                 {**self.seconds, "total": time.perf_counter() - self.t0}.items()}
+
+
+def _upper(r: dict[str, Any]) -> float:
+    """What a count is judged by: the upper end of its KL's 95% interval (the point value
+    where there is none), so that the folder meets the budget on text the search did not see
+    (the check split) and not only on the text it chose on."""
+    iv = r.get("interval")
+    return max(r["kl"], iv[1]) if iv else r["kl"]
+
+
+def _kv_off(model, base: str) -> None:
+    """Undo :func:`~fp8export.runtime.kv_cache.emulate_fp8_kv`: the attention ``base`` again."""
+    from fp8export.runtime.kv_cache import attention_modules
+
+    model.config._attn_implementation = base
+    for m in attention_modules(model).values():
+        m.__dict__.pop("_fp8export_kv", None)
 
 
 def _split(s, n: int):
@@ -348,8 +506,13 @@ def _measure(model, batches, ref_logp) -> dict[str, Any]:
             "tokens": count, "interval": iv}
 
 
-def start(cfg, checkpoint: Path, layers: Sequence[FallbackLayer]) -> FallbackSearch:
-    """The hook convert calls: a search over ``layers`` on ``cfg``'s data."""
+def start(cfg, checkpoint: Path, layers: Sequence[FallbackLayer], *,
+          split: BudgetSplit | None = None,
+          kv_scales: dict[str, tuple[float, float]] | None = None) -> FallbackSearch:
+    """The hook convert calls: a search over ``layers`` on ``cfg``'s data, on the search and
+    check splits of ``split``."""
     return FallbackSearch(checkpoint, layers, data=cfg.calib_data,
-                          samples=cfg.accuracy_samples, seq_len=cfg.seq_len,
-                          dynamic=str(cfg.dynamic_activations))
+                          samples=split.search if split else cfg.accuracy_samples,
+                          seq_len=cfg.seq_len, dynamic=str(cfg.dynamic_activations),
+                          offset=split.calibration if split else 0,
+                          check=split.check if split else None, kv_scales=kv_scales)

@@ -100,14 +100,16 @@ def _choice(*values: str) -> click.Choice:
               show_default=True, help="Device for calibration.")
 @click.option("--accuracy-samples", type=click.IntRange(min=1),
               help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
-                   "searches on (default 32); the next N/2 samples, when the data has them, "
-                   "check the written folder on text the search did not see.")
+                   "searches on (default 32), taken after the samples calibration reads; the "
+                   "next N/2 check the written folder on text neither saw.")
 @click.option("--accuracy-budget", type=float, metavar="KL",
               help="Keep the fewest linears in high precision such that the measured KL "
-                   "divergence (nats per token) of the model convert writes to the bf16 model "
-                   "is within KL; the written folder is measured again, and the kept layers "
-                   "and the cost go into fp8export.json. Default: off (every selected layer "
-                   "in FP8).")
+                   "divergence (nats per token, finite, > 0) of the model convert writes to "
+                   "the bf16 model is within KL, on calibration samples no calibration step "
+                   "read; the written folder is measured again on held-out samples (exit 3 "
+                   "when it misses; exit 1, nothing written, when no FP8 layer can meet it), "
+                   "and the kept layers, met and the cost go into fp8export.json. Default: off "
+                   "(every selected layer in FP8).")
 @click.option("--workers", type=click.IntRange(min=1), metavar="N",
               help="Tensors converted at once (threads). Default: every core. The output is "
                    "identical for any N; memory grows by about 1.5x the largest weight per "
@@ -142,6 +144,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
     """
     from fp8export import api
     from fp8export.convert.config import ConvertConfig
+    from fp8export.errors import VerificationFailed
 
     cfg = ConvertConfig(
         checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,
@@ -155,7 +158,12 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
         read_back=read_back,
     )
-    render(api.convert(cfg))
+    try:
+        result = api.convert(cfg)
+    except VerificationFailed as missed:  # written, but over its --accuracy-budget: exit 3
+        render(missed.result)
+        raise
+    render(result)
 
 
 def _activation_line(result) -> str:

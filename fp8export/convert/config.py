@@ -8,6 +8,7 @@ exit code 2). The enums several stages share are in ``fp8export/config.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -162,8 +163,8 @@ class ConvertConfig:
                              "PATH.")
         if self.margin < 0:
             raise UsageError(f"--margin must be >= 0, got {self.margin}.")
-        if self.accuracy_budget is not None and not self.accuracy_budget > 0:
-            raise UsageError(f"--accuracy-budget must be a KL > 0 (nats per token), got "
+        if self.accuracy_budget is not None and not 0 < self.accuracy_budget < math.inf:
+            raise UsageError(f"--accuracy-budget must be a finite KL > 0 (nats per token), got "
                              f"{self.accuracy_budget}.")
         if self.read_back is not None:
             object.__setattr__(self, "read_back", ReadBack.parse(self.read_back, "--read-back"))
@@ -248,9 +249,6 @@ class ConvertConfig:
             raise UsageError("--weight-scales-from-history gives one scale per tensor; "
                              "--weight-granularity block computes one per block from the "
                              "weights. Drop one of them.")
-        if self.accuracy_budget is not None:
-            raise UsageError("--accuracy-budget is not available with --weight-granularity "
-                             "block yet; use --exclude to keep layers in high precision.")
 
     @property
     def resolved_output(self) -> Path:

@@ -59,7 +59,7 @@ from fp8export.convert.source_scan import (
     fast_path_files,
     scan_sources,
 )
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.fp8dir.formats import (
     activation_scheme,
     extra_files,
@@ -137,32 +137,41 @@ def _listed(items: list[str]) -> str:
 
 
 def _apply_budget(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, weight_scales: dict,
-                  input_scales: dict) -> tuple[Selection, Any, dict[str, Any], list[str]]:
+                  input_scales: dict, split, kv_entry: dict[str, Any] | None
+                  ) -> tuple[Selection, Any, dict[str, Any], list[str]]:
     """Keep in high precision the fewest layers that bring the measured KL within the budget.
 
     The search (``fp8export.analysis.fallback``) gets every layer as it will be written: the same
-    E4M3 bytes, weight scales (group max or per channel) and input scales.
+    E4M3 bytes, weight scales (group max, per channel or per block), input scales and KV-cache
+    scales; it measures on samples of ``split`` that no calibration step read.
     """
     import numpy as np
 
     # The search runs the model (torch, transformers): imported only when asked.
     from fp8export.analysis.fallback import FallbackLayer, start
+    from fp8export.numerics.block import quantize_blocks_sqnr
     from fp8export.numerics.channel import quantize_channels_sqnr
     from fp8export.scales.weights import quantize_weight_sqnr
 
+    block = _block(cfg)
     layers = []
     for t in sel.targets:
         w, scale = ckpt.load(t.weight), weight_scales[t.module]
-        if np.ndim(scale):
+        if block is not None:
+            q, _ = quantize_blocks_sqnr(w, scale, block)
+        elif np.ndim(scale):
             q, _ = quantize_channels_sqnr(w, scale, t.layout)
         else:
             q, _ = quantize_weight_sqnr(w, scale)
         del w
         layers.append(FallbackLayer(t.module, q.t().contiguous() if t.layout == "in_out" else q,
-                                    scale, input_scales.get(t.module), t.fused_group))
-    search = start(cfg, ckpt.path, layers)
+                                    scale, input_scales.get(t.module), t.fused_group, block))
+    kv_scales = None if kv_entry is None else {
+        attn: (e["k_scale"], e["v_scale"]) for attn, e in kv_entry["layers"].items()}
+    search = start(cfg, ckpt.path, layers, split=split, kv_scales=kv_scales)
     del layers
     result = search.search(float(cfg.accuracy_budget))
+    result["split"] = split.to_dict()
     keep = set(result["keep"])
     # vLLM refuses a partly quantized fused layer: the search keeps fused groups whole.
     for members in sel.groups.values():
@@ -171,10 +180,51 @@ def _apply_budget(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, weight_s
     notes = [f"--accuracy-budget {cfg.accuracy_budget}: KL {result['kl_all_fp8']:.3e} with every "
              f"layer in FP8; {len(keep)} layer(s) ({100 * result['kept_param_fraction']:.1f}% of "
              f"the linear parameters) kept in high precision give KL "
-             f"{result['kl_selected']:.3e} on {result['samples']} samples of {result['data']}"
+             f"{result['kl_selected']:.3e} on {result['samples']} samples of {result['data']} "
+             f"that no calibration step read"
              + (f": {_listed(sorted(keep))}" if keep else "")]
     return sel.without(keep, f"kept in high precision for --accuracy-budget "
                              f"{cfg.accuracy_budget}"), search, result, notes
+
+
+def _calibration_wanted(cfg: ConvertConfig) -> int:
+    """How many samples of ``--calib-data`` the calibration steps read (at most): what an
+    accuracy budget's own samples must come after."""
+    from fp8export.calibration.config import DEFAULT_CALIB_SAMPLES
+    from fp8export.convert.config import ScalesMode
+    from fp8export.convert.rounding import DEFAULT_SAMPLES as ROUNDING_SAMPLES
+
+    if cfg.calib_data is None:
+        return 0
+    wants = []
+    if cfg.weight_rounding is WeightRounding.GPTQ:
+        wants.append(ROUNDING_SAMPLES)
+    if cfg.kv_cache is KvCache.FP8 or (
+            cfg.scales in (ScalesMode.AUTO, ScalesMode.CALIBRATE) and cfg.calib_amax is None
+            and _block(cfg) is None):
+        wants.append(DEFAULT_CALIB_SAMPLES)
+    if not wants:
+        return 0
+    return cfg.calib_samples or max(wants)
+
+
+def _budget_split(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]
+                  ) -> tuple[ConvertConfig, Any]:
+    """An accuracy budget's split of the data and the config the calibration steps read (at
+    most the calibration split's samples)."""
+    from fp8export.analysis.fallback import plan_split
+
+    wanted = _calibration_wanted(cfg)
+    split = plan_split(cfg, ckpt.path, ckpt.config, wanted)
+    where = cfg.calib_data.name if cfg.calib_data is not None else "the built-in set"
+    notes.append(f"--accuracy-budget: samples {split.calibration}-"
+                 f"{split.calibration + split.search - 1} of {where} search and the next "
+                 f"{split.check} check the written folder; no calibration step reads them"
+                 + (f" (calibration reads the first {split.calibration})"
+                    if split.calibration else ""))
+    if split.calibration and split.calibration < wanted:
+        return replace(cfg, calib_samples=split.calibration), split
+    return cfg, split
 
 
 def _kv_cache_scales(cfg: ConvertConfig, ckpt: Checkpoint
@@ -332,10 +382,25 @@ def convert(cfg: ConvertConfig, *, early: EarlyScan | None = None) -> ConvertRes
     Raises Fp8ExportError (nothing written, an existing output untouched) on bad input.
     """
     try:
-        return _convert(cfg, early)
+        result = _convert(cfg, early)
     finally:
         if early is not None:
             early.close()
+    budget = result.accuracy_budget
+    if budget is not None and not budget.get("met", True):
+        w = budget["written"]
+        raise VerificationFailed(
+            f"--accuracy-budget {cfg.accuracy_budget:g} missed: the written folder "
+            f"{result.output} measures KL {w['kl']:.3e}{_interval(w)} on {w['samples']} "
+            f"{w['data']} samples of {budget['data']} (fp8export.json accuracy_budget.met: "
+            "false); raise the budget, or give more --accuracy-samples for a sharper search.",
+            result)
+    return result
+
+
+def _interval(measured: dict[str, Any]) -> str:
+    iv = measured.get("interval")
+    return f" [{iv[0]:.3e}, {iv[1]:.3e}]" if iv else ""
 
 
 @dataclass
@@ -423,25 +488,31 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
         from fp8export.calibration.amax_file import check_amax_checkpoint
 
         check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
-    ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    split, calib_cfg = None, cfg
+    if cfg.accuracy_budget is not None:  # its samples come after what calibration reads
+        calib_cfg, split = _budget_split(cfg, ckpt, notes)
+    ranges, input_scales = activation_step(calib_cfg, ckpt, sel, notes)
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
         from fp8export.convert.rounding import rounding_step
 
         # from here on the checkpoint serves the rounded weights: the budget search, the
         # writer and the read-back all see the codes that are written
-        ckpt, rounding, rounding_entry = rounding_step(cfg, ckpt, sel, weight_scales, notes)
+        ckpt, rounding, rounding_entry = rounding_step(calib_cfg, ckpt, sel, weight_scales,
+                                                       notes)
         run.lap("weight rounding")
+    # before the budget: the search measures the model with its FP8 KV cache
+    kv, kv_after, kv_entry = _kv_cache_scales(calib_cfg, ckpt)
     search = budget = None
     if cfg.accuracy_budget is not None:
-        sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales)
+        sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales,
+                                                  split, kv_entry)
         notes.extend(more)
         if rounding:  # layers kept in high precision are written from the source
             ckpt = ckpt.only({t.weight for t in sel.targets})
         weight_scales = {m: weight_scales[m] for m in sel.modules}
         input_scales = {m: s for m, s in input_scales.items() if m in weight_scales}
         ranges = {m: r for m, r in ranges.items() if m in weight_scales}
-    kv, kv_after, kv_entry = _kv_cache_scales(cfg, ckpt)
     dynamic = sorted(set(sel.modules) - set(input_scales))
     scales = _Scales(sel, scan, weight_scales, weight_source, ranges, input_scales, dynamic,
                      kv, kv_after, kv_entry, search, budget, _block(cfg),
@@ -606,17 +677,20 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
-                measured = scales.search.check_written(tmp, budget.get("kl_selected"))
+                measured = scales.search.check_written(tmp, budget.get("kl_selected"),
+                                                       budget=float(cfg.accuracy_budget))
                 budget = {**budget, "data": Path(str(budget["data"])).name,
-                          "written": measured, "seconds": scales.search.cost()}
+                          "met": measured["met"], "written": measured,
+                          "seconds": scales.search.cost()}
                 manifest["accuracy_budget"] = budget
                 write_json(tmp / MANIFEST_NAME, manifest)
                 gap = (f" ({100 * measured['gap']:+.0f}% against the search's "
                        f"{budget['kl_selected']:.3e})" if "gap" in measured else "")
                 notes.append(f"--accuracy-budget: the written folder measures KL "
-                             f"{measured['kl']:.3e}{gap}, top-1 "
+                             f"{measured['kl']:.3e}{_interval(measured)}{gap}, top-1 "
                              f"{measured['top1_agreement']:.4f} on {measured['samples']} "
-                             f"{measured['data']} samples; search cost "
+                             f"{measured['data']} samples: budget "
+                             f"{'met' if measured['met'] else 'NOT met'}; search cost "
                              f"{budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
             files = sorted(p.name for p in tmp.iterdir())

@@ -171,19 +171,25 @@ def test_accuracy_budget_keeps_the_whole_fused_group(tiny_llama, tmp_path, monke
                     "kl_selected": 0.01, "kept_param_fraction": 0.01, "samples": 2,
                     "data": "builtin"}
 
-        def check_written(self, folder, kl_selected=None):
+        def check_written(self, folder, kl_selected=None, budget=None):
             seen["written"] = folder
-            return {"kl": 0.01, "top1_agreement": 1.0, "samples": 2, "data": "held-out"}
+            return {"kl": 0.01, "top1_agreement": 1.0, "samples": 2, "data": "held-out",
+                    "met": True}
 
         def cost(self):
             return {"total": 1.0}
 
-    def start(cfg, path, layers):
+    def start(cfg, path, layers, **_):
         seen["layers"] = {la.module: la for la in layers}
         return Search()
 
+    def plan_split(cfg, path, config, calibration):
+        return types.SimpleNamespace(calibration=calibration, search=2, check=1,
+                                     to_dict=lambda: {})
+
     fake = types.ModuleType("fp8export.analysis.fallback")
     fake.start, fake.FallbackLayer = start, lambda *a: types.SimpleNamespace(module=a[0])
+    fake.plan_split = plan_split
     monkeypatch.setitem(sys.modules, "fp8export.analysis.fallback", fake)
     res = convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "o",
                                 accuracy_budget=0.01))

@@ -153,7 +153,6 @@ def test_block_size_option(ragged_llama, tmp_path):
     ({"scales": "calibrate", "calib_data": "x.txt"}, "static input scales cannot be used"),
     ({"dynamic_activations": "token"}, "drop --dynamic-activations token"),
     ({"weight_scales_from_history": True}, "--weight-scales-from-history"),
-    ({"accuracy_budget": 0.01}, "--accuracy-budget is not available"),
 ])
 def test_refusals(ragged_llama, tmp_path, options, match):
     with pytest.raises(Fp8ExportError, match=match):

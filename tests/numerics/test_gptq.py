@@ -80,3 +80,59 @@ def test_cuda_rounding_matches_cpu():
     assert float(same) > 0.99
     assert gpu.error_rounded == pytest.approx(cpu.error_rounded, rel=0.02)
     assert gpu.error_rounded < 0.5 * gpu.error_nearest
+
+
+def test_checked_rounding_is_never_worse_than_nearest_on_held_out_inputs():
+    """Fewer tokens than inputs: GPTQ fits H's null space and comes out worse than nearest
+    on other inputs of the same kind; round_checked measures each candidate on held-out
+    tokens and so is never worse than nearest there (nor, here, on fresh inputs)."""
+    from fp8export.numerics.gptq import round_checked
+
+    worse = 0
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(32, 96, generator=g) * 0.05
+        # channels of very different energy (as real activations have), 24 tokens < 96 inputs
+        x = torch.randn(24 + 24 + 4096, 96, generator=g) * torch.exp(torch.randn(96,
+                                                                                 generator=g))
+        h = (x[:24].T @ x[:24]).double()
+        hv = (x[24:48].T @ x[24:48]).double()  # the held-out calibration tokens
+        fresh = x[48:]
+        scale = torch.tensor(float(w.abs().max()) / 448)
+        nearest = quantize_e4m3(w, scale).float() * scale
+
+        def err(q):
+            return float(((fresh @ (w - q).T) ** 2).sum())
+
+        plain = gptq_round(w, h, scale).codes.float() * scale
+        worse += err(plain) > err(nearest)
+        r = round_checked(w, h, scale, hv, tokens=24)
+        assert r.held_out_chosen <= r.held_out_nearest
+        assert err(r.codes.float() * scale) <= err(nearest) * 1.02, seed
+    assert worse >= 3  # plain GPTQ overfits in this regime: the check is what saves it
+
+
+def test_without_held_out_tokens_too_few_tokens_round_to_nearest():
+    from fp8export.numerics.gptq import round_checked
+
+    w, _, h = _data(out=8, inp=32, tokens=16)
+    scale = torch.tensor(float(w.abs().max()) / 448)
+    r = round_checked(w, h, scale, None, tokens=16)
+    assert r.method == "nearest" and "16 calibration tokens < 32 inputs" in r.reason
+    assert torch.equal(r.codes.view(torch.uint8), quantize_e4m3(w, scale).view(torch.uint8))
+    assert round_checked(w, h, scale, None, tokens=32).method == "gptq"
+
+
+def test_block_scales_round_on_their_own_grid():
+    """A scale per element (a block grid expanded): codes under each element's own scale."""
+    from fp8export.numerics.block import expand_blocks
+
+    w, _, h = _data(out=32, inp=64)
+    grid = torch.rand(2, 4, generator=torch.Generator().manual_seed(3)) * 1e-4 + \
+        float(w.abs().max()) / 448
+    full = expand_blocks(grid, (32, 64), (16, 16))
+    r = gptq_round(w, h, full)
+    q = r.codes.float() * full
+    assert torch.equal(quantize_e4m3(q / full, 1.0).view(torch.uint8),
+                       r.codes.view(torch.uint8))
+    assert r.error_rounded < r.error_nearest
