@@ -532,8 +532,9 @@ class _h5_errors:
         return self
 
     def __exit__(self, typ, exc, tb):
+        # OverflowError: h5py turns a corrupt object count into a too-large Python int.
         if typ is not None and issubclass(typ, (OSError, KeyError, ValueError, RuntimeError,
-                                                TypeError)):
+                                                TypeError, OverflowError)):
             raise Fp8ExportError(f"{self.where}: cannot read the HDF5 weights ({exc}); the "
                                  "file is truncated or corrupt. Re-save the model.") from None
         return False

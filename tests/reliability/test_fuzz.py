@@ -430,6 +430,17 @@ def test_keras_h5_superblock_overflow_is_our_error(work, keras_valid):
         _open_all(path)
 
 
+def test_keras_h5_group_count_overflow_is_our_error(work, keras_valid):
+    """Found by test_keras_mutated_h5_member_slow: 16 zero bytes inserted at offset 143 of the
+    weights file make h5py read a group's object count as a number past ssize_t."""
+    _, members = keras_valid
+    h5 = members["model.weights.h5"]
+    mutated = h5[:143] + bytes(16) + h5[143:]
+    path = _zip(work / "groupcount.keras", dict(members, **{"model.weights.h5": mutated}))
+    with pytest.raises(Fp8ExportError, match="groupcount.keras"):
+        _open_all(path)
+
+
 def test_pt_zip64_multidisk_is_our_error(work, te_file):
     """Found by test_te_file_byte_mutations_open_slow: the ZIP64 end-of-central-directory
     locator's disk number set to 2 in a torch.save file (any .pt, TE or not)."""
