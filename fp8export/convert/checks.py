@@ -89,10 +89,12 @@ def check_written(folder: Path, output: Path) -> None:
         else:
             _validate_without_torch(folder)
     except Fp8ExportError as exc:
+        # the reader's own advice (re-run convert) does not apply to the run that wrote it
+        why = str(exc).replace(str(folder), output.name).split(" Re-run `fp8export convert`")[0]
         raise Fp8ExportError(
             f"{output}: the folder convert wrote is one the FP8-folder reader refuses, so "
-            f"nothing was written ({str(exc).replace(str(folder), output.name)}). This is a bug "
-            "in fp8export: please report the command line.") from exc
+            f"nothing was written ({why.rstrip('.')}). This is a bug in fp8export: please "
+            "report the command line.") from exc
 
 
 def _validate_without_torch(folder: Path) -> None:

@@ -91,6 +91,8 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     assert not raw, f"{c.id}: printed control characters {sorted(set(raw))!r}"
     for path, digest in c.unchanged.items():
         assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
+    for path in c.absent:
+        assert not os.path.lexists(path), f"{c.id}: {path} exists"
     if c.exit == 0:
         for part in c.expect:  # a documented fallback says what it did
             assert part in everything, f"{c.id}: {part!r} not in the output\n{everything[-3000:]}"
