@@ -62,12 +62,22 @@ def source_hashes(checkpoint: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_amax_checkpoint(path: str | Path, hashes: dict[str, str]) -> None:
+def check_amax_checkpoint(path: str | Path, hashes: dict[str, str],
+                          modules: list[str] | None = None) -> None:
     """Refuse an amax file recorded for other weights than ``hashes`` (name relative to the
-    checkpoint → sha256 of the weight files being converted). Files that record no checkpoint
-    are taken as they are."""
+    checkpoint → sha256 of the weight files being converted), or, whatever it records, one
+    whose layers are none of ``modules`` (the layers being quantized): it was measured on
+    another model, and using it would leave every layer without its range."""
     p = Path(path)
     doc = read_json_object(p, AMAX)
+    recorded_modules = doc.get("modules")
+    if modules and isinstance(recorded_modules, dict) and recorded_modules \
+            and not set(recorded_modules) & set(modules):
+        theirs, ours = sorted(recorded_modules)[0], sorted(modules)[0]
+        raise Fp8ExportError(
+            f"{p}: recorded for another model: none of its {len(recorded_modules)} layer(s) "
+            f"(e.g. {theirs[:80]!r}) is one of the {len(modules)} layer(s) being quantized "
+            f"(e.g. {ours[:80]!r}). Run `fp8export calibrate` on this checkpoint.")
     recorded = (doc.get("checkpoint") or {}).get("files") if isinstance(doc.get("checkpoint"),
                                                                         dict) else None
     if not isinstance(recorded, dict) or not recorded:

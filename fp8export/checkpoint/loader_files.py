@@ -67,10 +67,12 @@ def _module_folders(folder: Path, modules: Path) -> list[Path]:
     out = []
     for entry in data:
         path = entry.get("path", "")
-        if path in ("", ".", None):  # the root itself: the transformer we convert
+        if path is None:
             continue
         if not isinstance(path, str):
             raise Fp8ExportError(f"{modules}: module path {path!r} is not a string.")
+        if _is_root(folder, path, modules):  # "", ".", "./", a link to "."): the transformer
+            continue  # we convert, whose files are the weights and the patterns above
         if str(entry.get("type", "")).endswith(".Transformer"):
             raise Fp8ExportError(
                 f"{modules}: the Transformer module lives in {path!r}, not in the folder itself; "
@@ -79,13 +81,21 @@ def _module_folders(folder: Path, modules: Path) -> list[Path]:
     return out
 
 
+def _is_root(folder: Path, path: str, named_by: Path) -> bool:
+    """Whether a module path names the checkpoint folder itself, however spelled: copying "its
+    folder" would carry every file beside the model (an optimizer state, private notes)."""
+    if path in ("", "."):
+        return True
+    return contained(folder, path, named_by=named_by).resolve() == folder.resolve()
+
+
 def _tree(folder: Path, root: Path) -> list[Path]:
     """Regular files under ``root`` (inside ``folder``), or ``[root]`` if it is an empty folder."""
     if not root.exists():
         return []
     check_symlink(root, folder)
-    if not root.is_dir():
-        return []
+    if not root.is_dir() or root.resolve() == folder.resolve():
+        return []  # a module "folder" that is the checkpoint itself holds no module's files
     files: list[Path] = []
     stack = [(root, 0)]
     while stack:
@@ -94,7 +104,8 @@ def _tree(folder: Path, root: Path) -> list[Path]:
             if p.name.startswith("."):
                 continue
             check_symlink(p, folder)
-            if p.is_dir() and depth + 1 < MAX_DEPTH:
+            # a linked folder may lead back up (to the checkpoint itself): not followed
+            if p.is_dir() and not p.is_symlink() and depth + 1 < MAX_DEPTH:
                 stack.append((p, depth + 1))
             elif p.is_file():
                 files.append(p)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,10 @@ SIZE_LIMITS = {
     "head_dim": 1 << 14,
     "max_position_embeddings": 1 << 25, "n_positions": 1 << 25, "n_ctx": 1 << 25,
     "num_experts": 1024, "num_local_experts": 1024, "n_routed_experts": 1024,
-    "num_experts_per_tok": 1024, "num_labels": 1 << 20, "type_vocab_size": 1 << 16,
+    "num_experts_per_tok": 1024, "n_group": 1024, "topk_group": 1024,
+    "num_labels": 1 << 20, "type_vocab_size": 1 << 16,
 }
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Sizes that may legitimately be 0 (no shared experts, no token types).
 MAY_BE_ZERO = frozenset({"type_vocab_size", "shared_expert_intermediate_size", "n_inner"})
 FLOAT_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta",
@@ -100,6 +104,11 @@ def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, An
         ids = v if isinstance(v, list) else [v]
         if v is not None and not all(_is_int(i) and abs(i) < (1 << 31) for i in ids):
             raise _bad(path, where + key, v, "a token id (an integer) or a list of them")
+    vocab, pad = config.get("vocab_size"), config.get("pad_token_id")
+    if _is_int(vocab) and _is_int(pad) and not -vocab <= pad < vocab:
+        raise _bad(path, where + "pad_token_id", pad,
+                   f"a token id of the vocabulary (0 .. {vocab - 1}), or null: transformers builds "
+                   "the embedding with it as padding_idx and refuses one beyond vocab_size")
     archs = config.get("architectures")
     if archs is not None and (not isinstance(archs, list)
                               or not all(isinstance(a, str) for a in archs)):
@@ -117,6 +126,7 @@ def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, An
         raise _bad(path, where + "num_key_value_heads", kv,
                    f"a divisor of num_attention_heads ({heads}): each key/value head serves a "
                    "whole group of query heads")
+    _check_routing(config, path, where)
     label2id = config.get("label2id") or {}
     if not all(_is_int(i) and 0 <= i < SIZE_LIMITS["num_labels"] for i in label2id.values()):
         raise _bad(path, where + "label2id", label2id, "label names mapped to class indices")
@@ -125,6 +135,66 @@ def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, An
         if isinstance(config.get(key), dict):
             validate_config(config[key], path, where=f"{where}{key}.")
     return config
+
+
+def _check_routing(config: dict[str, Any], path: Path, where: str) -> None:
+    """MoE counts that bound one another: a token picks ``num_experts_per_tok`` distinct experts
+    (``torch.topk`` over the experts fails beyond their count), DeepSeek's ``topk_group`` of
+    ``n_group`` groups that split the experts evenly."""
+    key = next((k for k in EXPERT_COUNT_KEYS if _is_int(config.get(k))), None)
+    experts = config.get(key) if key else None
+    topk, groups, topk_group = (config.get(k) for k in ("num_experts_per_tok", "n_group",
+                                                         "topk_group"))
+    if experts is not None and _is_int(topk) and topk > experts:
+        raise _bad(path, where + "num_experts_per_tok", topk,
+                   f"at most {key} ({experts}): each token is routed to that many distinct "
+                   "experts")
+    if _is_int(groups) and experts is not None and experts % groups:
+        raise _bad(path, where + "n_group", groups,
+                   f"a divisor of {key} ({experts}): the experts are split into equal groups")
+    if _is_int(groups) and _is_int(topk_group) and topk_group > groups:
+        raise _bad(path, where + "topk_group", topk_group,
+                   f"at most n_group ({groups}): tokens pick their experts from that many groups")
+    if (_is_int(groups) and _is_int(topk_group) and _is_int(topk) and experts is not None
+            and topk > topk_group * (experts // groups)):
+        raise _bad(path, where + "num_experts_per_tok", topk,
+                   f"at most topk_group x experts per group ({topk_group} x "
+                   f"{experts // groups}): the experts a token can reach")
+
+
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<part>.+)$")
+
+
+def check_experts(config: dict[str, Any] | None, names: Iterable[str], where: Path) -> None:
+    """Every MoE layer stored one tensor per expert (``<layer>.experts.<i>.<part>``) holds every
+    part of every expert: experts ``0 .. E-1`` with ``E`` the config's expert count (without
+    one, the layer's highest index + 1). A checkpoint missing an expert cannot be loaded by
+    transformers or vLLM (they stack ``E`` experts), so it is refused naming the layer."""
+    layers: dict[str, dict[str, set[int]]] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            layers.setdefault(m["layer"], {}).setdefault(m["part"], set()).add(int(m["index"]))
+    if not layers:
+        return
+    key = next((k for k in EXPERT_COUNT_KEYS if _is_int((config or {}).get(k))), None)
+    for layer, parts in sorted(layers.items()):
+        count = config[key] if key else max(max(have) for have in parts.values()) + 1
+        for part, have in sorted(parts.items()):
+            missing = sorted(set(range(count)) - have)
+            extra = sorted(i for i in have if i >= count)
+            if not missing and not extra:
+                continue
+            said = f"config.json's {key} is {count}" if key else \
+                f"its experts are numbered up to {count - 1}"
+            shown = ", ".join(map(str, (missing or extra)[:8])) + \
+                (" ..." if len(missing or extra) > 8 else "")
+            problem = f"expert(s) {shown} have no {part}" if missing else \
+                f"expert(s) {shown} are beyond that count"
+            raise Fp8ExportError(
+                f"{where}: {layer}: {said}, but {problem} ({len(have)} of {count} stored). "
+                "Engines stack every expert of a layer, so no loader accepts such a checkpoint; "
+                "restore the missing expert weights (or the config's expert count).")
 
 
 def remote_code_entries(config: dict[str, Any], path: Path) -> list[RemoteCode]:

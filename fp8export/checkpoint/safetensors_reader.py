@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8export.checkpoint.source import TensorInfo
+from fp8export.checkpoint.source import MAX_DIM, MAX_RANK, TensorInfo
 from fp8export.errors import Fp8ExportError
 from fp8export.io.guarded import WEIGHTS, open_input, parse_json
 
@@ -44,9 +44,6 @@ DTYPE_BYTES = {
 }
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
-# Larger than any real tensor's dimension or rank; far below int64 overflow.
-MAX_DIM = 1 << 40
-MAX_RANK = 16
 
 
 @dataclass(frozen=True)

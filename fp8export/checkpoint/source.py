@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from fp8export.checkpoint.training.base import TrainingState
 
 
+# Larger than any real tensor's dimension or rank; far below int64 overflow (a shape of
+# [2^63, 0] has 0 elements, so its byte count checks out, but nothing can index it).
+MAX_DIM = 1 << 40
+MAX_RANK = 16
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Metadata of one stored tensor, read without loading its data."""
@@ -134,10 +140,27 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _load_builtin_readers()
     for _name, can_open, open_fn in _READERS:
         if can_open(p):
-            return open_fn(p)
+            ckpt = open_fn(p)
+            try:
+                check_shapes(ckpt.tensors())
+            except BaseException:
+                ckpt.close()
+                raise
+            return ckpt
     raise Fp8ExportError(
         f"{p}: no weights found. Expected a folder with model.safetensors / "
         "model-*.safetensors (+ model.safetensors.index.json) or pytorch_model*.bin, a single "
         ".safetensors file, a .pt/.pth state dict, or a Keras .keras / .weights.h5 file (or a "
         "folder holding one)."
     )
+
+
+def check_shapes(tensors: list[TensorInfo]) -> None:
+    """Every reader's tensors within :data:`MAX_DIM` and :data:`MAX_RANK` (safetensors, torch
+    files, Keras, Transformer Engine alike), before any size is computed from them."""
+    for t in tensors:
+        if len(t.shape) > MAX_RANK or any(d < 0 or d > MAX_DIM for d in t.shape):
+            raise Fp8ExportError(
+                f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}: a dimension below 0 or "
+                f"above 2^40, or more than {MAX_RANK} dimensions; no real tensor has. The file "
+                "is corrupt or hostile; re-save the checkpoint.")

@@ -221,6 +221,13 @@ class ConvertConfig:
         if size is not None and not block:
             raise UsageError("--block-size sets the blocks of --weight-granularity block; add "
                              "--weight-granularity block or drop --block-size.")
+        if size is not None:
+            from fp8export.numerics.block import MAX_BLOCK
+
+            if max(size) > MAX_BLOCK:
+                raise UsageError(f"--block-size {size[0]}x{size[1]}: each side must be at most "
+                                 f"{MAX_BLOCK}, the largest block an FP8 folder can record "
+                                 "(DeepSeek-V3 and Qwen3-FP8 use 128x128).")
         object.__setattr__(self, "block_size", (size or DEFAULT_BLOCK) if block else None)
         if not block:
             if self.dynamic_activations is DynamicActivations.GROUP:

@@ -45,7 +45,12 @@ from fp8export.checkpoint.loader_files import MODULES_JSON, SENTENCE_TRANSFORMER
 from fp8export.checkpoint.source import Checkpoint, open_checkpoint
 from fp8export.config import OutputFormat, ReadBack
 from fp8export.convert.activation import resolve_activation_ranges
-from fp8export.convert.checks import check_inputs
+from fp8export.convert.checks import (
+    check_inputs,
+    check_scale_range,
+    check_structure,
+    check_written,
+)
 from fp8export.convert.config import (
     ConvertConfig,
     DynamicActivations,
@@ -484,14 +489,17 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
     run.lap("scan (hash + amax)", sum(p.stat().st_size for p in ckpt.source_files))
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
+    check_scale_range("weight", weight_scales)
     if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
         from fp8export.calibration.amax_file import check_amax_checkpoint
 
-        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
+        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()),
+                              sel.modules)
     split, calib_cfg = None, cfg
     if cfg.accuracy_budget is not None:  # its samples come after what calibration reads
         calib_cfg, split = _budget_split(cfg, ckpt, notes)
     ranges, input_scales = activation_step(calib_cfg, ckpt, sel, notes)
+    check_scale_range("input", input_scales)
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
         from fp8export.convert.rounding import rounding_step
@@ -503,6 +511,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
         run.lap("weight rounding")
     # before the budget: the search measures the model with its FP8 KV cache
     kv, kv_after, kv_entry = _kv_cache_scales(calib_cfg, ckpt)
+    check_scale_range("KV cache", kv)
     search = budget = None
     if cfg.accuracy_budget is not None:
         sel, search, budget, more = _apply_budget(cfg, ckpt, sel, weight_scales, input_scales,
@@ -527,6 +536,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
 
 def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:
     """The linear weights that become FP8 (an accuracy budget may keep some back later)."""
+    check_structure(ckpt)
     sel = select_targets(ckpt.tensors(), ckpt.config, include=cfg.include, exclude=cfg.exclude,
                          fuse_scales=cfg.fuse_scales)
     notes.extend(sel.notes)
@@ -693,6 +703,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                              f"{'met' if measured['met'] else 'NOT met'}; search cost "
                              f"{budget['seconds']['total']:.0f} s")
             _check_json_files(tmp, ours)
+            check_written(tmp, out)  # what its readers would refuse is never published
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
             atomic.publish()  # nothing above touched `out`; this is the only step that does

@@ -351,10 +351,10 @@ def validate_written_folder(path: str | Path) -> None:
     folder = Path(path)
     raw = read_manifest(folder)
     with open_folder_tensors(folder) as tensors:
-        _validate(folder, raw, read_model_config(folder) or {}, tensors)
+        _validate(folder, raw, read_model_config(folder), tensors)  # None: no config.json
 
 
-def _validate(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
+def _validate(folder: Path, manifest: dict[str, Any], config: dict[str, Any] | None,
               tensors: FolderTensors) -> None:
     """fp8dir.validate's checks on a folder convert wrote, before anything is built from it:
     every FP8 tensor a listed layer's own weight, every scale a sane float equal to the

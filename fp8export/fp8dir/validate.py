@@ -112,12 +112,14 @@ def check_scale(folder: Path, name: str, dtype: str, values: Any,
         raise _bad(folder, f"{name} is {high:.9g} but the manifest records {recorded:.9g}")
 
 
-def check_config(folder: Path, config: Mapping[str, Any], manifest: Mapping[str, Any]) -> None:
+def check_config(folder: Path, config: Mapping[str, Any] | None,
+                 manifest: Mapping[str, Any]) -> None:
     """config.json's ``quantization_config`` is the one the manifest recorded (what engines
-    load must be what fp8export verifies)."""
+    load must be what fp8export verifies). ``config`` None: the folder has no config.json (its
+    source had none), so no engine loads it and the manifest alone records the config."""
     recorded = manifest.get("quantization_config")
-    if recorded is None:
-        return  # a manifest that records none (a source without config.json)
+    if recorded is None or config is None:
+        return  # a manifest that records none, or a folder without config.json
     have = config.get("quantization_config")
     if have is None:
         raise _bad(folder, "config.json has no quantization_config, so engines would load the "
@@ -130,7 +132,7 @@ def check_config(folder: Path, config: Mapping[str, Any], manifest: Mapping[str,
                            "model than the one verified")
 
 
-def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[str, Any],
+def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[str, Any] | None,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]],
                     values: Callable[[str], Any]) -> None:
     """Every check above; ``values(name)`` gives a (scale) tensor's numbers."""

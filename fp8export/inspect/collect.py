@@ -391,7 +391,7 @@ def _inspect_onnx(p: Path) -> InspectResult:
     to_dict = getattr(report, "to_dict", None)
     result.report = to_dict() if callable(to_dict) else None
     # what export-onnx found when it ran the graph at each onnxruntime level
-    levels = read_metadata(getattr(report, "metadata", None) or {})
+    levels = read_metadata(getattr(report, "metadata", None) or {}, p)
     if levels is not None:
         result.summary["onnxruntime_levels"] = levels
         result.notes.append(_levels_text(levels))

@@ -33,6 +33,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_folders(folder: Path) -> list[Path]:
+    """Create ``folder`` and whichever of its ancestors are missing; return the ones created,
+    outermost first, for :func:`remove_folders` to take back when the command fails (an output
+    that fails leaves nothing behind, not even the folders made to hold it)."""
+    missing = []
+    here = Path(folder)
+    while not os.path.lexists(here) and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    created: list[Path] = []
+    try:
+        for path in reversed(missing):
+            try:
+                path.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs, not ours
+                continue
+            created.append(path)
+    except BaseException:
+        remove_folders(created)
+        raise
+    return created
+
+
+def remove_folders(created: list[Path]) -> None:
+    """Remove the folders :func:`make_folders` created, innermost first, if still empty."""
+    for path in reversed(created):
+        try:
+            path.rmdir()
+        except OSError:  # not empty (someone wrote there meanwhile) or already gone
+            pass
+
+
 # The mode every output file is created with: what ``open(path, "w")`` asks for, so the user's
 # umask decides (0644 under the usual 022), the same for weights, configs and copied tokenizer
 # files; a server running as another user must be able to read all of them.
@@ -97,20 +129,22 @@ class AtomicDir:
         self.marker = marker  # the file that marks a folder as ours (replaceable with force)
         self.tmp: Path | None = None
         self.published = False
+        self.created: list[Path] = []  # missing parents made for the output
 
     def __enter__(self) -> Path:
         check_folder_target(self.target, self.force, self.marker)
         parent = self.target.parent
         self.tmp = parent / f".{self.target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            parent.mkdir(parents=True, exist_ok=True)
+            self.created = make_folders(parent)
             self.tmp.mkdir()
-        except OSError as exc:
-            raise Fp8ExportError(f"{parent}: cannot create the output folder there "
-                                 f"({exc.strerror or exc}). Check the path and permissions."
-                                 ) from exc
-        except BaseException:  # an interrupt inside __enter__: __exit__ will not run
+        except BaseException as exc:  # an interrupt too: __exit__ will not run
             shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_folders(self.created)
+            if isinstance(exc, OSError):
+                raise Fp8ExportError(f"{parent}: cannot create the output folder there "
+                                     f"({exc.strerror or exc}). Check the path and "
+                                     "permissions.") from exc
             raise
         return self.tmp
 
@@ -139,3 +173,4 @@ class AtomicDir:
     def __exit__(self, *exc) -> None:
         if not self.published and self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_folders(self.created)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: conver
     import torch  # default path runs without it)
 
 BAND = 1 << 22  # elements per band of whole block rows
+# The largest block side an FP8 folder may record (real ones: 128); convert refuses larger ones
+# before reading anything, and the folder reader refuses a manifest that records one.
+MAX_BLOCK = 1 << 16
 
 
 def grid_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -51,17 +54,28 @@ def _bands(w: torch.Tensor, block: tuple[int, int]):
         yield start, stop, w[start * bn:stop * bn]
 
 
-def _tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``x`` ``[rows, in]`` as ``[rows/bn, bn, in/bk, bk]`` tiles, zero-padded where ragged
-    (a zero adds nothing to a tile's amax or to a sum of squares)."""
+def _group_amax(a: torch.Tensor, group: int) -> torch.Tensor:
+    """max over consecutive groups of ``group`` elements of the last dimension of ``a``
+    ``[..., n]``: ``[..., ceil(n/group)]``, the last group partial where ``n`` is ragged (NaN
+    propagates). Nothing is padded: a group far larger than ``n`` (a block of 65536 on a 64-wide
+    weight) costs no more memory than ``a`` itself."""
     import torch
 
+    n = a.shape[-1]
+    full = n - n % group
+    parts = []
+    if full:
+        parts.append(a[..., :full].reshape(*a.shape[:-1], full // group, group).amax(dim=-1))
+    if full < n:
+        parts.append(a[..., full:].amax(dim=-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _tile_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max|x| of every ``bn x bk`` tile of ``x`` ``[rows, in]``: ``[ceil(rows/bn),
+    ceil(in/bk)]``, ragged edge tiles from their own elements."""
     bn, bk = block
-    rows, cols = x.shape
-    pad_r, pad_c = -rows % bn, -cols % bk
-    if pad_r or pad_c:
-        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
-    return x.reshape(x.shape[0] // bn, bn, x.shape[1] // bk, bk)
+    return _group_amax(_group_amax(x.abs(), bk).t(), bn).t()
 
 
 def block_amax(w: torch.Tensor, block: tuple[int, int]) -> np.ndarray:
@@ -73,8 +87,7 @@ def block_amax(w: torch.Tensor, block: tuple[int, int]) -> np.ndarray:
         raise ValueError(f"block scales need a 2-D weight, got shape {tuple(w.shape)}")
     out = np.empty(grid_shape(tuple(w.shape), block), dtype=np.float64)
     for start, stop, band in _bands(w, block):
-        tiles = _tiles(band.to(torch.float32), block)
-        amax = tiles.abs().amax(dim=(1, 3))  # NaN propagates
+        amax = _tile_amax(band.to(torch.float32), block)  # NaN propagates
         out[start:stop] = amax.to(torch.float64).numpy()
     return out
 
@@ -98,10 +111,14 @@ def block_scales(amax: np.ndarray, name: str) -> np.ndarray:
 
 def expand_blocks(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]
                   ) -> torch.Tensor:
-    """The grid ``[gr, gc]`` repeated over its tiles and cropped to ``shape`` ``[out, in]``."""
+    """The grid ``[gr, gc]`` repeated over its tiles, ``shape`` ``[out, in]`` (edge tiles
+    cropped). Gathered by index, so a block larger than the weight allocates only ``shape``."""
+    import torch
+
     bn, bk = block
-    full = grid.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
-    return full[:shape[0], :shape[1]]
+    rows = torch.div(torch.arange(shape[0], device=grid.device), bn, rounding_mode="floor")
+    cols = torch.div(torch.arange(shape[1], device=grid.device), bk, rounding_mode="floor")
+    return grid.index_select(0, rows).index_select(1, cols)
 
 
 def quantize_blocks_sqnr(w: torch.Tensor, scales: np.ndarray, block: tuple[int, int],
@@ -163,18 +180,20 @@ def infer_block(scale_shape: tuple[int, int], weight_shape: tuple[int, int]
 
 
 # --------------------------------------------------------------------------- activations
+def _group_index(k: int, group: int, device) -> torch.Tensor:
+    """For each of ``k`` elements, the index of its group of ``group``."""
+    import torch
+
+    return torch.div(torch.arange(k, device=device), group, rounding_mode="floor")
+
+
 def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
     """Per-token-group dequantization scales of ``x`` ``[..., K]``: float32 ``[..., ceil(K/g)]``,
     ``amax / 448`` of each group of ``group`` consecutive elements of the last dimension (the
     last group may be partial); an all-zero group gets 1."""
     import torch
 
-    k = x.shape[-1]
-    pad = -k % group
-    a = x.detach().to(torch.float32).abs()
-    if pad:
-        a = torch.nn.functional.pad(a, (0, pad))
-    amax = a.reshape(*a.shape[:-1], -1, group).amax(dim=-1)
+    amax = _group_amax(x.detach().to(torch.float32).abs(), group)
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 
@@ -182,8 +201,7 @@ def quantize_groups(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.
     """E4M3 codes of ``x`` ``[..., K]`` with the group scales ``[..., ceil(K/g)]``."""
     import torch
 
-    k = x.shape[-1]
-    s = scales.repeat_interleave(group, dim=-1)[..., :k]
+    s = scales.index_select(-1, _group_index(x.shape[-1], group, scales.device))
     return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -194,7 +212,7 @@ def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
     s = group_scales(x, group)
     q = quantize_groups(x, s, group)
-    return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., :x.shape[-1]]
+    return q.to(torch.float32) * s.index_select(-1, _group_index(x.shape[-1], group, s.device))
 
 
 def is_pow2(n: int) -> bool:

@@ -353,6 +353,7 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     """
     import onnx
 
+    from fp8export.io.atomic import make_folders, remove_folders
     from fp8export.io.outputs import check_file_target
 
     output = Path(output)
@@ -365,8 +366,10 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
     # finds it in the finally below.
     tmp = output.parent / f".{output.name}.tmp-{secrets.token_hex(8)}"
     moved_data = False
+    created: list[Path] = []  # missing parent folders made here: removed again on failure
+    written = False
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
+        created = make_folders(output.parent)
         tmp.mkdir(mode=0o700)  # exclusive: fails if anything is there
         tmp_model = tmp / output.name
         if external:
@@ -382,6 +385,7 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
         elif data_path.exists() and force:
             data_path.unlink()  # a stale external-data file from an earlier, larger export
         os.replace(tmp_model, output)
+        written = True
     except OSError as exc:
         if moved_data:
             data_path.unlink(missing_ok=True)
@@ -390,6 +394,8 @@ def write_model(proto, output: Path, *, force: bool, check_fn=None) -> tuple[Pat
                              "space.") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not written:
+            remove_folders(created)
     return output, (data_path if external else None)
 
 

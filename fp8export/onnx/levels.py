@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fp8export.errors import UsageError
+from fp8export.errors import Fp8ExportError, UsageError
 
 # onnxruntime.GraphOptimizationLevel member names, lowest first
 LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
 CHOICES = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 METADATA_KEY = "fp8export.onnxruntime_levels"
+STATUSES = ("same", "differs", "fails")  # a level's verdict against ORT_DISABLE_ALL
 # Levels that agree differ only by float rounding in fused kernels: on the test suite's exports
 # 0, and 2.7e-7 relative L2 for a tiny BERT in fp32 (fused LayerNorm/attention). fp16 leaves
 # room for one FP8 code flipped by a fused fp16 kernel. The two broken rewrites documented in
@@ -172,12 +174,43 @@ def compare_levels(model: bytes | str, feed: dict[str, np.ndarray], *, dtype: st
     return check
 
 
-def read_metadata(model) -> dict[str, Any] | None:
-    """The :data:`METADATA_KEY` verdict an export wrote: ``model`` is a ModelProto or its
-    ``metadata_props`` as a mapping. None when absent or unreadable."""
+def read_metadata(model, where: str | Path) -> dict[str, Any] | None:
+    """The :data:`METADATA_KEY` verdict an export wrote, validated: ``model`` is a ModelProto or
+    its ``metadata_props`` as a mapping; ``where`` names the graph for messages. None when the
+    graph carries no such record. A record export-onnx would not write (not JSON, nested,
+    mistyped, levels onnxruntime does not have, a verdict that contradicts itself) raises
+    Fp8ExportError: it comes from the file, and verify and inspect act on it."""
+    from fp8export.io.guarded import parse_json
+
     props = model if isinstance(model, dict) else {p.key: p.value for p in model.metadata_props}
-    try:
-        value = json.loads(props[METADATA_KEY])
-    except (KeyError, ValueError):
+    if METADATA_KEY not in props:
         return None
-    return value if isinstance(value, dict) else None
+    value = parse_json(str(props[METADATA_KEY]), where, f"metadata {METADATA_KEY!r}")
+    problem = _record_problem(value)
+    if problem:
+        raise Fp8ExportError(f"{where}: metadata {METADATA_KEY!r} is not the record export-onnx "
+                             f"writes ({problem}). Re-export the graph with `fp8export "
+                             "export-onnx`, or remove that metadata entry.")
+    return value
+
+
+def _record_problem(value: Any) -> str | None:
+    """What makes ``value`` differ from :meth:`LevelCheck.metadata_value`'s shape, or None."""
+    if not isinstance(value, dict):
+        return f"a JSON {type(value).__name__}, not an object"
+    if not isinstance(value.get("onnxruntime"), str):
+        return "'onnxruntime' is not a version string"
+    if "skipped" in value and not isinstance(value["skipped"], str):
+        return "'skipped' is not a string"
+    levels = value.get("levels")
+    if not isinstance(levels, dict) or not all(
+            k in LEVELS and v in STATUSES for k, v in levels.items()):
+        return (f"'levels' must map {', '.join(LEVELS)} to one of {', '.join(STATUSES)}")
+    wrong = value.get("wrong")
+    if not isinstance(wrong, list) or wrong != [lv for lv, st in levels.items() if st != "same"]:
+        return "'wrong' is not the list of levels whose status is not 'same'"
+    use = value.get("use")
+    good = [lv for lv in LEVELS if levels.get(lv) == "same"]
+    if use != (good[-1] if wrong and good else None):
+        return "'use' is not the highest level that computes the graph as written"
+    return None

@@ -41,10 +41,17 @@ def _tensors(graph, depth: int = 0) -> Iterator:
 def check_external_data(model, path: Path) -> list[Path]:
     """Validate every external-data reference of ``model`` (loaded from ``path``); return the
     files it names."""
+    return sorted(external_extents(model, path))
+
+
+def external_extents(model, path: Path) -> dict[Path, int]:
+    """Validate every external-data reference of ``model`` (loaded from ``path``); return each
+    file it names with the end of the last byte range the graph reads from it."""
     from onnx import TensorProto
 
     folder = path.parent
     files: dict[str, int] = {}
+    ends: dict[str, int] = {}
     for t in _tensors(model.graph):
         if t.data_location != TensorProto.EXTERNAL:
             continue
@@ -65,7 +72,8 @@ def check_external_data(model, path: Path) -> list[Path]:
                 f"{path}: tensor {t.name!r} reads bytes {offset}..{offset + length} of "
                 f"{location}, which holds {files[location]}; the external data is truncated or "
                 f"does not belong to this graph. {HINT}")
-    return [folder / name for name in sorted(files)]
+        ends[location] = max(ends.get(location, 0), offset + length)
+    return {folder / name: ends[name] for name in sorted(files)}
 
 
 def load_onnx(path: str | Path, *, load_data: bool = False):

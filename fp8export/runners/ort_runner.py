@@ -117,7 +117,7 @@ class OrtRunner(Runner):
 
         opts = session_options(self.requested_level)  # None: as InferenceSession(path) does
         self.level = opts.graph_optimization_level.name
-        recorded = read_metadata(header) or {}
+        recorded = read_metadata(header, self.path) or {}
         if self.level in (recorded.get("wrong") or []):
             use = recorded.get("use")
             self.level_warning = (

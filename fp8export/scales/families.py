@@ -15,6 +15,7 @@ embedding, norm, head or router.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,12 +93,12 @@ def family_of(config: dict[str, Any] | None) -> Family | None:
 # is part of the MLM head); embeddings and norms match the leaf only, because containers such as
 # Transformer Engine's ``layernorm_mlp.fc1`` or ``embeddings.projection`` hold real linears.
 # Lower-cased; the first match names the reason.
+_ROUTER = r"(^|\.)(gate|router|shared_expert_gate)(\.|$)"
 _COMPONENT_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), reason) for p, reason in (
         (r"(^|\.)(lm_head|output_layer|classifier|score|qa_outputs|pooler|cls|head)(\.|$)"
          r"|^output$", "output head (kept in high precision by default)"),
-        (r"(^|\.)(gate|router|shared_expert_gate)(\.|$)",
-         "MoE router/gate (kept in high precision by default)"),
+        (_ROUTER, "MoE router/gate (kept in high precision by default)"),
     ))
 _LEAF_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), reason) for p, reason in (
@@ -120,6 +121,16 @@ def default_exclusion(module: str) -> str | None:
         if pattern.search(low_leaf):
             return reason
     return None
+
+
+def moe_routers(modules: Iterable[str], names: Iterable[str]) -> list[str]:
+    """The ``modules`` that are MoE routers: named like one (``gate``, ``router``,
+    ``shared_expert_gate``) beside an ``experts`` module in ``names`` (the checkpoint's tensor
+    names). Engines build routers unquantized (vLLM's ``ReplicatedLinear(quant_config=None)``,
+    transformers' router classes), so an FP8 router loads as raw codes or not at all."""
+    blocks = {n.split(".experts.", 1)[0] for n in names if ".experts." in n}
+    router = re.compile(_ROUTER)
+    return [m for m in modules if parent(m) in blocks and router.search(leaf(m).lower())]
 
 
 def leaf(module: str) -> str:

@@ -28,6 +28,7 @@ from fp8export.scales.families import (
     default_exclusion,
     family_of,
     fused_group_of,
+    moe_routers,
     role_of,
 )
 
@@ -202,6 +203,14 @@ def select_targets(tensors: Sequence[TensorInfo], config: dict[str, Any] | None,
             f"{count} tensor(s) cannot become FP8: {shown}{more}. Fix the checkpoint, or "
             "leave these modules out with --exclude GLOB.")
 
+    routers = moe_routers([t.module for t in targets], [i.name for i in tensors])
+    if routers:
+        raise Fp8ExportError(
+            f"--include {', '.join(repr(p) for p in sorted(used_include))} selects "
+            f"{len(routers)} MoE router(s) ({', '.join(routers[:3])}"
+            f"{' ...' if len(routers) > 3 else ''}): engines build routers unquantized (vLLM, "
+            "transformers), so an FP8 router would load as raw codes or not at all. Narrow the "
+            "--include glob, or add --exclude for the routers.")
     groups = _groups(targets)
     targets = [replace(t, fused_group=t.fused_group if t.fused_group in groups else None)
                for t in targets]

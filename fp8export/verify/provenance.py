@@ -5,17 +5,21 @@ data file with its hash and sample count, backend, device, dtype and library ver
 artefact that says PASSED must say *what* passed.
 
 Content hash of a folder: the sha256 of the ``sha256sum``-style listing (``<sha256>  <name>``
-lines, sorted by name) of the files fp8export reads from it: the weight files and their index
-(the checkpoint reader's list), ``config.json``, the tokenizer and other loader files, and for an
-FP8 folder its manifest, ``hf_quant_config.json`` and every file the manifest lists. Anything
-else (an optimizer state, logs, a 200 GB sparse file beside the model) is not read, only named
-as skipped; so are symbolic links and hidden files. ``cd DIR && LC_ALL=C sha256sum FILES |
-sha256sum`` reproduces it. A file's hash is its sha256 (with ``<file>.data`` beside an
-``.onnx``, its external weights).
+lines, sorted by name) of the files verify reads from it, and only those: the weight files and
+their index (the checkpoint reader's list; their size is what their headers describe, the
+readers refuse anything more), ``config.json``, for an FP8 folder its manifest and
+``hf_quant_config.json``, and for the reference the tokenizer files its tokenizer is made from.
+Each of those small files is hashed only within the size limit its reader enforces. Anything
+else (an optimizer state, logs, ``generation_config.json``, a 200 GB sparse file beside the
+model, a file an edited manifest lists) is not read, only named as skipped; so are symbolic
+links and hidden files. ``cd DIR && LC_ALL=C sha256sum FILES | sha256sum`` reproduces it. A
+file's hash is its sha256 (with an ``.onnx``, the external-data files the graph names, when
+their size is what the graph reads).
 
 An FP8 folder's manifest records the sha256 of every file convert wrote (``files``); a folder
 whose files differ from that was edited after convert: the report lists them and does not
-claim it was converted from the reference.
+claim it was converted from the reference. Listed files verify does not read are compared by
+presence and size, not hashed.
 """
 
 from __future__ import annotations
@@ -29,35 +33,45 @@ from typing import Any
 
 from fp8export import __version__
 from fp8export.fp8dir.manifest import MANIFEST_NAME
+from fp8export.inputs.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES
+from fp8export.io.guarded import CONFIG, MANIFEST, TOKENIZER
 from fp8export.io.hashing import file_sha256
 
 HASH_NOTICE_BYTES = 2 * 10**9
 
 
-def files_read(path: Path) -> tuple[list[Path], list[str]]:
-    """The files of ``path`` that fp8export reads (see the module docstring), and the names of
-    the other entries of a folder, which are not read."""
+# Files verify reads besides the weights, each through the guarded opener within its kind's
+# size limit (a larger one is refused when read; here it is not hashed either).
+_READ = (("config.json", CONFIG), (MANIFEST_NAME, MANIFEST), ("hf_quant_config.json", CONFIG))
+_TOKENIZER = ((TOKENIZER_CONFIG, CONFIG), *((n, TOKENIZER) for n in TOKENIZER_FILES))
+# Bytes an external-data file may hold beyond the last byte its graph reads (alignment).
+_ONNX_DATA_SLACK = 1 << 20
+
+
+def files_read(path: Path, *, tokenizer: bool = True) -> tuple[list[Path], list[str]]:
+    """The files of ``path`` that verify reads (see the module docstring; ``tokenizer``: its
+    tokenizer files too, as for the reference), and the names of the other entries of a
+    folder, which are not read."""
     path = Path(path)
     if not path.is_dir():
         files = [path] if path.is_file() and not path.is_symlink() else []
-        data = path.with_name(path.name + ".data")
-        if files and path.suffix.lower() == ".onnx" and data.is_file() and not data.is_symlink():
-            files.append(data)
+        if files and path.suffix.lower() == ".onnx":
+            files += _onnx_data(path)
         return files, ([] if files else [path.name])
     from fp8export.checkpoint.source import open_checkpoint
     from fp8export.errors import Fp8ExportError
 
-    wanted: set[Path] = set()
+    wanted: dict[Path, Any] = {}
     try:
         with open_checkpoint(path) as ckpt:
-            wanted.update(ckpt.source_files)
-            wanted.update(ckpt.aux_files)
+            wanted.update(dict.fromkeys(ckpt.source_files))
     except Fp8ExportError:  # the runner says what is wrong with it; nothing to hash here
         pass
-    wanted.update(path / n for n in ("config.json", MANIFEST_NAME, "hf_quant_config.json"))
-    wanted.update(path / n for n in _manifest_files(path))
-    files = sorted((p for p in wanted if p.is_file() and not p.is_symlink()
-                    and p.resolve().is_relative_to(path.resolve())),
+    for name, kind in (*_READ, *(_TOKENIZER if tokenizer else ())):
+        wanted.setdefault(path / name, kind)
+    files = sorted((p for p, kind in wanted.items() if p.is_file() and not p.is_symlink()
+                    and p.resolve().is_relative_to(path.resolve())
+                    and (kind is None or p.stat().st_size <= kind.max_bytes)),
                    key=lambda p: p.relative_to(path).as_posix())
     top = {p.relative_to(path).parts[0] for p in files}
     skipped = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
@@ -65,35 +79,28 @@ def files_read(path: Path) -> tuple[list[Path], list[str]]:
     return files, skipped
 
 
-def _manifest_files(folder: Path) -> list[str]:
-    """Names the FP8 manifest lists as written by convert (``files``), if it is ours."""
-    from fp8export.errors import Fp8ExportError
-    from fp8export.fp8dir.manifest import read_manifest
-
-    if not (folder / MANIFEST_NAME).is_file() or (folder / MANIFEST_NAME).is_symlink():
+def _onnx_data(path: Path) -> list[Path]:
+    """The external-data files an ``.onnx`` graph reads, when there may be any (a
+    ``<name>.data`` beside it) and each holds no more than the graph reads (plus alignment):
+    a 200 GB file beside a graph that reads 1 MB of it is not hashed."""
+    if not path.with_name(path.name + ".data").is_file():
         return []
+    from fp8export.errors import Fp8ExportError
+    from fp8export.onnx.load import external_extents, load_onnx
+
     try:
-        listed = read_manifest(folder).get("files") or []
+        extents = external_extents(load_onnx(path), path)
     except Fp8ExportError:
         return []
-    from fp8export.io.paths import contained
-
-    out = []
-    for entry in listed if isinstance(listed, list) else []:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        try:
-            contained(folder, name, named_by=folder / MANIFEST_NAME)
-        except Fp8ExportError:
-            continue
-        out.append(name)
-    return out
+    return [f for f, end in sorted(extents.items())
+            if not f.is_symlink() and f.stat().st_size <= end + _ONNX_DATA_SLACK]
 
 
-def content_hash(path: Path) -> dict[str, Any]:
+def content_hash(path: Path, *, tokenizer: bool = True) -> dict[str, Any]:
     """``{"sha256", "files": [{name, sha256, bytes}], "bytes", "skipped"}`` of a file or folder
     (only the files :func:`files_read` lists are read)."""
     path = Path(path)
-    files, skipped = files_read(path)
+    files, skipped = files_read(path, tokenizer=tokenizer)
     base = path if path.is_dir() else path.parent
     entries = [{"name": p.relative_to(base).as_posix(), "sha256": file_sha256(p),
                 "bytes": p.stat().st_size} for p in files]
@@ -107,22 +114,41 @@ def content_hash(path: Path) -> dict[str, Any]:
 
 
 def edited_files(candidate: Path, files: list[dict[str, Any]]) -> list[str] | None:
-    """Files of an FP8 folder that differ from what convert wrote (its manifest's ``files``),
-    missing ones included; None when the manifest records no files (older folders)."""
+    """Files of an FP8 folder that differ from what convert wrote (its manifest's ``files``):
+    the hashed ones (``files``, :func:`content_hash`'s) by sha256, the others by presence and
+    size; None when the manifest records no files (older folders)."""
+    import os
+    import stat
+
     from fp8export.errors import Fp8ExportError
     from fp8export.fp8dir.manifest import read_manifest
+    from fp8export.io.paths import contained
 
-    if not (Path(candidate) / MANIFEST_NAME).is_file():
+    folder = Path(candidate)
+    if not (folder / MANIFEST_NAME).is_file():
         return None
     try:
-        written = read_manifest(Path(candidate)).get("files")
+        written = read_manifest(folder).get("files")
     except Fp8ExportError:
         return None
     if not isinstance(written, list) or not written:
         return None
     now = {e["name"]: e["sha256"] for e in files}
-    return sorted(str(e.get("name")) for e in written
-                  if not isinstance(e, dict) or now.get(e.get("name")) != e.get("sha256"))
+    edited = []
+    for e in written:
+        name = e.get("name") if isinstance(e, dict) else None
+        if name in now:
+            if now[name] != e.get("sha256"):
+                edited.append(str(name))
+            continue
+        try:  # not read by verify: there, of the size convert wrote?
+            st = os.lstat(contained(folder, name, named_by=folder / MANIFEST_NAME))
+            same = stat.S_ISREG(st.st_mode) and st.st_size == e.get("bytes")
+        except (Fp8ExportError, OSError):
+            same = False
+        if not same:
+            edited.append(str(name))
+    return sorted(edited)
 
 
 def converted_from(candidate: Path, reference_files: list[dict[str, Any]]
@@ -188,14 +214,14 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         data: ``data_info`` of :func:`fp8export.inputs.eval_data.load_verify_samples`.
         backend: the candidate runner's backend name.
     """
-    size = sum(p.stat().st_size for root in (Path(cfg.reference), Path(cfg.candidate))
-               for p in files_read(root)[0])
+    size = sum(p.stat().st_size for root, tok in ((cfg.reference, True), (cfg.candidate, False))
+               for p in files_read(Path(root), tokenizer=tok)[0])
     if size > HASH_NOTICE_BYTES:  # minutes on a large model: say why it is busy
         from fp8export._progress import info
 
         info(f"hashing the reference and the candidate for the report ({size / 1e9:.1f} GB)")
     ref_hash = content_hash(cfg.reference)
-    cand_hash = content_hash(cfg.candidate)
+    cand_hash = content_hash(cfg.candidate, tokenizer=False)  # verify reads the reference's
     matches, differ = (converted_from(cfg.candidate, ref_hash["files"]) if kind == "fp8-folder"
                        else (None, []))
     edited = edited_files(cfg.candidate, cand_hash["files"]) if kind == "fp8-folder" else None

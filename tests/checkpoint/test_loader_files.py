@@ -161,3 +161,22 @@ def test_loader_files_of_a_folder_without_any(tmp_path):
     d.mkdir()
     assert loader_files(d) == []
     shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("path", ["./", ".", "./.", "1_Pooling/./..", "link-to-root"])
+def test_a_module_path_naming_the_folder_itself_carries_nothing_more(tmp_path, path):
+    """A module whose path is the checkpoint itself (``./``, a link to ``.``) is the root, not a
+    module folder: the files beside the model (an optimizer state, notes) are no loader's."""
+    src = _folder(tmp_path, MODULES[:2] + [{"idx": 2, "name": "2", "path": path,
+                                            "type": "sentence_transformers.models.Pooling"}])
+    (src / "link-to-root").symlink_to(".")
+    (src / "1_Pooling" / "up").symlink_to("..")  # a linked folder leading back up: not followed
+    (src / "optimizer.pt").write_bytes(b"optimizer state")
+    if ".." in path:
+        with pytest.raises(Fp8ExportError, match="outside the checkpoint folder"):
+            loader_files(src)
+        return
+    names = {p.relative_to(src).as_posix() for p in loader_files(src)}
+    assert "1_Pooling/config.json" in names
+    assert not {n for n in names if n.startswith("1_Pooling/up")}
+    assert not {"optimizer.pt", "training_args.bin", "README.md", "model.safetensors"} & names

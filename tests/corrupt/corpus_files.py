@@ -42,6 +42,9 @@ class Case:
     # makes the case run as a separate process (they cannot apply to the test process)
     env: dict = field(default_factory=dict)
     rlimits: dict = field(default_factory=dict)
+    # paths that must not exist afterwards even when the command succeeds (files an output
+    # must not carry)
+    absent: list = field(default_factory=list)
 TE_FIXTURES = REPO / "samples" / "te-fixtures" / "make_fixtures.py"
 
 H = 16  # hidden size of the tiny Llama-shaped model

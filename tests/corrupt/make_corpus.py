@@ -687,6 +687,11 @@ from corpus_bombs import BUILDERS as _BOMBS  # noqa: E402
 
 BUILDERS.extend(_BOMBS)
 
+# --- fourth round: sizes, internal errors, what convert writes, the earlier rounds' classes
+from corpus_fourth import BUILDERS as _FOURTH  # noqa: E402
+
+BUILDERS.extend(_FOURTH)
+
 
 # ------------------------------------------------------------------------------- driver
 

@@ -10,10 +10,10 @@ exit 0 cases (documented fallbacks) expect their ``expect`` strings somewhere in
 Every case's output is checked for raw control characters (escapes are printed escaped).
 
 Runtime: every case runs in-process through click's ``CliRunner`` (torch is imported once),
-except those marked ``isolate`` or with their own ``env`` / ``rlimits``;
-``test_case_in_subprocess`` runs a representative case per reader as a real
-``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that starts
-cold), and with ``--run-slow`` every case does.
+except those marked ``isolate`` or with their own ``env`` / ``rlimits``, which ``test_case``
+runs as a separate process; ``test_case_in_subprocess`` runs a representative case per reader
+as a real ``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that
+starts cold), and with ``--run-slow`` every case that ``test_case`` did not already run as one.
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ def check(c: make_corpus.Case, code: int, stderr: str, stdout: str) -> None:
     assert not raw, f"{c.id}: printed control characters {sorted(set(raw))!r}"
     for path, digest in c.unchanged.items():
         assert make_corpus.sha256_file(path) == digest, f"{c.id}: {path} was changed"
+    for path in c.absent:
+        assert not os.path.lexists(path), f"{c.id}: {path} exists"
     if c.exit == 0:
         for part in c.expect:  # a documented fallback says what it did
             assert part in everything, f"{c.id}: {part!r} not in the output\n{everything[-3000:]}"
@@ -179,6 +181,8 @@ def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.Complet
 def test_case_in_subprocess(corpus, cid):
     _, cases = corpus
     c = cases[cid]
+    if c.isolate or c.env or c.rlimits:
+        pytest.skip("test_case runs it as a separate process already")
     if c.exit == 0:
         for out in map(Path, c.outputs):  # the in-process run may have written it already
             import shutil

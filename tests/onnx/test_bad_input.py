@@ -118,6 +118,9 @@ def test_failed_check_leaves_nothing(tmp_path):
     with pytest.raises(Fp8ExportError, match="refused"):
         write_model(model, out, force=False, check_fn=refuse)
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(Fp8ExportError, match="refused"):  # nor the folders made to hold it
+        write_model(model, tmp_path / "new" / "deeper" / "m.onnx", force=False, check_fn=refuse)
+    assert list(tmp_path.iterdir()) == []
     write_model(model, out, force=False, check_fn=lambda p: onnx.checker.check_model(str(p)))
     assert out.is_file() and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
     with pytest.raises(Fp8ExportError, match="--force"):

@@ -303,7 +303,7 @@ def test_every_level_gives_the_same_outputs(exported):
         assert rel <= rel_tol and worst <= abs_tol, (name, level, errors)
     # export-onnx ran the same comparison and wrote its verdict into the file
     assert result.ort_levels["wrong"] == [] and result.ort_levels["use"] is None
-    recorded = read_metadata(onnx.load(str(path), load_external_data=False))
+    recorded = read_metadata(onnx.load(str(path), load_external_data=False), path)
     assert recorded["levels"] == dict.fromkeys(LEVELS, "same")
     assert recorded["onnxruntime"] == ort.__version__
     assert not any(n.startswith("onnxruntime") for n in result.notes)  # no level note

@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pytest
 from reliability_helpers import (
+    CLI,
+    REPO,
+    cli_env,
     mid_checkpoint,
     popen_cli,
     run_cli,
@@ -191,7 +194,9 @@ def test_sigkill_large(tmp_path):
 # A size-limited tmpfs gives a real ENOSPC (RLIMIT_FSIZE would give EFBIG, a different error).
 # Sizes: no room for the first shard; room for part of it; room for the shards but not the
 # manifest (the output is ~1.33 MB: 1.32 MB of safetensors, 12 KB manifest, 1 KB config).
+# The output goes two folders below the mount point, folders convert creates: they must go too.
 DISK_SIZES = ["64k", "700k", "1320k"]
+NEW_PARENTS = ("new", "deeper")
 
 
 def _umount(mnt: Path) -> None:
@@ -217,7 +222,7 @@ def full_disk(tmp_path_factory):
             if r.returncode != 0:
                 pytest.skip(f"cannot mount a size-limited tmpfs here ({r.stderr.strip()})")
             try:
-                out = mnt / "model-fp8"
+                out = mnt.joinpath(*NEW_PARENTS, "model-fp8")
                 run = run_cli("convert", ckpt, "-o", out)
                 results[size] = (run.returncode, run.stderr, out.exists(),
                                  sorted(p.name for p in mnt.iterdir()))
@@ -246,3 +251,26 @@ def test_full_disk_clear_error(full_disk, size):
     low = errors[0].lower()
     assert "no space" in low or "disk is full" in low or "disk full" in low
     assert "model-fp8" in errors[0]
+
+
+def test_file_size_limit_leaves_no_parent_folders(tmp_path):
+    """The same failure where no tmpfs can be mounted: a file-size limit (RLIMIT_FSIZE, EFBIG)
+    cuts the first shard short; convert says so, and neither the output nor the two folders it
+    created to hold it remain."""
+    import resource
+
+    ckpt = tiny_checkpoint(tmp_path)
+    base = tmp_path / "disk"
+    base.mkdir()
+    out = base.joinpath(*NEW_PARENTS, "model-fp8")
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    r = subprocess.run([*CLI, "convert", str(ckpt), "-o", str(out)], cwd=REPO, env=cli_env(),
+                       capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert r.returncode == 1, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "File too large" in errors[0] and "model-fp8" in errors[0]
+    assert sorted(p.name for p in base.iterdir()) == [], "left behind"

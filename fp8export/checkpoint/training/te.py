@@ -53,6 +53,9 @@ EXTRA_STATE = "_extra_state"
 # DotProductAttention's own slots (META_QKV = GEMM1_OUTPUT, META_O = GEMM2_INPUT,
 # META_S = GEMM3_OUTPUT; TE 1.13 and 2.x): attention quantities, never a linear's input.
 ATTENTION_SLOTS = {2: "qkv", 3: "o", 8: "s"}
+# Values one state tensor may hold: TE's default history (1024 steps) for 4096 quantizer slots
+# (1365 GEMMs) is 2^22; this is 4x that.
+MAX_STATE_VALUES = 1 << 24
 
 _GROUPED_WEIGHT = re.compile(r"^weight(\d+)$")
 _GROUPED_BIAS = re.compile(r"^bias(\d+)$")
@@ -172,6 +175,13 @@ def _float_array(value: Any, layer: str, key: str, ndim: int) -> np.ndarray:
             f"{layer}: '{key}' is a {value.dtype} tensor of shape {tuple(value.shape)}; "
             f"Transformer Engine stores a {ndim}-D float32 tensor. The FP8 extra state is "
             "corrupt.")
+    # Checked before the copy below materializes it: a view of a few stored values (stride 0)
+    # can claim a billion rows.
+    if math.prod(value.shape) > MAX_STATE_VALUES:
+        raise Fp8ExportError(
+            f"{layer}: '{key}' has shape {list(value.shape)}, more values than any Transformer "
+            f"Engine state holds (limit {MAX_STATE_VALUES}: histories of up to thousands of "
+            "steps for hundreds of GEMMs). The FP8 extra state is corrupt or hostile.")
     return value.detach().to(torch.float32).cpu().numpy().copy()
 
 
