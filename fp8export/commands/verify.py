@@ -138,7 +138,7 @@ def _summary(result) -> None:
              + ("" if conf["warnings"] else ": every check is decided"))
         for w in conf["warnings"]:
             echo(f"  warning: {w}")
-    if result.per_layer:
+    if result.per_layer and result.per_layer[0]["sqnr_db"] is not None:
         worst = result.per_layer[0]
         echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
     if result.reports:
