@@ -43,9 +43,10 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--max-memory", metavar="DEV=SIZE,...",
               help=MAX_MEMORY_HELP + " Shared by the reference and a torch candidate.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True,
-              help="Wall-clock limit of the run in seconds (0: none); a graph that never ends "
-                   "is stopped with an error.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+              help="Wall-clock limit of the whole run in seconds, every stage included "
+                   "(loading, comparing, hashing); reached, verify exits 1 saying how far it "
+                   "got. Default: no limit (0: none).")
 @click.option("--force", is_flag=True,
               help="Replace the report files an existing --report-dir already holds.")
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",

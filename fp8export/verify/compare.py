@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8export._progress import progress
+from fp8export._time_limit import check
 from fp8export.errors import Fp8ExportError
 from fp8export.verify.load import Inputs, Session
 
@@ -54,6 +55,7 @@ def compare(session: Session, inputs: Inputs) -> Compared:
         for batch in progress(iter_batches(samples, cfg.batch_size),
                               total=num_batches(samples, cfg.batch_size),
                               desc=f"comparing logits on {len(samples)} sample(s)", unit="batch"):
+            check()  # the time limit, between batches wherever the run is (signals or not)
             feed = {"input_ids": batch.input_ids.numpy(),
                     "attention_mask": batch.attention_mask.numpy()}
             if probe is not None:
