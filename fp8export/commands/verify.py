@@ -142,5 +142,10 @@ def _summary(result) -> None:
     if result.per_layer and result.per_layer[0]["sqnr_db"] is not None:
         worst = result.per_layer[0]
         echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
+    elif result.layer_check and result.layer_check["worst"] and result.passed \
+            and result.layer_check["threshold"] is not None:
+        lc, worst = result.layer_check, result.layer_check["worst"][0]
+        echo(f"  layer check: worst of {lc['measured']} quantized layers "
+             f"{worst['module']} ({worst['sqnr_db']:.1f} dB; needs >= {lc['threshold']:g} dB)")
     if result.reports:
         echo(f"  report: {result.reports.get('report.md')}")

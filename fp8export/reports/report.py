@@ -33,6 +33,7 @@ METRIC_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Perplexity", ("ppl_reference", "ppl_candidate", "ppl_ratio")),
     ("Accuracy", ("accuracy_reference", "accuracy_candidate", "accuracy_drop")),
     ("Embeddings", ("neighbor_agreement",)),
+    ("Layers", ("layer_sqnr_min",)),
     ("Counts", ("tokens", "ppl_tokens", "embedding_dim")),
 )
 METRIC_ORDER = tuple(k for _, keys in METRIC_GROUPS for k in keys)
@@ -209,6 +210,24 @@ def confidence_summary(result: dict[str, Any]) -> tuple[str, list[str]]:
     return head, list(conf.get("warnings") or [])
 
 
+def layer_check_text(result: dict[str, Any]) -> tuple[str, bool]:
+    """``(one line, failed)`` on the layer check (layer_check.py); empty when it did not run."""
+    lc = result.get("layer_check") or {}
+    check = next((c for c in result.get("checks") or [] if c["metric"] == "layer_sqnr_min"), None)
+    if not lc or check is None or check["status"] == "skipped":
+        return "", False
+    if check["status"] == "failed":
+        return f"Layer check failed: {check['message']}.", True
+    worst = (lc.get("worst") or [{}])[0]
+    text = (f"Layer check: each of the {lc['measured']} quantized layers measured alone (its "
+            f"output SQNR fed the reference's own input, {lc['tokens']:,} tokens) is at least "
+            f"{check['threshold']:g} dB; the worst is {worst.get('module')} at "
+            f"{format_db(worst.get('sqnr_db'))} dB.")
+    if lc.get("unmeasured"):
+        text += f" {len(lc['unmeasured'])} got no token (see the notes)."
+    return text, False
+
+
 def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
     floor = result.get("noise_floor") or {}
@@ -290,6 +309,9 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     head, warnings = confidence_summary(result)
     if head:
         lines += ["", f"**{md_escape(head)}**"] + [f"- ⚠ {md_escape(w)}" for w in warnings]
+    layers_text, layers_failed = layer_check_text(result)
+    if layers_text:
+        lines += ["", ("❌ " if layers_failed else "") + md_escape(layers_text)]
     floor_rows = noise_floor_rows(result)
     if floor_rows:
         dtype = result["noise_floor"]["reference_dtype"]

@@ -100,13 +100,14 @@ def _run(session: Session, thr_source: str, thresholds: dict, t0: float) -> Veri
     """Load, run, compare (the part under the time limit), then judge; no reports written."""
     from fp8export.verify.compare import compare
     from fp8export.verify.judge import judge
+    from fp8export.verify.layer_check import METRIC
     from fp8export.verify.load import activate, load_inputs
 
     with contextlib.ExitStack() as running:
         activate(session, running)
         t_load = time.perf_counter() - t0
         inputs = load_inputs(session)
-        measured = compare(session, inputs)
+        measured = compare(session, inputs, layer_check=METRIC in thresholds)
         described = session.reference.describe(), session.candidate.describe()
     timing = {"load_s": t_load, **measured.seconds}
     result = judge(session, inputs, measured, thr_source, thresholds, described,
