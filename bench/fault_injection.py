@@ -5,7 +5,9 @@ The sample LM (samples/tiny-llama) is converted as the docs' evidence is (static
 calibrated on data/calib.txt). Then, for each of eight layers, its ``weight_scale`` is multiplied
 by 8 (the E4M3 codes kept: the layer's output is 8x too large) and verified with the `default`
 preset, and by 2 with `strict`, on the first 64 lines of data/eval.txt (``--seq-len 256``,
-without the noise floor: it does not change the metrics compared).
+without the noise floor: it does not change the metrics compared). The verdicts are the whole
+gate's, the layer check included (``layer_sqnr_min``: the damaged layer's own output SQNR, in
+its own columns).
 
 Run:  .venv/bin/python bench/fault_injection.py [--write-docs]
 (18 verifies of 64 lines: 27 minutes on the 2-core machine at a load average of 7, a few
@@ -65,9 +67,12 @@ def verify(folder: Path, preset: str, samples: int, seq_len: int, report_dir: Pa
         result = api.verify(cfg)
     except VerificationFailed as exc:
         result = exc.result
+    worst = ((result.layer_check or {}).get("worst") or [{}])[0]
     return {"passed": bool(result.passed), "failures": sorted(f["metric"] for f in
                                                               result.failures),
-            **{k: float(result.metrics[k]) for k in METRICS}}
+            **{k: float(result.metrics[k]) for k in METRICS},
+            "layer_sqnr_min": result.metrics.get("layer_sqnr_min"),
+            "worst_layer": worst.get("module")}
 
 
 def measure(samples: int, seq_len: int, work: Path) -> dict:
@@ -109,16 +114,24 @@ def _e(x: float) -> str:
     return f"{mantissa}e{int(exp)}"
 
 
+def _db(run: dict) -> str:
+    """The layer check's worst layer, in dB (– where the run had no layer check)."""
+    v = run.get("layer_sqnr_min")
+    return "–" if v is None else f"{v:.1f}"
+
+
 def render(doc: dict) -> str:
     lines = [BEGIN, "<!-- written by bench/fault_injection.py; do not edit -->", "",
-             "| layer | ×8: KL mean | top-1 | cosine min | ppl ratio | `default` | ×2: KL mean | "
-             "top-1 | `strict` |", "|---|---|---|---|---|---|---|---|---|"]
+             "| layer | ×8: KL mean | top-1 | cosine min | ppl ratio | layer dB | `default` | "
+             "×2: KL mean | top-1 | layer dB | `strict` |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for layer, faults in doc["layers"].items():
         a, b = faults["x8"], faults["x2"]
         lines.append(f"| {layer} | {_kl(a['kl_mean'])} | {a['top1_agreement']:.3f} | "
-                     f"{a['cosine_min']:.3f} | {a['ppl_ratio']:.3f} | "
+                     f"{a['cosine_min']:.3f} | {a['ppl_ratio']:.3f} | {_db(a)} | "
                      f"{'pass' if a['passed'] else 'fail'} | {_e(b['kl_mean'])} | "
-                     f"{b['top1_agreement']:.3f} | {'pass' if b['passed'] else 'fail'} |")
+                     f"{b['top1_agreement']:.3f} | {_db(b)} | "
+                     f"{'pass' if b['passed'] else 'fail'} |")
     return "\n".join(lines + ["", END])
 
 
