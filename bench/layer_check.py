@@ -14,7 +14,7 @@ fewer lines than the demo's 256), with the `default` preset and with the same pr
 layer check (``layer_sqnr_min: null``), alternated ``--rounds`` times in this one run; CPU
 seconds of the process beside wall time, since the machine is shared.
 
-Run:  .venv/bin/python bench/layer_check.py [--rounds 3] [--skip-cost]
+Run:  .venv/bin/python bench/layer_check.py [--rounds 3] [--only cost|margins]
 (about 15 minutes on the busy 2-core machine). Writes bench/results/layer_check.json and .md;
 tests/test_published_numbers.py checks the numbers docs/verify.md quotes against the JSON.
 """
@@ -47,7 +47,8 @@ FORMATS = {  # name: ConvertConfig options
     "vllm block 128x128": {"format": "vllm", "calib": False, "weight_granularity": "block"},
 }
 FACTORS = (2.0, 8.0)
-SAMPLES = 32  # lines of eval.txt: ~3,000 tokens, more than the layer check's 2,048
+SAMPLES = 24  # lines of eval.txt: ~2,400 tokens, more than the layer check's 2,048
+CALIB_SAMPLES = 64  # calibration lines of the static formats
 PRESETS = ("strict", "default", "loose")
 
 
@@ -56,6 +57,8 @@ def convert(src: Path, out: Path, **opts) -> Path:
     from fp8export.convert.config import ConvertConfig
 
     calib = SAMPLE / "data" / "calib.txt" if opts.pop("calib", False) else None
+    if calib is not None:
+        opts.setdefault("calib_samples", CALIB_SAMPLES)
     api.convert(ConvertConfig(checkpoint=src, output=out, calib_data=calib, **opts))
     return out
 
@@ -206,7 +209,7 @@ def cost(work: Path, rounds: int, samples: int) -> dict:
     check, alternated: wall seconds, and CPU seconds of this process (which the neighbours'
     load on a shared machine barely moves)."""
     model, data = SAMPLE / "model", SAMPLE / "data" / "eval.txt"
-    folder = convert(model, work / "cost-fp8", calib=True)
+    folder = convert(model, work / "cost-fp8", calib=True, calib_samples=256)  # the demo's
     without = work / "no-layer-check.json"
     without.write_text(json.dumps({"preset": "default", "layer_sqnr_min": None}))
     runs = {"with": [], "without": []}
@@ -269,7 +272,9 @@ def main() -> None:
     ap.add_argument("--cost-samples", type=int, default=64,
                     help="lines of eval.txt the cost is measured on (the check's share is "
                          "largest on few: its 2,048 tokens are a fixed cost)")
-    ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--only", choices=("cost", "margins"),
+                    help="measure only the cost or only the margins (two processes at once; "
+                         "the results are merged into one JSON when both files exist)")
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args()
     import torch
@@ -279,13 +284,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fp8export-layer-check-") as tmp:
         work = Path(tmp)
         doc = {"machine": machine_info(work)}
-        if not args.skip_cost:
+        if args.only != "margins":
             doc["cost"] = cost(work, args.rounds, args.cost_samples)
-        doc["sample"] = sample_formats(work)
-        doc["families"] = families(work)
-        doc["keras"] = keras(work)
+        if args.only != "cost":
+            doc["sample"] = sample_formats(work)
+            doc["families"] = families(work)
+            doc["keras"] = keras(work)
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     args.results.mkdir(parents=True, exist_ok=True)
+    if args.only:  # one half: kept apart until the other half is there
+        (args.results / f"layer_check_{args.only}.json").write_text(json.dumps(doc, indent=1))
+        other = args.results / f"layer_check_{'margins' if args.only == 'cost' else 'cost'}.json"
+        if not other.exists():
+            return
+        halves = {("cost" if "cost" in h else "margins"): h
+                  for h in (doc, json.loads(other.read_text()))}
+        doc = {"machine": {k: h["machine"] for k, h in halves.items()},
+               "seconds": {k: h["seconds"] for k, h in halves.items()},
+               **{k: v for h in halves.values() for k, v in h.items()
+                  if k not in ("machine", "seconds")}}
+        for half in ("cost", "margins"):
+            (args.results / f"layer_check_{half}.json").unlink()
     (args.results / "layer_check.json").write_text(json.dumps(doc, indent=1) + "\n")
     table = render(doc)
     (args.results / "layer_check.md").write_text(table + "\n")
