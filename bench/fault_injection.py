@@ -49,7 +49,9 @@ METRICS = ("kl_mean", "top1_agreement", "cosine_min", "ppl_ratio")
 
 
 def scale_weight(folder: Path, module: str, factor: float) -> None:
-    """Multiply ``<module>.weight_scale`` by ``factor`` in the folder's shards (manifest kept)."""
+    """Multiply ``<module>.weight_scale`` by ``factor`` in the folder's shards, and the scale its
+    manifest records with it: one wrong scale as a converter bug would write it (a folder whose
+    tensors and manifest disagree is refused before verify measures anything)."""
     from safetensors.torch import load_file, save_file
 
     key = f"{module}.weight_scale"
@@ -58,6 +60,10 @@ def scale_weight(folder: Path, module: str, factor: float) -> None:
         if key in tensors:
             tensors[key] = tensors[key] * factor
             save_file(tensors, str(f))
+            manifest = folder / "fp8export.json"
+            doc = json.loads(manifest.read_text())
+            doc["quantized"][module]["weight_scale"] = float(tensors[key].float().max())
+            manifest.write_text(json.dumps(doc, indent=2))
             return
     raise KeyError(key)
 
