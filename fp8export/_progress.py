@@ -64,24 +64,65 @@ def progress_enabled() -> bool:
     return sys.stderr.isatty()
 
 
+# The steps running now, outermost first: [desc, items done, total, unit] (None for a stage).
+# A run stopped midway (a time limit, an interrupt) says how far it got from this.
+_RUNNING: list[list] = []
+
+
+def where() -> str | None:
+    """How far the run got: the steps running now, innermost last, with their counts
+    ("comparing logits on 256 sample(s): 5 of 64 batch(s) done"); None outside any step."""
+    parts = []
+    for desc, done, total, unit in _RUNNING:
+        if done is None:
+            parts.append(desc)
+        else:
+            of = f" of {total}" if total is not None else ""
+            parts.append(f"{desc}: {done}{of} {unit}(s) done")
+    return "; ".join(printable(p) for p in parts) if parts else None
+
+
 def progress(
     iterable: Iterable[T], *, total: int | None = None, desc: str = "", unit: str = "it"
 ) -> Iterator[T]:
     """``iterable`` with a tqdm bar on a terminal, or one stage line (``desc: N units``)."""
-    if not progress_enabled():
-        if desc:
-            info(f"{STAGE_PREFIX}{desc}" + (f": {total} {unit}(s)" if total is not None else ""))
-        yield from iterable
-        return
-    from tqdm import tqdm  # lazy: tqdm is light, but keep --help import-free
+    step = [desc or "working", 0, total, unit]
+    _RUNNING.append(step)
+    shown = None
+    try:
+        if not progress_enabled():
+            if desc:
+                info(f"{STAGE_PREFIX}{desc}" + (f": {total} {unit}(s)" if total is not None
+                                                 else ""))
+            shown = iterable
+        else:
+            from tqdm import tqdm  # lazy: tqdm is light, but keep --help import-free
 
-    yield from tqdm(iterable, total=total, desc=printable(desc), unit=unit, leave=False,
-                    dynamic_ncols=True)
+            shown = tqdm(iterable, total=total, desc=printable(desc), unit=unit, leave=False,
+                         dynamic_ncols=True)
+        for item in shown:
+            yield item
+            step[1] += 1
+    finally:
+        _RUNNING.remove(step)
+        if shown is not iterable and hasattr(shown, "close"):
+            shown.close()  # the bar, erased (leave=False) when the loop ends early
 
 
 @contextlib.contextmanager
 def stage(desc: str) -> Iterator[None]:
     """One long step (loading a model, tracing, an ONNX session): its progress, as above."""
+    step = [desc, None, None, None]
+    _RUNNING.append(step)
+    try:
+        with _shown(desc):
+            yield
+    finally:
+        _RUNNING.remove(step)
+
+
+@contextlib.contextmanager
+def _shown(desc: str) -> Iterator[None]:
     if not progress_enabled():
         info(f"{STAGE_PREFIX}{desc}")
         yield

@@ -185,7 +185,10 @@ class LazyGroup(click.Group):
         except (click.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C into Abort
             term = _terminated(exc)
             what = f"Terminated by {signal.Signals(term.signum).name}" if term else "Interrupted"
-            click.echo(f"\n{what}: outputs are written atomically, nothing was left "
+            # click has already ended the line (after a terminal's "^C") when it turned the
+            # interrupt into Abort; one more newline would leave blank lines in a log
+            lead = "" if isinstance(exc, click.Abort) else "\n"
+            click.echo(f"{lead}{what}: outputs are written atomically, nothing was left "
                        "half-written.", err=True)
             code = 128 + term.signum if term else EXIT_INTERRUPTED
         except Exception as exc:  # a bug in fp8export, not bad input: its own code

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +21,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # transformers copies a checkpoint's auto_map code here before importing it. fp8export never
 # lets it, but a regression must not leave a payload in the user's own Hugging Face cache.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="fp8export-test-hf-modules-"))
+# Removed when the session ends (pytest_unconfigure), so no run leaves a folder in the temp dir.
+_HF_MODULES = None
+if "HF_MODULES_CACHE" not in os.environ:
+    _HF_MODULES = tempfile.mkdtemp(prefix="fp8export-test-hf-modules-")
+    os.environ["HF_MODULES_CACHE"] = _HF_MODULES
 SAMPLES = REPO / "samples"
 
 
@@ -53,6 +58,11 @@ _map_calibration()
 from fp8export.checkpoint import source as _source  # noqa: E402
 
 _source._load_builtin_readers()
+
+
+def pytest_unconfigure(config):
+    if _HF_MODULES is not None:
+        shutil.rmtree(_HF_MODULES, ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -24,6 +24,9 @@ INCOMPATIBLE = {
                                       "--calib-data would be ignored"),
     "weights with an amax file": (["--scales", "weights", "--calib-amax", "amax.json"],
                                   "--calib-amax would be ignored"),
+    "calibration data beside an amax file": (
+        ["--calib-amax", "amax.json", "--calib-data", "calib.txt"],
+        "--calib-amax gives the activation ranges, so --calib-data would be ignored"),
     "percentile of another method": (["--calib-data", "c.txt", "--percentile", "99.9"],
                                      "--percentile applies to --calib-method percentile"),
     "accuracy samples without a budget": (["--accuracy-samples", "4"],
@@ -51,6 +54,8 @@ def test_library_users_get_the_same_usage_error(tmp_path):
     {"scales": "weights", "calib_data": "c.txt", "accuracy_budget": 0.01},  # measured on it
     {"calib_data": "c.txt", "calib_method": "percentile", "percentile": 99.9},
     {"format": "modelopt", "calib_data": "c.txt"},
+    {"calib_amax": "a.json", "calib_data": "c.txt", "weight_rounding": "gptq"},  # GPTQ reads it
+    {"calib_amax": "a.json", "calib_data": "c.txt", "kv_cache": "fp8"},
 ])
 def test_combinations_that_work_are_accepted(tmp_path, options):
     ConvertConfig(checkpoint=tmp_path, **options)

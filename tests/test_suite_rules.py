@@ -83,3 +83,19 @@ def test_ci_fails_when_the_keras_equivalence_tests_cannot_run(tmp_path):
     assert ci.returncode != 0 and "CI must run the Keras equivalence tests" in ci.stdout, \
         ci.stdout[-2000:]
     assert "hidden for this test" in ci.stdout
+
+
+def test_a_session_leaves_nothing_in_the_temp_dir(tmp_path):
+    """The suite's own scratch (the Hugging Face modules cache it points transformers at) is
+    removed when the session ends: runs do not pile up empty folders in the system temp dir."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HF_MODULES_CACHE"}
+    env.update(TMPDIR=str(temp))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(TESTS / "test_suite_rules.py"), "-k", "sees_every_spelling"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                         cwd=TESTS.parent)
+    assert run.returncode == 0, run.stdout[-2000:]
+    left = [p.name for p in temp.iterdir() if p.name.startswith("fp8export-test-")]
+    assert left == []

@@ -29,6 +29,9 @@ LEVEL = 0.95
 RESAMPLES = 1000
 SEED = 0
 MIN_SAMPLES = 10  # fewer samples: the bootstrap's spread is itself unreliable
+# Beyond this many times the run's tokens, an estimate of the data that would decide a check is
+# no advice (a value on the threshold but for float rounding asks for 10^32 tokens): said so.
+DECIDE_CAP = 100
 _CHUNK = 100  # draws per block of the token-level percentile (bounds its memory)
 
 
@@ -182,6 +185,8 @@ def assess(checks: list[dict[str, Any]], stats: SampleStats, *, tokens: int,
         more = tokens_to_decide(float(c["value"]), float(c["threshold"]), c["op"], iv, tokens)
         c["decided"] = more is None
         if more is not None:
+            if more > DECIDE_CAP * max(tokens, 1):
+                more = math.inf
             undecided.append(c["metric"])
             needed.append(more)
             sym = ">=" if c["op"] == "min" else "<="
@@ -190,7 +195,8 @@ def assess(checks: list[dict[str, Any]], stats: SampleStats, *, tokens: int,
                 f"[{iv[0]:.4g}, {iv[1]:.4g}] holds the threshold ({sym} {c['threshold']:g}), so "
                 f"the check could go either way on other data of this kind"
                 + (f"; about {_round_up(more):,} tokens would decide it" if math.isfinite(more)
-                   else ""))
+                   else f"; the value sits on the threshold, so not even {DECIDE_CAP} times "
+                        f"this data ({DECIDE_CAP * tokens:,} tokens) would decide it"))
     samples = stats.samples
     if samples < MIN_SAMPLES:
         warnings.insert(0, f"only {samples} sample(s) scored: below {MIN_SAMPLES} the intervals "

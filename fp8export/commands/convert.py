@@ -1,4 +1,5 @@
-"""``fp8export convert``: checkpoint -> FP8 (E4M3) safetensors folder with per-tensor scales."""
+"""``fp8export convert``: checkpoint -> FP8 (E4M3) safetensors folder (scales per tensor,
+channel or block)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
 
 
-@click.command("convert", short_help="checkpoint -> E4M3 safetensors folder with per-tensor scales")
+@click.command("convert", short_help="checkpoint -> FP8 (E4M3) safetensors folder")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
@@ -128,12 +129,14 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
             dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
             accuracy_budget, workers, read_back, force):
-    """Convert CHECKPOINT to FP8 E4M3 safetensors with per-tensor scales.
+    """Convert CHECKPOINT to an FP8 (E4M3) safetensors folder, weight scales per tensor, channel
+    or block.
 
     CHECKPOINT is a Hugging Face folder, a .safetensors file, a .pt/.pth/.bin state dict
     (Transformer Engine and torchao state included) or a Keras 3 .keras / .weights.h5 file or a
     folder holding one (pip install 'fp8export[keras]'; Keras itself is not needed). Linear
-    weights become F8_E4M3 with an F32 weight_scale (scale = amax / 448); embeddings, norms,
+    weights become F8_E4M3 with F32 weight scales (scale = amax / 448; per tensor by default,
+    --weight-granularity channel or block for more); embeddings, norms,
     output heads and MoE routers stay in their source precision. The folder also holds
     config.json with the quantization_config, the tokenizer files, and fp8export.json (per
     tensor: amax, scale, source, SQNR; excluded tensors with reasons). It is written to a

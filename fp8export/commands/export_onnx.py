@@ -43,7 +43,8 @@ def command(fp8_dir, output, dtype, opset, force, as_json):
         return
     size = result.file_bytes / 2**20
     echo(f"wrote {result.output} ({size:.1f} MiB, {result.dtype}, opset {result.opset}, "
-               f"IR {result.ir_version}, output '{result.output_name}', {result.seconds:.1f}s)")
+         f"IR {result.ir_version}, output '{result.output_name}', {result.seconds:.1f}s, of "
+         f"which {result.trace_seconds:.1f}s in torch.onnx.export)")
     if result.external_data:
         echo(f"external data: {result.external_data}")
     total = len(result.fp8_gemms) + len(result.sixteen_bit)

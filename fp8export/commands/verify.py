@@ -43,9 +43,10 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--max-memory", metavar="DEV=SIZE,...",
               help=MAX_MEMORY_HELP + " Shared by the reference and a torch candidate.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True,
-              help="Wall-clock limit of the run in seconds (0: none); a graph that never ends "
-                   "is stopped with an error.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+              help="Wall-clock limit of the whole run in seconds, every stage included "
+                   "(loading, comparing, hashing); reached, verify exits 1 saying how far it "
+                   "got. Default: no limit (0: none).")
 @click.option("--force", is_flag=True,
               help="Replace the report files an existing --report-dir already holds.")
 @click.option("--fp8-mode", type=click.Choice(["auto", "emulate", "scaled_mm"]), default="auto",
@@ -138,8 +139,13 @@ def _summary(result) -> None:
              + ("" if conf["warnings"] else ": every check is decided"))
         for w in conf["warnings"]:
             echo(f"  warning: {w}")
-    if result.per_layer:
+    if result.per_layer and result.per_layer[0]["sqnr_db"] is not None:
         worst = result.per_layer[0]
         echo(f"  worst layer: {worst['module']} ({worst['sqnr_db']:.1f} dB)")
+    elif result.layer_check and result.layer_check["worst"] and result.passed \
+            and result.layer_check["threshold"] is not None:
+        lc, worst = result.layer_check, result.layer_check["worst"][0]
+        echo(f"  layer check: worst of {lc['measured']} quantized layers "
+             f"{worst['module']} ({worst['sqnr_db']:.1f} dB; needs >= {lc['threshold']:g} dB)")
     if result.reports:
         echo(f"  report: {result.reports.get('report.md')}")

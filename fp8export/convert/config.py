@@ -193,11 +193,18 @@ class ConvertConfig:
         if self.scales is ScalesMode.WEIGHTS and self.calib_amax is not None:
             raise UsageError("--scales weights takes no activation ranges, so --calib-amax would "
                              "be ignored. Drop one of them.")
+        # --calib-data is also read by GPTQ, the KV-cache scales and the accuracy budget
+        data_used_elsewhere = self.kv_cache is KvCache.FP8 or self.accuracy_budget is not None \
+            or self.weight_rounding is not WeightRounding.NEAREST
         if self.scales is ScalesMode.WEIGHTS and self.calib_data is not None \
-                and self.kv_cache is not KvCache.FP8 and self.accuracy_budget is None \
-                and self.weight_rounding is WeightRounding.NEAREST:
+                and not data_used_elsewhere:
             raise UsageError("--scales weights calibrates nothing, so --calib-data would be "
                              "ignored. Drop --calib-data, or use --scales calibrate.")
+        if self.calib_amax is not None and self.calib_data is not None \
+                and not data_used_elsewhere:
+            raise UsageError("--calib-amax gives the activation ranges, so --calib-data would be "
+                             "ignored (only --weight-rounding gptq, --kv-cache fp8 and "
+                             "--accuracy-budget read it next to an amax file). Drop one of them.")
         if self.percentile is not None:
             if not 0.0 < float(self.percentile) <= 100.0:
                 raise UsageError(f"--percentile must be in (0, 100], got {self.percentile}.")

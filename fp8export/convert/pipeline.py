@@ -607,6 +607,18 @@ def activation_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes:
     return ranges, {m: amax_to_scale(r.amax, f"{m} (input)") for m, r in ranges.items()}
 
 
+def _static_scales_advice(cfg: ConvertConfig) -> str:
+    """How to get static input scales (what TensorRT needs), given what this run was given: a
+    block folder cannot hold them, and data already given only needs --scales calibrate."""
+    if _block(cfg) is not None:
+        return ("block-scaled layers always quantize their inputs dynamically, so for TensorRT "
+                "convert with --weight-granularity tensor --scales calibrate --calib-data FILE")
+    if cfg.calib_data is not None:
+        return ("for TensorRT convert with --scales calibrate, which makes static input scales "
+                f"from the --calib-data given here ({cfg.calib_data.name})")
+    return "for TensorRT convert with --calib-data FILE"
+
+
 def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: list[str]
                 ) -> dict[str, Any]:
     """The output dialect's ``quantization_config`` and the notes on who can load the folder."""
@@ -624,7 +636,7 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
             f"{len(dynamic)} layer(s) have no static input scale"
         notes.append(f"{which}: vLLM quantizes activations at run time, but TensorRT needs static "
                      "input scales for FP8 GEMMs, so export-onnx gives those GEMMs 16-bit "
-                     "(weight-only FP8); for TensorRT convert with --calib-data FILE")
+                     f"(weight-only FP8); {_static_scales_advice(cfg)}")
     if dynamic and cfg.dynamic_activations is DynamicActivations.TENSOR \
             and cfg.format is not OutputFormat.MODELOPT:
         notes.append("dynamic activations are declared and verified per tensor, but vLLM "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fp8export.checkpoint.safetensors_reader import DTYPE_BYTES as BYTES
 from fp8export.checkpoint.safetensors_reader import FLOAT_DTYPES as FLOAT
 from fp8export.checkpoint.safetensors_reader import FP8_DTYPES as FP8
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.fp8dir.manifest import MANIFEST_NAME as MANIFEST
 from fp8export.fp8dir.reader import manifest_if_any
 from fp8export.inspect.result import InspectResult, TensorRow
@@ -44,8 +44,8 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
     p = Path(path)
     if p.suffix.lower() == ".onnx":
         if plot is not None:
-            raise Fp8ExportError(f"{p}: --plot draws checkpoints and FP8 folders, not ONNX graphs. "
-                                 "Inspect the FP8 folder the graph was exported from instead.")
+            raise UsageError(f"{p}: --plot draws checkpoints and FP8 folders, not ONNX graphs. "
+                             "Inspect the FP8 folder the graph was exported from instead.")
         return _inspect_onnx(p)
     if plot is not None:  # a bad --plot path fails before the (possibly long) inspection
         from fp8export.inspect.plot import check_plot_target

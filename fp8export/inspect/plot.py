@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fp8export.errors import Fp8ExportError
+from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.inspect.result import InspectResult, TensorRow
 from fp8export.plots.figure import Axis, Band, Figure, Panel, Series, layer_and_kind, style_of
 
@@ -158,8 +158,8 @@ def check_plot_target(path: Path, force: bool = False, source: Path | None = Non
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         what = repr(path.suffix) if path.suffix else "a name without extension"
-        raise Fp8ExportError(f"{path}: --plot writes .svg or .png, not {what}. Name the file "
-                             "e.g. scales.svg or scales.png.")
+        raise UsageError(f"{path}: --plot writes .svg or .png, not {what}. Name the file "
+                         "e.g. scales.svg or scales.png.")  # an option value: exit 2
     if path.is_dir() and not path.is_symlink():
         raise Fp8ExportError(f"{path}: is a folder. Give a file name for --plot, e.g. "
                              f"{path / 'scales.svg'}.")

@@ -4,14 +4,20 @@ A crash leaves at most a hidden ``.<name>.tmp-*`` folder, never a half-written f
 final name. With ``force`` an existing output is replaced only after the new one is complete
 and verified: the old folder is renamed aside, the new one renamed in, then the old one deleted
 (if the swap fails the old folder is put back).
+
+A set of files in a folder others also write into (verify's report folder) is published with
+:func:`write_files_atomic` (all staged first, then all put in place, or none) under
+:func:`folder_lock` (one run at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from fp8export.errors import Fp8ExportError
@@ -174,3 +180,95 @@ class AtomicDir:
         if not self.published and self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             remove_folders(self.created)
+
+
+def write_files_atomic(files: dict[Path, bytes], *, replace: bool, what: str = "the files"
+                       ) -> None:
+    """Publish a set of files in one folder as a whole: every one or none.
+
+    Each is first written in full to a hidden temporary sibling and fsynced, so a full disk or
+    a read-only folder fails before any existing file is touched. Then each is put in place:
+    without ``replace`` by a hard link, which refuses a file that exists (one that appeared
+    since the caller checked: saved by the user, or written by another run); with ``replace``
+    by a rename, after keeping the file it replaces aside. If putting one in place fails, the
+    ones already placed are undone (the set before the call is restored) and Fp8ExportError
+    names the file; nothing of the new set is left.
+    """
+    paths = [Path(p) for p in files]
+    staged: dict[Path, Path] = {}
+    placed: list[Path] = []
+    kept: dict[Path, Path] = {}  # final path -> the earlier file, kept aside until done
+    try:
+        try:
+            for path in paths:
+                _refuse_special(path)
+                tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+                fd = _create_private(tmp)
+                staged[path] = tmp
+                with os.fdopen(fd, "wb") as f:
+                    f.write(files[path])
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            raise Fp8ExportError(
+                f"{path}: cannot write {what} ({exc.strerror or exc}); nothing was written and "
+                "what was there before is unchanged. Check the path, its permissions and the "
+                "free space.") from exc
+        for path in paths:
+            try:
+                _refuse_special(path)  # it may have appeared meanwhile
+                if not replace:
+                    os.link(staged[path], path)
+                else:
+                    if os.path.lexists(path):
+                        aside = path.with_name(f".{path.name}.old-{secrets.token_hex(8)}")
+                        os.link(path, aside)
+                        kept[path] = aside
+                    os.replace(staged[path], path)
+            except FileExistsError as exc:
+                raise Fp8ExportError(
+                    f"{path}: appeared while fp8export was working (saved meanwhile, or written "
+                    f"by another run); nothing was written and it was left as it is. Pass "
+                    "--force to replace it, or choose another path.") from exc
+            except OSError as exc:
+                raise Fp8ExportError(
+                    f"{path}: cannot put {what} in place ({exc.strerror or exc}); nothing was "
+                    "written and what was there before is unchanged.") from exc
+            placed.append(path)
+        if paths:
+            fsync_dir(paths[0].parent)
+        placed = []  # done: nothing to undo
+    finally:
+        for path in reversed(placed):  # undo a set that was not completed
+            if path in kept:
+                os.replace(kept.pop(path), path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        for leftover in (*staged.values(), *kept.values()):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (flock on the folder itself: no lock file is left,
+    and a crashed holder releases it); a second holder is refused at once, naming ``what``."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: the writers' own checks still hold
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Fp8ExportError(
+                f"{folder}: another fp8export run is writing {what} there now; wait for it to "
+                "finish, or choose another folder.") from None
+        except OSError:  # a filesystem without flock: the writers' own checks still hold
+            pass
+        yield
+    finally:
+        os.close(fd)

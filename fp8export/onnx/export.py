@@ -134,6 +134,7 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
     ort_levels: dict[str, Any] = field(default_factory=dict)  # LevelCheck.to_dict()
     weight_only: bool = False  # no layer has a static input scale: no FP8 GEMM at all
+    trace_seconds: float = 0.0  # of ``seconds``, in torch.onnx.export (torch's exporter)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,7 +144,7 @@ class ExportResult:
             "file_bytes": self.file_bytes, "seconds": round(self.seconds, 3),
             "fp8_gemms": list(self.fp8_gemms), "sixteen_bit": dict(self.sixteen_bit),
             "output_name": self.output_name, "check": self.check, "notes": list(self.notes),
-            "ort_levels": dict(self.ort_levels),
+            "ort_levels": dict(self.ort_levels), "trace_seconds": round(self.trace_seconds, 3),
         }
 
 
@@ -457,8 +458,13 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
         opset = cfg.resolved_opset(dtype)
         arch = (folder.config.get("architectures")
                 or [folder.config.get("model_type") or folder.config.get("class_name", "?")])[0]
-        with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset})"):
+        traced = time.perf_counter()
+        # torch's exporter is most of this command's time (about a minute for the 5.4 M-parameter
+        # sample on 2 busy cores, bench/results/onnx_export.md): said before the wait
+        with stage(f"tracing {arch} with torch.onnx.export (dynamo, {dtype}, opset {opset}): "
+                   "torch's exporter, most of export-onnx's time"):
             model, output_name, feed = trace_model(folder, dtype, opset)
+        traced = time.perf_counter() - traced
         with stage("rewriting quantized linears into FP8 Q/DQ"):
             rewrite = rewrite_qdq(model, graph_layers(folder), dtype=dtype.value, opset=opset)
             # here: the FP8 initializers may be views of the folder's memory-mapped tensors
@@ -522,4 +528,5 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
                         ir_version=int(proto.ir_version), file_bytes=size,
                         seconds=time.perf_counter() - start, fp8_gemms=fp8, sixteen_bit=sixteen,
                         output_name=output_name, check=report.to_dict(), notes=notes,
-                        ort_levels=levels.to_dict(), weight_only=weight_only)
+                        ort_levels=levels.to_dict(), weight_only=weight_only,
+                        trace_seconds=traced)

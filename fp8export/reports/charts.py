@@ -36,6 +36,11 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _db(v: Any) -> float:
+    """A level to draw: None (not measured) as NaN, which is not drawn."""
+    return math.nan if v is None else v
+
+
 def per_layer_figure(result: dict[str, Any]) -> Figure | None:
     """Isolated and end-to-end SQNR of every quantized linear, grouped by decoder layer."""
     from fp8export.numerics.metrics import E4M3_ROUND_TRIP_SQNR_DB
@@ -64,13 +69,15 @@ def per_layer_figure(result: dict[str, Any]) -> Figure | None:
     series = []
     for j, (kind, idx) in enumerate(kinds.items()):
         color, _ = style_of(j)
-        series.append(Series(kind, [x[i] for i in idx], [layers[i]["sqnr_db"] for i in idx],
+        series.append(Series(kind, [x[i] for i in idx], [_db(layers[i]["sqnr_db"]) for i in idx],
                              kind="bars", color=color))
-    series.append(Series("end-to-end: the error accumulated up to this layer", x,
-                         [r["sqnr_e2e_db"] for r in layers], kind="points", color=NEUTRAL,
-                         marker="diamond"))
-    worst = min(layers, key=lambda r: (r["sqnr_db"], r["order"]))
-    if _finite(worst["sqnr_db"]):
+    if any(_finite(r["sqnr_e2e_db"]) for r in layers):
+        series.append(Series("end-to-end: the error accumulated up to this layer", x,
+                             [_db(r["sqnr_e2e_db"]) for r in layers], kind="points",
+                             color=NEUTRAL, marker="diamond"))
+    measured = [r for r in layers if r["sqnr_db"] is not None]
+    worst = min(measured, key=lambda r: (r["sqnr_db"], r["order"])) if measured else None
+    if worst is not None and _finite(worst["sqnr_db"]):
         # a marker just beyond the end of the worst bar, pointing at it
         finite = [v for r in layers for v in (r["sqnr_db"], r["sqnr_e2e_db"]) if _finite(v)]
         span = max(max(finite), 35.0) - min(min(finite), 0.0)
@@ -89,6 +96,10 @@ def per_layer_figure(result: dict[str, Any]) -> Figure | None:
     exact = sum(1 for r in layers if r["sqnr_db"] == math.inf)
     if exact:
         notes.append(f"{exact} layers match the reference exactly (SQNR ∞): not drawn.")
+    unmeasured = len(layers) - len(measured)
+    if unmeasured:
+        notes.append(f"{unmeasured} expert projections got no token of this data (no SQNR): "
+                     "not drawn.")
     x_title = "decoder layer (bars in model order within a layer)" if numbered \
         else "quantized linear, model order"
     panel = Panel("Per-layer error: SQNR of each FP8 linear's output", Axis(

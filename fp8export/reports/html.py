@@ -16,6 +16,7 @@ from fp8export.reports.report import (
     format_value,
     header_rows,
     interval_text,
+    layer_check_text,
     metric_rows,
     noise_floor_rows,
     threshold_text,
@@ -80,6 +81,9 @@ def _checks(result: dict[str, Any]) -> list[str]:
     if head:
         parts.append(f"<p class='muted'>{_e(head)}</p>")
         parts += [f"<p class='note'>⚠ {_e(w)}</p>" for w in warnings]
+    layers_text, layers_failed = layer_check_text(result)
+    if layers_text:
+        parts.append(f"<p class='{'note' if layers_failed else 'muted'}'>{_e(layers_text)}</p>")
     return parts + _noise_floor(result)
 
 

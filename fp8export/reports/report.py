@@ -33,6 +33,7 @@ METRIC_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Perplexity", ("ppl_reference", "ppl_candidate", "ppl_ratio")),
     ("Accuracy", ("accuracy_reference", "accuracy_candidate", "accuracy_drop")),
     ("Embeddings", ("neighbor_agreement",)),
+    ("Layers", ("layer_sqnr_min",)),
     ("Counts", ("tokens", "ppl_tokens", "embedding_dim")),
 )
 METRIC_ORDER = tuple(k for _, keys in METRIC_GROUPS for k in keys)
@@ -209,6 +210,24 @@ def confidence_summary(result: dict[str, Any]) -> tuple[str, list[str]]:
     return head, list(conf.get("warnings") or [])
 
 
+def layer_check_text(result: dict[str, Any]) -> tuple[str, bool]:
+    """``(one line, failed)`` on the layer check (layer_check.py); empty when it did not run."""
+    lc = result.get("layer_check") or {}
+    check = next((c for c in result.get("checks") or [] if c["metric"] == "layer_sqnr_min"), None)
+    if not lc or check is None or check["status"] == "skipped":
+        return "", False
+    if check["status"] == "failed":
+        return f"Layer check failed: {check['message']}.", True
+    worst = (lc.get("worst") or [{}])[0]
+    text = (f"Layer check: each of the {lc['measured']} quantized layers measured alone (its "
+            f"output SQNR fed the reference's own input, {lc['tokens']:,} tokens) is at least "
+            f"{check['threshold']:g} dB; the worst is {worst.get('module')} at "
+            f"{format_db(worst.get('sqnr_db'))} dB.")
+    if lc.get("unmeasured"):
+        text += f" {len(lc['unmeasured'])} got no token (see the notes)."
+    return text, False
+
+
 def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
     floor = result.get("noise_floor") or {}
@@ -290,6 +309,9 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
     head, warnings = confidence_summary(result)
     if head:
         lines += ["", f"**{md_escape(head)}**"] + [f"- ⚠ {md_escape(w)}" for w in warnings]
+    layers_text, layers_failed = layer_check_text(result)
+    if layers_text:
+        lines += ["", ("❌ " if layers_failed else "") + md_escape(layers_text)]
     floor_rows = noise_floor_rows(result)
     if floor_rows:
         dtype = result["noise_floor"]["reference_dtype"]
@@ -358,13 +380,17 @@ def check_report_dir(report_dir: Path, force: bool, inputs=()) -> None:
     probe_writable(report_dir, option)
 
 
-def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
-    """Write report.json, report.md, report.html and junit.xml; return their paths.
+def write_reports(result: dict[str, Any], report_dir: Path, *, force: bool = False
+                  ) -> dict[str, str]:
+    """Write report.json, report.md, report.html and junit.xml as one set; return their paths.
 
-    All four are rendered first, then each is written atomically; if writing fails (read-only
-    or full location) the ones already written are removed and Fp8ExportError says why.
+    All four are rendered, then written in full beside their final names, then put in place
+    together (``io.atomic.write_files_atomic``): a full disk or an unwritable folder leaves the
+    earlier report as it was, and without ``force`` a report file that appeared during the run
+    (saved by the user, or another run's) is refused rather than replaced; either way nothing
+    of this run's set is left.
     """
-    from fp8export.io.atomic import write_file_atomic
+    from fp8export.io.atomic import write_files_atomic
     from fp8export.reports.html import html_report
     from fp8export.reports.junit import junit_xml
 
@@ -379,19 +405,15 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     result = dict(result)
     result["reports"] = {k: str(v) for k, v in paths.items()}
     contents = {
-        "report.json": (json.dumps(report_dict(result), indent=2, allow_nan=False) + "\n").encode(),
-        "report.md": markdown(result).encode("utf-8"),
-        "report.html": html_report(result).encode("utf-8"),
-        "junit.xml": junit_xml(result),
+        paths["report.json"]: (json.dumps(report_dict(result), indent=2, allow_nan=False)
+                               + "\n").encode(),
+        paths["report.md"]: markdown(result).encode("utf-8"),
+        paths["report.html"]: html_report(result).encode("utf-8"),
+        paths["junit.xml"]: junit_xml(result),
     }
-    written: list[Path] = []
     try:
-        for name, data in contents.items():
-            write_file_atomic(paths[name], data)
-            written.append(paths[name])
+        write_files_atomic(contents, replace=force, what="the verify report")
     except Fp8ExportError:
-        for path in written:
-            path.unlink(missing_ok=True)
         if created:
             with contextlib.suppress(OSError):
                 report_dir.rmdir()
@@ -399,10 +421,36 @@ def write_reports(result: dict[str, Any], report_dir: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+@contextlib.contextmanager
+def claimed_report_dir(report_dir: Path, force: bool, inputs=()):
+    """The report folder, checked (:func:`check_report_dir`), created if missing and locked
+    for the run: a second verify run into the same folder is refused at its start instead of
+    replacing this run's report at its end. A folder created here and left empty (the run
+    failed before any report) is removed again."""
+    from fp8export.io.atomic import folder_lock
+
+    report_dir = Path(report_dir)
+    check_report_dir(report_dir, force, inputs)
+    created = not report_dir.exists()
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Fp8ExportError(f"{report_dir}: cannot create the report folder "
+                             f"({exc.strerror or exc}). Choose another --report-dir.") from exc
+    try:
+        with folder_lock(report_dir, "a verify report"):
+            yield report_dir
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                report_dir.rmdir()  # only when empty: a written report stays
+
+
 def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
-    """``verify`` with its reports: the report folder is checked before any model loads, and
-    the reports are written whether the candidate passes or fails (VerificationFailed is raised
-    again after them, its result naming the files)."""
+    """``verify`` with its reports: the report folder is checked and locked before any model
+    loads, and the reports are written as one set whether the candidate passes or fails
+    (VerificationFailed is raised again after them, its result naming the files). Without
+    ``--force`` a report file that appeared during the run is refused, not replaced."""
     from fp8export._progress import stage
     from fp8export.errors import VerificationFailed
     from fp8export.verify.run import verify
@@ -416,15 +464,16 @@ def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
         check_data_file(cfg.data)
     thresholds_file = None if isinstance(cfg.thresholds, dict) or \
         str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
-    check_report_dir(cfg.report_dir, cfg.force,
-                     inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
-    try:
-        result = verify(cfg)
-    except VerificationFailed as exc:
-        result = exc.result
+    with claimed_report_dir(cfg.report_dir, cfg.force,
+                            inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file)):
+        try:
+            result = verify(cfg)
+        except VerificationFailed as exc:
+            result = exc.result
+            with stage(f"writing the reports to {cfg.report_dir}"):
+                result.reports = write_reports(result.to_dict(), cfg.report_dir,
+                                               force=cfg.force)
+            raise
         with stage(f"writing the reports to {cfg.report_dir}"):
-            result.reports = write_reports(result.to_dict(), cfg.report_dir)
-        raise
-    with stage(f"writing the reports to {cfg.report_dir}"):
-        result.reports = write_reports(result.to_dict(), cfg.report_dir)
+            result.reports = write_reports(result.to_dict(), cfg.report_dir, force=cfg.force)
     return result

@@ -22,7 +22,14 @@ from fp8export.errors import Fp8ExportError
 
 
 class TimeLimitExceeded(Fp8ExportError):
-    """Inference did not finish before the runner's deadline (the caller names the limit)."""
+    """Inference did not finish before the runner's deadline (the caller names the limit);
+    ``where``: how far the run had got (``_progress.where()``)."""
+
+    def __init__(self, message: str):
+        from fp8export._progress import where
+
+        super().__init__(message)
+        self.where = where()
 
 
 class Runner(ABC):

@@ -1,6 +1,7 @@
 """verify's run and compare stages: both runners (and the fp32 reference for the noise floor)
 infer the same batches; their outputs go to the comparison the head's family picks, and an
-FP8-folder candidate's layers to the per-layer probe."""
+FP8-folder candidate's layers to the per-layer probe (the layer check's first tokens, or every
+batch with ``--per-layer``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8export._progress import progress
+from fp8export._time_limit import check
 from fp8export.errors import Fp8ExportError
 from fp8export.verify.load import Inputs, Session
 
@@ -16,7 +18,8 @@ from fp8export.verify.load import Inputs, Session
 class Compared:
     """What the comparison measured: ``result`` (metrics, per-sample values, distributions),
     the comparison itself (its family, sample statistics, pooling), the noise floor (None: not
-    measured), the per-layer attribution (None: not asked) and each runner's inference time."""
+    measured), the per-layer attribution (None: not asked), the layer check's rows and tokens
+    (None: not run) and each runner's inference time."""
 
     result: dict[str, Any]
     comparison: Any
@@ -24,6 +27,8 @@ class Compared:
     floor: dict[str, Any] | None
     per_layer: list[dict[str, Any]] | None
     seconds: dict[str, float]
+    layers: list[dict[str, Any]] | None = None
+    layer_tokens: int = 0
 
 
 def first_output(out: dict, who: str):
@@ -36,8 +41,9 @@ def first_output(out: dict, who: str):
                          "export the model with a 'logits' output.")
 
 
-def compare(session: Session, inputs: Inputs) -> Compared:
-    """Run every batch through the reference, the candidate and the floor runner; compare."""
+def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Compared:
+    """Run every batch through the reference, the candidate and the floor runner; compare.
+    ``layer_check``: measure each quantized layer's isolated SQNR (layer_check.py)."""
     from fp8export.inputs.samples import iter_batches, num_batches
     from fp8export.verify.family import family_of, new_comparison
     from fp8export.verify.metrics import class_logits
@@ -46,17 +52,18 @@ def compare(session: Session, inputs: Inputs) -> Compared:
     cfg, ref, cand, floor_runner = session.cfg, session.reference, session.candidate, \
         session.floor
     samples, head = inputs.samples, inputs.head
-    probe = _per_layer_probe(session)
-    per_layer = None
+    probe = _per_layer_probe(session, layer_check)
+    rows = None
     cmp = floor_cmp = vs_fp32 = family = None
     t_ref = t_cand = t_floor = 0.0
     try:
         for batch in progress(iter_batches(samples, cfg.batch_size),
                               total=num_batches(samples, cfg.batch_size),
                               desc=f"comparing logits on {len(samples)} sample(s)", unit="batch"):
+            check()  # the time limit, between batches wherever the run is (signals or not)
             feed = {"input_ids": batch.input_ids.numpy(),
                     "attention_mask": batch.attention_mask.numpy()}
-            if probe is not None:
+            if probe is not None and probe.active:
                 probe.set_mask(batch.attention_mask)
             ref_logits = class_logits(first_output(ref.infer(feed), "the reference"), head)
             t_ref += ref.last_inference_time or 0.0
@@ -80,30 +87,35 @@ def compare(session: Session, inputs: Inputs) -> Compared:
                 vs_fp32.add(fp32, cand_logits, **like)
     finally:
         if probe is not None:
-            per_layer = probe.result()
+            rows = probe.result()
             probe.close()
     if cmp is None:
         raise Fp8ExportError("no samples to compare: the data gave no batch. Give data "
                              "with at least one non-empty sample.")
     compared = cmp.result()
     floor = None if floor_cmp is None else _floor(cfg, compared, floor_cmp, vs_fp32)
-    return Compared(compared, cmp, family, floor, per_layer,
-                    {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor})
+    return Compared(compared, cmp, family, floor, rows if session.cfg.per_layer else None,
+                    {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor},
+                    layers=rows, layer_tokens=probe.tokens if probe is not None else 0)
 
 
-def _per_layer_probe(session: Session):
-    """The per-layer probe on the reference and FP8 models (None: not asked, or noted why not)."""
-    if not session.cfg.per_layer:
+def _per_layer_probe(session: Session, layer_check: bool):
+    """The per-layer probe on the reference and FP8 models (None: not asked, or noted why not):
+    on every batch with ``--per-layer``, else on the layer check's first tokens only."""
+    if not (session.cfg.per_layer or layer_check):
         return None
     if session.kind != "fp8-folder":
-        session.notes.append(f"--per-layer needs the FP8 folder as the candidate (got a "
-                             f"{session.kind}); run verify on the FP8 folder for per-layer "
-                             "attribution.")
+        if session.cfg.per_layer:
+            session.notes.append(f"--per-layer needs the FP8 folder as the candidate (got a "
+                                 f"{session.kind}); run verify on the FP8 folder for per-layer "
+                                 "attribution.")
         return None
     from fp8export.analysis.per_layer import PerLayerProbe
+    from fp8export.verify.layer_check import CHECK_TOKENS
 
-    cand = session.candidate
-    return PerLayerProbe(session.reference.model, cand.model, cand.manifest)
+    cand, full = session.candidate, session.cfg.per_layer
+    return PerLayerProbe(session.reference.model, cand.model, cand.manifest, end_to_end=full,
+                         max_tokens=None if full else CHECK_TOKENS)
 
 
 def _floor(cfg, compared: dict, floor_cmp, vs_fp32) -> dict[str, Any]:

@@ -17,6 +17,7 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
     """The result of the run; ``described``: what the reference and candidate runners said of
     themselves while active (``Runner.describe()``)."""
     from fp8export.analysis.confidence import assess
+    from fp8export.verify import layer_check
     from fp8export.verify.family import MetricFamily
     from fp8export.verify.provenance import header
     from fp8export.verify.thresholds import evaluate
@@ -41,7 +42,12 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
                      f"from what convert wrote and verified ({', '.join(edited[:5])}); this "
                      "report judges the folder as it is now, not the converted one.")
     floor = measured.floor
+    compared["metrics"].update(layer_check.layer_metrics(measured.layers))
     checks = evaluate(compared["metrics"], thresholds, floor and floor["metrics"])
+    layer_check.name_layers(checks, measured.layers, kind)
+    unmeasured = layer_check.unmeasured_note(measured.layers)
+    if unmeasured:
+        notes.append(unmeasured)
     confidence = assess(checks, measured.comparison.sample_stats(),
                         tokens=int(compared["metrics"]["tokens"]))
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
@@ -61,6 +67,8 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing=timing, header=head, worst_samples=worst, family=str(family),
         noise_floor=floor, confidence=confidence,
+        layer_check=layer_check.summary(measured.layers, measured.layer_tokens,
+                                        (thresholds.get(layer_check.METRIC) or {}).get("value")),
     )
 
 

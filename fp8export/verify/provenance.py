@@ -37,8 +37,6 @@ from fp8export.inputs.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES
 from fp8export.io.guarded import CONFIG, MANIFEST, TOKENIZER
 from fp8export.io.hashing import file_sha256
 
-HASH_NOTICE_BYTES = 2 * 10**9
-
 
 # Files verify reads besides the weights, each through the guarded opener within its kind's
 # size limit (a larger one is refused when read; here it is not hashed either).
@@ -99,11 +97,17 @@ def _onnx_data(path: Path) -> list[Path]:
 def content_hash(path: Path, *, tokenizer: bool = True) -> dict[str, Any]:
     """``{"sha256", "files": [{name, sha256, bytes}], "bytes", "skipped"}`` of a file or folder
     (only the files :func:`files_read` lists are read)."""
+    from fp8export._time_limit import check, expired
+
     path = Path(path)
     files, skipped = files_read(path, tokenizer=tokenizer)
     base = path if path.is_dir() else path.parent
-    entries = [{"name": p.relative_to(base).as_posix(), "sha256": file_sha256(p),
-                "bytes": p.stat().st_size} for p in files]
+    entries = []
+    for p in files:  # under verify's time limit: stopped within a chunk of reaching it
+        digest = file_sha256(p, stop=expired())
+        check()
+        entries.append({"name": p.relative_to(base).as_posix(), "sha256": digest,
+                        "bytes": p.stat().st_size})
     if path.is_dir() or len(entries) > 1:
         listing = "".join(f"{e['sha256']}  {e['name']}\n" for e in entries)
         digest = hashlib.sha256(listing.encode("utf-8")).hexdigest()
@@ -214,14 +218,14 @@ def header(cfg, *, reference: dict[str, Any], candidate: dict[str, Any], kind: s
         data: ``data_info`` of :func:`fp8export.inputs.eval_data.load_verify_samples`.
         backend: the candidate runner's backend name.
     """
+    from fp8export._progress import stage
+
     size = sum(p.stat().st_size for root, tok in ((cfg.reference, True), (cfg.candidate, False))
                for p in files_read(Path(root), tokenizer=tok)[0])
-    if size > HASH_NOTICE_BYTES:  # minutes on a large model: say why it is busy
-        from fp8export._progress import info
-
-        info(f"hashing the reference and the candidate for the report ({size / 1e9:.1f} GB)")
-    ref_hash = content_hash(cfg.reference)
-    cand_hash = content_hash(cfg.candidate, tokenizer=False)  # verify reads the reference's
+    shown = f"{size / 1e9:.1f} GB" if size >= 10**9 else f"{size / 1e6:.1f} MB"
+    with stage(f"hashing the reference and the candidate for the report ({shown})"):
+        ref_hash = content_hash(cfg.reference)
+        cand_hash = content_hash(cfg.candidate, tokenizer=False)  # verify reads the reference's
     matches, differ = (converted_from(cfg.candidate, ref_hash["files"]) if kind == "fp8-folder"
                        else (None, []))
     edited = edited_files(cfg.candidate, cand_hash["files"]) if kind == "fp8-folder" else None

@@ -33,6 +33,7 @@ class VerifyResult:
     family: str = "logits"  # which metrics judged the model (family.py)
     noise_floor: dict[str, Any] | None = None  # the reference against fp32 (noise_floor.py)
     confidence: dict[str, Any] | None = None  # bootstrap intervals of the checks (confidence.py)
+    layer_check: dict[str, Any] | None = None  # each quantized layer's own SQNR (layer_check.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import time
 
+from fp8export._progress import where
 from fp8export._threads import fit_torch
+from fp8export._time_limit import TimeUp, time_limit
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.runners.base import TimeLimitExceeded
 from fp8export.verify.config import VerifyConfig
@@ -31,32 +33,18 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         Fp8ExportError: bad input or environment (exit 1).
         VerificationFailed: thresholds missed (exit 3); ``.result`` is the VerifyResult.
     """
-    from fp8export.verify.candidates import candidate_kind
-    from fp8export.verify.load import open_session, reference_tokenizer
-    from fp8export.verify.thresholds import load_thresholds
-
     t0, started = time.perf_counter(), time.monotonic()
-    if cfg.data is not None:  # a typo'd data file fails before any model loads
-        from fp8export.inputs.samples import check_data_file
-
-        check_data_file(cfg.data)
-    thr_source, thresholds = load_thresholds(cfg.thresholds)
-    measure_floor = _measures_floor(cfg, thr_source, thresholds)
-    kind = candidate_kind(cfg.candidate)
-    fit_torch()  # the CPU threads fitted to this machine, before any model runs
-    session = open_session(cfg, kind, measure_floor)
     limit = float(cfg.timeout or 0)
-    if limit:
-        for runner in session.runners():
-            runner.deadline = started + limit
     try:
-        with reference_tokenizer(cfg, session.notes) as session.tokenizer:
-            result = _run(session, thr_source, thresholds, t0)
-    except TimeLimitExceeded as exc:
+        with time_limit(limit):
+            result = _verify(cfg, t0, started, limit)
+    except (TimeUp, TimeLimitExceeded) as exc:
+        at = getattr(exc, "where", None) or where() or "starting"
         raise Fp8ExportError(
-            f"verify {cfg.candidate}: stopped after --timeout {limit:g} s ({exc}); nothing was "
-            "written. A graph that never ends (a Loop from elsewhere) or a model too large for "
-            "the device; raise --timeout if the run is just slow.") from exc
+            f"verify {cfg.candidate}: stopped by --timeout {limit:g} s after "
+            f"{time.perf_counter() - t0:.0f} s, while {at}; nothing was "
+            "written. Raise --timeout (0: no limit) if the run is just slow; a graph that never "
+            "ends or a model far too large for the device stops here.") from None
     failures = result.failures
     if failures:
         names = ", ".join(f["message"] for f in failures)
@@ -66,6 +54,28 @@ def verify(cfg: VerifyConfig) -> VerifyResult:
         raise VerificationFailed(f"{len(failures)} of {applicable} thresholds failed: {names}."
                                  f"{worst} Report: {cfg.report_dir}", result)
     return result
+
+
+def _verify(cfg: VerifyConfig, t0: float, started: float, limit: float) -> VerifyResult:
+    """The run under its time limit: inputs checked, the models loaded, compared, judged."""
+    from fp8export.verify.candidates import candidate_kind
+    from fp8export.verify.load import open_session, reference_tokenizer
+    from fp8export.verify.thresholds import load_thresholds
+
+    if cfg.data is not None:  # a typo'd data file fails before any model loads
+        from fp8export.inputs.samples import check_data_file
+
+        check_data_file(cfg.data)
+    thr_source, thresholds = load_thresholds(cfg.thresholds)
+    measure_floor = _measures_floor(cfg, thr_source, thresholds)
+    kind = candidate_kind(cfg.candidate)
+    fit_torch()  # the CPU threads fitted to this machine, before any model runs
+    session = open_session(cfg, kind, measure_floor)
+    if limit:  # onnxruntime stops mid-graph at the deadline; the others before each batch
+        for runner in session.runners():
+            runner.deadline = started + limit
+    with reference_tokenizer(cfg, session.notes) as session.tokenizer:
+        return _run(session, thr_source, thresholds, t0)
 
 
 def _measures_floor(cfg: VerifyConfig, thr_source: str, thresholds: dict) -> bool:
@@ -90,13 +100,14 @@ def _run(session: Session, thr_source: str, thresholds: dict, t0: float) -> Veri
     """Load, run, compare (the part under the time limit), then judge; no reports written."""
     from fp8export.verify.compare import compare
     from fp8export.verify.judge import judge
+    from fp8export.verify.layer_check import METRIC
     from fp8export.verify.load import activate, load_inputs
 
     with contextlib.ExitStack() as running:
         activate(session, running)
         t_load = time.perf_counter() - t0
         inputs = load_inputs(session)
-        measured = compare(session, inputs)
+        measured = compare(session, inputs, layer_check=METRIC in thresholds)
         described = session.reference.describe(), session.candidate.describe()
     timing = {"load_s": t_load, **measured.seconds}
     result = judge(session, inputs, measured, thr_source, thresholds, described,

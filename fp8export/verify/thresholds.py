@@ -26,6 +26,7 @@ DIRECTIONS = {
     "kl_mean": "max", "kl_p99": "max", "kl_max": "max",
     "ppl_ratio": "max", "accuracy_drop": "max",
     "neighbor_agreement": "min",
+    "layer_sqnr_min": "min",  # dB, the worst quantized layer's own error (layer_check.py)
 }
 
 PRESETS: dict[str, dict[str, float]] = {
@@ -33,17 +34,17 @@ PRESETS: dict[str, dict[str, float]] = {
     # scale off by 2x in most layers. Reasoning and measurements: docs/verify.md.
     "strict": {"cosine_mean": 0.998, "cosine_min": 0.995, "top1_agreement": 0.97,
                "top5_overlap": 0.93, "kl_mean": 0.002, "kl_p99": 0.02, "ppl_ratio": 1.005,
-               "accuracy_drop": 0.005, "neighbor_agreement": 0.9},
+               "accuracy_drop": 0.005, "neighbor_agreement": 0.9, "layer_sqnr_min": 15.0},
     # The CI gate: a healthy conversion passes even on out-of-domain text (where the sample LM
     # measures KL 8e-3, ~90x its in-domain value), while one layer with a weight scale off by
     # 8x fails it.
     "default": {"cosine_mean": 0.995, "cosine_min": 0.99, "top1_agreement": 0.92,
                 "top5_overlap": 0.85, "kl_mean": 0.02, "kl_p99": 0.2, "ppl_ratio": 1.03,
-                "accuracy_drop": 0.01, "neighbor_agreement": 0.8},
+                "accuracy_drop": 0.01, "neighbor_agreement": 0.8, "layer_sqnr_min": 10.0},
     # Small or hard-to-quantize models where drift is accepted; catches gross breakage only.
     "loose": {"cosine_mean": 0.98, "cosine_min": 0.95, "top1_agreement": 0.85,
               "top5_overlap": 0.7, "kl_mean": 0.05, "kl_p99": 0.5, "ppl_ratio": 1.1,
-              "accuracy_drop": 0.03, "neighbor_agreement": 0.7},
+              "accuracy_drop": 0.03, "neighbor_agreement": 0.7, "layer_sqnr_min": 7.0},
 }
 
 

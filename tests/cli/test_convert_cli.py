@@ -114,3 +114,31 @@ def test_converting_an_fp8_folder_again_is_one_short_error(tmp_path, run_cli):
     assert "already quantized to FP8" in errors[0] and "fp8export verify" in errors[0]
     assert errors[0].count("already F8_E4M3") == 1 and "--exclude" not in errors[0]
     assert not (tmp_path / "again").exists()
+
+
+def _notes(run, out):
+    return [ln for ln in run.stdout.splitlines() if ln.startswith("note:")] + [
+        ln for ln in run.stderr.splitlines() if ln.startswith("note:")]
+
+
+def test_advice_for_tensorrt_fits_what_was_given(tmp_path, run_cli, markov_llama):
+    """Block weights: --calib-data is unused, so the way to static scales is another
+    granularity; a GPTQ run that gave --calib-data only needs --scales calibrate."""
+    import numpy as np
+    from fp8_folders import markov_tokens
+
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, input_ids=markov_tokens(256, 8, 32, seed=5).numpy())
+    block = run_cli("convert", markov_llama, "-o", tmp_path / "block", "--weight-granularity",
+                    "block", "--block-size", "32", "--calib-data", calib)
+    assert block.exit_code == 0, block.output
+    text = " ".join(_notes(block, tmp_path / "block"))
+    assert "--calib-data is not used" in text
+    assert "convert with --calib-data FILE" not in text
+    assert "--weight-granularity tensor --scales calibrate" in text
+    gptq = run_cli("convert", markov_llama, "-o", tmp_path / "gptq", "--scales", "weights",
+                   "--weight-rounding", "gptq", "--calib-data", calib)
+    assert gptq.exit_code == 0, gptq.output
+    text = " ".join(_notes(gptq, tmp_path / "gptq"))
+    assert "convert with --calib-data FILE" not in text
+    assert "for TensorRT convert with --scales calibrate" in text and "calib.npz" in text

@@ -201,5 +201,7 @@ def test_real_sigint_during_convert_leaves_nothing(tmp_path, parent):
             proc.kill()
     lines = [line for line in "".join(seen).splitlines() + rest.splitlines() if line.strip()]
     assert proc.returncode == EXIT_INTERRUPTED, "\n".join(lines)
+    assert "\n\n\nInterrupted" not in "".join(seen) + rest  # one line break, not two blank lines
+    assert "\nInterrupted: outputs are written atomically" in "".join(seen) + rest
     assert lines[-1].startswith("FAILED | convert | ") and "Traceback" not in rest
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary sibling

@@ -94,3 +94,10 @@ def test_readme_table_lists_every_option():
         assert not omitted, f"README omits {omitted} of {name}"
         options = {o for opt in _options(name) for o in opt.opts}
         assert listed <= options, f"README lists {sorted(listed - options)} that {name} lacks"
+
+
+def test_convert_help_says_what_it_writes(run_cli):
+    """The first line of convert --help names every weight granularity convert writes."""
+    first = run_cli("convert", "--help").output.split("\n\n")[1]
+    first = " ".join(first.split())
+    assert "per tensor, channel or block" in first and "per-tensor scales." not in first

@@ -58,6 +58,16 @@ def test_plot(tmp_path, run_cli):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1024
 
 
+def test_a_plot_format_it_cannot_write_is_a_usage_error(tmp_path, run_cli):
+    ckpt = _ckpt(tmp_path)
+    for name in ("x.pdf", "x"):
+        result = run_cli("inspect", ckpt, "--plot", tmp_path / name)
+        assert result.exit_code == 2, result.output
+        assert "--plot writes .svg or .png" in result.stderr
+        assert "Try 'fp8export inspect --help'" in result.stderr
+    assert not (tmp_path / "x.pdf").exists()
+
+
 def test_fp8_folder(tmp_path, run_cli):
     # the layout of docs/fp8-folder.md, written by hand
     d = tmp_path / "fp8"

@@ -136,6 +136,10 @@ def test_fp16_dynamic_activations_via_cli(run_cli, fp8_dynamic, tmp_path):
     assert "--calib-data FILE" in res.stderr and "16-bit GEMMs" not in res.output
     said = [line for line in res.output.splitlines() if not line.startswith("[stage]")]
     assert len(said) <= 5, res.output  # wrote, GEMM count, two notes, status
+    # the wait is torch's exporter: the stage line says so before it, the summary after
+    assert any(ln.startswith("[stage] tracing") and "torch's exporter" in ln
+               for ln in res.stderr.splitlines())
+    assert "s in torch.onnx.export)" in res.stdout
     model = onnx.load(str(out))
     assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)
     scales = [t for t in model.graph.initializer if t.name.endswith("weight_scale")]

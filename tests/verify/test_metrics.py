@@ -95,6 +95,46 @@ def test_classifier_accuracy():
     assert m["accuracy_drop"] == pytest.approx(1 / 3)
 
 
+def test_accuracy_drop_at_the_threshold_passes_it():
+    """136 vs 134 correct of 200 is a drop of exactly 0.01: counted as integers it meets
+    ``accuracy_drop <= 0.01`` (0.68 - 0.67 in floats is 0.010000000000000009 and did not)."""
+    from fp8export.analysis.confidence import assess
+    from fp8export.verify.thresholds import evaluate
+
+    labels = np.array([0] * 200)
+    ref = np.zeros((200, 2), dtype=np.float32)
+    cand = np.zeros((200, 2), dtype=np.float32)
+    ref[:136, 0] = cand[:134, 0] = 2.0  # right when class 0 wins
+    ref[136:, 1] = cand[134:, 1] = 2.0
+    c = Comparison(causal=False)
+    c.add(ref, cand, labels=labels)
+    m = c.result()["metrics"]
+    assert (m["accuracy_reference"], m["accuracy_candidate"]) == (0.68, 0.67)
+    assert m["accuracy_drop"] == 0.01
+    checks = evaluate(m, {"accuracy_drop": {"op": "max", "value": 0.01}})
+    assert checks[0]["status"] == "passed", checks[0]["message"]
+    conf = assess(checks, c.sample_stats(), tokens=m["tokens"])
+    hint = " ".join(conf["warnings"])
+    assert "accuracy_drop" in hint and "would decide it" in hint
+    assert not any(len(w) > 400 or "0,000,000" in w for w in conf["warnings"])  # no 10^32
+
+
+def test_a_hint_beyond_any_realistic_data_is_capped():
+    from fp8export.analysis.confidence import DECIDE_CAP, assess
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(40, 8, 16)).astype(np.float32)
+    c = Comparison(causal=False)
+    c.add(ref, ref + rng.normal(scale=0.3, size=ref.shape).astype(np.float32))
+    m = c.result()["metrics"]
+    near = m["kl_mean"] * (1 + 1e-15)  # a margin only float rounding makes
+    checks = [{"metric": "kl_mean", "op": "max", "threshold": near, "value": m["kl_mean"],
+               "status": "passed"}]
+    conf = assess(checks, c.sample_stats(), tokens=m["tokens"])
+    assert conf["tokens_needed"] == "inf"
+    assert f"not even {DECIDE_CAP} times this data" in conf["warnings"][0]
+
+
 def test_shape_mismatch_is_bad_input_not_failure():
     with pytest.raises(Fp8ExportError, match="not the same model"):
         _cmp(np.zeros((1, 3, 8)), np.zeros((1, 3, 9)))
