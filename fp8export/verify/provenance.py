@@ -37,7 +37,6 @@ from fp8export.inputs.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES
 from fp8export.io.guarded import CONFIG, MANIFEST, TOKENIZER
 from fp8export.io.hashing import file_sha256
 
-
 # Files verify reads besides the weights, each through the guarded opener within its kind's
 # size limit (a larger one is refused when read; here it is not hashed either).
 _READ = (("config.json", CONFIG), (MANIFEST_NAME, MANIFEST), ("hf_quant_config.json", CONFIG))
