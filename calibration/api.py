@@ -194,6 +194,10 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
                            seq_len=cfg.seq_len, max_positions=max_positions(config),
                            vocab_size=vocab_size(config), tokenizer=tokenizer)
+    if samples.media is not None:
+        notes.append(f"calibration inputs: {samples.media['images']} image, "
+                     f"{samples.media['audio']} audio, {samples.media['text_only']} text-only "
+                     f"sample(s) through the model's {samples.media['processor']}")
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
         notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
                      f"--calib-samples {cfg.calib_samples})")

@@ -30,6 +30,12 @@ from fp8export.errors import Fp8ExportError
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                  "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}
+# A ``...ForConditionalGeneration`` is a causal LM over text (and images or audio): the auto
+# class that maps its config to the class ``architectures`` names is the one to build with
+# (AutoModelForCausalLM maps Mllama and Llama 4 to their text-only classes, whose module
+# names differ from the checkpoint's).
+_GENERATIVE_AUTOS = ("AutoModelForCausalLM", "AutoModelForImageTextToText",
+                     "AutoModelForSpeechSeq2Seq")
 # Keys transformers would act on that a checkpoint must not choose for us: which code to import
 # and from where, and an attention kernel that may not be installed (we pick sdpa/eager).
 _DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "name_or_path",
@@ -181,7 +187,8 @@ def missing_tensors(model, present) -> list[str]:
     return [name for name in model.state_dict()
             if name not in present and not name.endswith(REBUILT_BUFFERS)
             and not any(a in present for a in alias_of.get(name, ()))
-            and not (tie and name.endswith(("lm_head.weight", "decoder.weight")))]
+            and not (tie and name.endswith(("lm_head.weight", "decoder.weight",
+                                                      "proj_out.weight")))]
 
 
 def weight_conversions(model) -> tuple[list, list]:
@@ -333,10 +340,12 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
     where = config_file(source)
     task = task_of(config)
     auto_name = _AUTO_CLASSES[task]
-    auto = getattr(transformers, auto_name)
     if shapes is not None:
         _check_counts(config, list(shapes), where)
     cfg = hf_config(config, source)
+    if task == "causal-lm":
+        auto_name = _generative_auto(cfg, (config.get("architectures") or [""])[0])
+    auto = getattr(transformers, auto_name)
     if type(cfg) not in auto._model_mapping:
         _refuse_remote_code(config, where, (auto_name,),
                             f"building {config.get('model_type')} as {auto_name}")
@@ -354,6 +363,46 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
         if meta:
             return on_meta.eval()
     return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
+
+
+def _generative_auto(cfg, arch: str) -> str:
+    """The auto class of ``_GENERATIVE_AUTOS`` that builds ``arch`` for ``cfg`` (else the
+    first that knows the config; AutoModelForCausalLM when none does)."""
+    import transformers
+
+    known = []
+    for name in _GENERATIVE_AUTOS:
+        auto = getattr(transformers, name, None)
+        if auto is None or type(cfg) not in auto._model_mapping:
+            continue
+        built = auto._model_mapping[type(cfg)]
+        if any(c.__name__ == arch for c in (built if isinstance(built, (list, tuple))
+                                            else (built,))):
+            return name
+        known.append(name)
+    return known[0] if known else _AUTO_CLASSES["causal-lm"]
+
+
+def model_inputs(model, ids, mask, extras, device) -> dict[str, Any]:
+    """The forward's keyword arguments for one batch: the tokens, and the tensors the model's
+    processor made (pixels, audio features). An encoder-decoder (Whisper) reads the tokens as
+    its decoder's and needs its encoder's input from the data."""
+    dtype = getattr(model, "dtype", None)
+    extras = {k: (v.to(device, dtype=dtype if v.is_floating_point() and dtype else v.dtype)
+                  if isinstance(v, torch.Tensor) else v) for k, v in (extras or {}).items()}
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return {"input_ids": ids, "attention_mask": mask, **extras}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids" and main not in extras:
+        arch = type(model).__name__
+        what = "audio" if main == "input_features" else main
+        raise Fp8ExportError(
+            f"{arch} is an encoder-decoder whose encoder reads {what}, and the data holds text "
+            "only. Give the data as .jsonl lines with an 'audio' path (relative to the data "
+            "file) and the transcript as 'text', e.g. {\"audio\": \"clip.wav\", \"text\": "
+            "\"...\"}.")
+    return {**extras, "decoder_input_ids": ids, "decoder_attention_mask": mask}
 
 
 def _refuse_quantized(ckpt, path: Path) -> None:

@@ -55,7 +55,8 @@ def compare(session: Session, inputs: Inputs) -> Compared:
                               total=num_batches(samples, cfg.batch_size),
                               desc=f"comparing logits on {len(samples)} sample(s)", unit="batch"):
             feed = {"input_ids": batch.input_ids.numpy(),
-                    "attention_mask": batch.attention_mask.numpy()}
+                    "attention_mask": batch.attention_mask.numpy(),
+                    **{k: v.numpy() for k, v in (batch.extras or {}).items()}}
             if probe is not None:
                 probe.set_mask(batch.attention_mask)
             ref_logits = class_logits(first_output(ref.infer(feed), "the reference"), head)
