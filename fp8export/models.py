@@ -356,6 +356,7 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
              f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
              "(trust_remote_code=False).")
     arch = (config.get("architectures") or [config.get("model_type")])[0]
+    _refuse_broken_forward(arch, where)
     if shapes is not None or meta:
         on_meta = _build(auto, cfg, dtype, where, arch, meta=True)
         if shapes is not None:
@@ -363,6 +364,29 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
         if meta:
             return on_meta.eval()
     return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
+
+
+def _refuse_broken_forward(arch: str, where: Path) -> None:
+    """Architectures whose forward this transformers cannot run: one line instead of a
+    traceback. Llama 4's ``ForConditionalGeneration.forward`` (transformers 5.2x) builds its
+    output from a field its language model never returns (``image_outputs``)."""
+    if arch != "Llama4ForConditionalGeneration":
+        return
+    import inspect
+
+    import transformers
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.models.llama4 import modeling_llama4
+
+    source = inspect.getsource(modeling_llama4.Llama4ForConditionalGeneration.forward)
+    if "outputs.image_outputs" in source and \
+            "image_outputs" not in MoeCausalLMOutputWithPast.__dataclass_fields__:
+        raise Fp8ExportError(
+            f"{where}: transformers {transformers.__version__} cannot run "
+            "Llama4ForConditionalGeneration (its forward reads 'image_outputs', which its "
+            "language model does not return), and calibrate, verify and export-onnx run the "
+            "model through transformers. Convert with --scales weights (no forward needed) and "
+            "verify with a transformers release whose Llama 4 forward runs.")
 
 
 def _generative_auto(cfg, arch: str) -> str:

@@ -139,8 +139,12 @@ def open_processor(model_dir: Path):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True,
-                                             trust_remote_code=False)
+        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True,
+                                                  trust_remote_code=False)
+        if not any(hasattr(processor, a) for a in ("image_processor", "feature_extractor")):
+            # AutoProcessor falls back to the tokenizer alone, which drops the media silently
+            raise ValueError("no image processor or feature extractor in the folder")
+        return processor
     except Exception as exc:
         raise Fp8ExportError(
             f"{model_dir}: images/audio in the data need the model's processor, and it cannot "

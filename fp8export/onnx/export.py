@@ -155,7 +155,7 @@ def build_torch_model(folder, dtype):
     import torch
 
     from fp8export.models import empty_model, hf_state, missing_tensors
-    from fp8export.moe import unfuse_experts
+    from fp8export.moe import stores_fused_experts, unfuse_experts
 
     model = empty_model(folder.config, folder.path, dtype=dtype,
                         shapes=folder.tensors.shapes())
@@ -180,7 +180,8 @@ def build_torch_model(folder, dtype):
         model.tie_weights()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
+    if not stores_fused_experts(loadable):  # 3-D experts stay transformers' (bf16) module
+        unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
     return model.eval().requires_grad_(False).to(torch.device("cpu"))
 
 

@@ -171,3 +171,28 @@ def _whisper_processor():
 
 
 PROCESSORS = {"llava": _llava_processor, "whisper": _whisper_processor}
+
+
+def write_media(folder: Path, n: int = 12) -> Path:
+    """Images and audio clips (seeded noise and tones) with JSONL files naming them."""
+    import json
+
+    import numpy as np
+    import soundfile as sf
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    lines = (TOKENIZER.parent / "data" / "calib.txt").read_text(encoding="utf-8").splitlines()
+    images, audio = [], []
+    t = np.arange(int(16000 * 0.8)) / 16000
+    for i in range(n):
+        pixels = (rng.random((24 + 4 * i, 40, 3)) * 255).astype("uint8")
+        Image.fromarray(pixels).save(folder / f"img{i}.png")
+        tone = 0.3 * np.sin(2 * np.pi * (200 + 50 * i) * t) + 0.05 * rng.standard_normal(len(t))
+        sf.write(folder / f"a{i}.wav", tone.astype("float32"), 16000)
+        images.append({"text": lines[i][:80], "image": f"img{i}.png"})
+        audio.append({"text": lines[i][:80], "audio": f"a{i}.wav"})
+    images.append({"text": lines[n]})
+    for name, records in (("images.jsonl", images), ("audio.jsonl", audio)):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
