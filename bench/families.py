@@ -3,6 +3,8 @@
 ONNX graph's accuracy against the bf16 checkpoint, and the time of each step.
 
     python bench/families.py            # every family of tests/families/model_families.py
+    python bench/families.py --next     # the newer families (next_families.py): every
+                                        # command, each a result or its Error line
 
 Each family's tiny random model is built and saved by transformers (``save_family``), then
 ``convert --scales calibrate`` (32 calibration lines, 64 tokens), ``export-onnx`` (fp32) and
@@ -26,6 +28,7 @@ for p in (REPO, REPO / "tests" / "families"):
         sys.path.insert(0, str(p))
 
 from model_families import FAMILIES, save_family  # noqa: E402
+from next_families import NEXT_FAMILIES, save_next, write_media  # noqa: E402
 from test_family_matrix import THRESHOLDS  # noqa: E402
 
 from bench._common import machine_info  # noqa: E402
@@ -72,7 +75,117 @@ def run(family: str, work: Path) -> dict:
     return row
 
 
+# the data each newer family runs on: text for language towers, images / audio where the
+# model's processor is saved with it (LLaVA, Whisper)
+NEXT_DATA = {"whisper": "audio.jsonl"}
+STEPS = ("convert (weights)", "convert (calibrated)", "calibrate", "verify", "inspect",
+         "export-onnx", "verify onnx")
+
+
+def run_next(family: str, work: Path, media: Path) -> dict:
+    """Every command on one newer family: per step ``ok`` with its numbers, or the Error
+    line fp8export printed (``Fp8ExportError``), or the crash (a bug)."""
+    from fp8export.api import calibrate, convert, export_onnx, inspect, verify
+    from fp8export.calibration.config import CalibrateConfig
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.errors import Fp8ExportError, VerificationFailed
+    from fp8export.onnx.export import ExportOnnxConfig
+    from fp8export.verify.config import VerifyConfig
+
+    src = save_next(family, work / "src")
+    data = media / NEXT_DATA[family] if family in NEXT_DATA else DATA / "calib.txt"
+    eval_data = media / NEXT_DATA[family] if family in NEXT_DATA else DATA / "eval.txt"
+    thresholds = work / "thresholds.json"
+    thresholds.write_text(json.dumps(THRESHOLDS))
+    fp8 = work / "fp8"
+
+    def check(cand):
+        try:
+            res = verify(VerifyConfig(reference=src, candidate=cand, data=eval_data, samples=8,
+                                      seq_len=64, report_dir=work / f"r-{cand.name}",
+                                      noise_floor=False, device="cpu",
+                                      thresholds=str(thresholds)))
+        except VerificationFailed as exc:
+            res = exc.result
+        return {"kl_mean": res.metrics["kl_mean"], "top1": res.metrics["top1_agreement"],
+                "passed": res.passed}
+
+    steps = {
+        "convert (weights)": lambda: _quantized(convert(ConvertConfig(
+            checkpoint=src, output=work / "w", scales="weights")).output),
+        "convert (calibrated)": lambda: _quantized(convert(ConvertConfig(
+            checkpoint=src, output=fp8, scales="calibrate", calib_data=data, calib_samples=32,
+            seq_len=64)).output),
+        "calibrate": lambda: len(calibrate(CalibrateConfig(
+            checkpoint=src, calib_data=data, output=work / "amax.json", calib_samples=32,
+            seq_len=64)).amax),
+        "verify": lambda: check(fp8),
+        "inspect": lambda: len(inspect(fp8).tensors),
+        "export-onnx": lambda: len(export_onnx(ExportOnnxConfig(
+            fp8_dir=fp8, output=work / "m.onnx", dtype="fp32")).fp8_gemms),
+        "verify onnx": lambda: check(work / "m.onnx"),
+    }
+    row = {"family": family, "model_type": NEXT_FAMILIES[family][0],
+           "data": data.name, "steps": {}}
+    for step in STEPS:
+        t0 = time.perf_counter()
+        try:
+            out = {"result": "ok", "value": steps[step]()}
+        except Fp8ExportError as exc:
+            out = {"result": "Error", "message": str(exc).splitlines()[0][:400]}
+        except Exception as exc:  # a crash is a bug: recorded as such, not hidden
+            out = {"result": "crash", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+        row["steps"][step] = out
+        print(f"{family:13s} {step:22s} {out['result']:5s} {out['seconds']:7.1f} s  "
+              f"{out.get('value', out.get('message', ''))}", flush=True)
+    return row
+
+
+def _quantized(folder) -> int:
+    return len(json.loads((Path(folder) / "fp8export.json").read_text())["quantized"])
+
+
+def _cell(step: dict) -> str:
+    if step["result"] != "ok":
+        return f"{step['result']}: {step['message'][:90]}"
+    v = step["value"]
+    if isinstance(v, dict):
+        return f"KL {v['kl_mean']:.1e}, top-1 {v['top1']:.2f}{'' if v['passed'] else ' FAIL'}"
+    return f"ok ({v})"
+
+
+def main_next() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        machine = machine_info(Path(tmp))
+        (Path(tmp) / "media").mkdir()
+        media = write_media(Path(tmp) / "media")
+        for family in NEXT_FAMILIES:
+            rows.append(run_next(family, Path(tmp) / family, media))
+    out = REPO / "bench" / "results"
+    (out / "families_next.json").write_text(
+        json.dumps({"machine": machine, "rows": rows}, indent=2, sort_keys=True) + "\n")
+    lines = ["# Newer families (bench/families.py --next)", "",
+             "Tiny random models saved by transformers (tests/families/next_families.py); every "
+             "command per family: `ok` (number of FP8 linears, amaxes, ONNX FP8 GEMMs), verify's "
+             "KL / top-1 against bf16 (8 samples, 64 tokens, CPU; the matrix's thresholds), or "
+             "the `Error:` line fp8export prints. Data: calib.txt / eval.txt (the language "
+             "tower), Whisper: audio.jsonl (0.8 s clips + transcripts through its processor).",
+             "", "| family | " + " | ".join(STEPS) + " | seconds |",
+             "|---|" + "---|" * (len(STEPS) + 1)]
+    for r in rows:
+        total = sum(s["seconds"] for s in r["steps"].values())
+        lines.append(f"| {r['family']} | " + " | ".join(_cell(r["steps"][s]) for s in STEPS)
+                     + f" | {total:.0f} |")
+    (out / "families_next.md").write_text("\n".join(lines) + "\n")
+    print("wrote", out / "families_next.json", "and", out / "families_next.md")
+
+
 def main() -> None:
+    if "--next" in sys.argv[1:]:
+        main_next()
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         machine = machine_info(Path(tmp))
