@@ -74,12 +74,14 @@ def test_next_family_pipeline(family, next_dir, tmp_path):
     _convert(src, fp8)
     manifest = json.loads((fp8 / "fp8export.json").read_text())
     quantized = manifest["quantized"]
-    assert quantized and manifest["activation_scheme"] == "static"
+    # text alone never reaches Mllama's cross-attention layer: dynamic there, said in a note
+    assert quantized and manifest["activation_scheme"] == ("mixed" if family == "mllama"
+                                                           else "static")
     ignore = json.loads((fp8 / "config.json").read_text())["quantization_config"]["ignore"]
     assert any(KEPT[family] in m for m in ignore), (family, ignore)
     assert not any(KEPT[family] in m for m in quantized)
     calibrated = {m for m, e in quantized.items() if e["input_scale_source"] == "calibration"}
-    if family == "mllama":  # text alone never reaches the cross-attention layer
+    if family == "mllama":
         assert calibrated == {m for m in quantized if ".layers.1." not in m}
     else:
         assert calibrated == set(quantized)
