@@ -180,7 +180,8 @@ def build_torch_model(folder, dtype):
         model.tie_weights()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    if not stores_fused_experts(loadable):  # 3-D experts stay transformers' (bf16) module
+    # the names on disk: hf_state fuses per-expert tensors into 3-D ones on load
+    if not stores_fused_experts(folder.tensors):  # 3-D experts stay transformers' module
         unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
     return model.eval().requires_grad_(False).to(torch.device("cpu"))
 

@@ -13,6 +13,7 @@ here it runs for one VLM and DeepSeek-V3.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from next_families import NEXT_FAMILIES, VLM_FAMILIES
@@ -23,10 +24,11 @@ from tests.conftest import REPO
 DATA = REPO / "samples" / "tiny-llama" / "data"
 RUNS = [f for f in NEXT_FAMILIES if f not in ("llama4", "whisper")]
 # what each family keeps in high precision by default, by a name of the module's path
-KEPT = {"qwen2.5-vl": "visual.", "qwen3-vl": "visual.", "qwen3-vl-moe": "visual.",
-        "gemma3-vl": "vision_tower.", "mllama": "multi_modal_projector", "llava": "vision_tower.",
-        "idefics3": "connector.", "deepseek-v3": "mlp.gate", "gpt-oss": "mlp.router",
-        "qwen3-next": "linear_attn.", "jamba": "mamba.dt_proj"}
+KEPT = {"qwen2.5-vl": r"\bvisual\.", "qwen3-vl": r"\bvisual\.", "qwen3-vl-moe": r"\bvisual\.",
+        "gemma3-vl": r"\bvision_tower\.", "mllama": r"\bmulti_modal_projector$",
+        "llava": r"\bvision_tower\.", "idefics3": r"\bconnector\.", "deepseek-v3": r"\.mlp\.gate$",
+        "gpt-oss": r"\.mlp\.router$", "qwen3-next": r"\.linear_attn\.",
+        "jamba": r"\.mamba\.dt_proj$"}
 
 
 def _convert(src, out, data=DATA / "calib.txt", samples=16, **kw):
@@ -41,6 +43,7 @@ def _verify(src, cand, tmp_path, data=DATA / "eval.txt", samples=8):
     from fp8export.api import verify
     from fp8export.verify.config import VerifyConfig
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     thresholds = tmp_path / "thresholds.json"
     thresholds.write_text(json.dumps(THRESHOLDS))
     return verify(VerifyConfig(reference=src, candidate=cand, data=data, samples=samples,
@@ -78,8 +81,8 @@ def test_next_family_pipeline(family, next_dir, tmp_path):
     assert quantized and manifest["activation_scheme"] == ("mixed" if family == "mllama"
                                                            else "static")
     ignore = json.loads((fp8 / "config.json").read_text())["quantization_config"]["ignore"]
-    assert any(KEPT[family] in m for m in ignore), (family, ignore)
-    assert not any(KEPT[family] in m for m in quantized)
+    assert any(re.search(KEPT[family], m) for m in ignore), (family, ignore)
+    assert not any(re.search(KEPT[family], m) for m in quantized)
     calibrated = {m for m, e in quantized.items() if e["input_scale_source"] == "calibration"}
     if family == "mllama":
         assert calibrated == {m for m in quantized if ".layers.1." not in m}
@@ -89,8 +92,9 @@ def test_next_family_pipeline(family, next_dir, tmp_path):
     assert res.passed, (family, res.failures)
     calls = _fp8_calls(fp8, list(range(3, 40)))
     ran = {n for n, c in calls.items() if c}
-    assert ran == set(calls) if family != "mllama" else \
-        ran == {n for n in calls if "cross_attn" not in n}, sorted(set(calls) - ran)
+    # Mllama's cross-attention decoder layer (layer 1) is skipped whole on text alone
+    expected = {n for n in calls if family != "mllama" or ".layers.1." not in n}
+    assert ran == expected, sorted(set(calls) - ran)
 
 
 def test_mla_and_cross_attention_groups(next_dir):
