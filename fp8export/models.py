@@ -224,6 +224,28 @@ def module_names(model, modules) -> dict[str, str]:
             for m in modules}
 
 
+def loader_linear_names(config: dict[str, Any], source: Path, modules) -> dict[str, str]:
+    """Checkpoint module name -> the name of the ``nn.Linear`` transformers builds for it, for
+    those of ``modules`` that transformers renames when it loads the folder.
+
+    Composite models only (a ``text_config`` / ``vision_config`` / ``audio_config``):
+    transformers 5 builds Qwen2.5-VL's ``visual.*`` as ``model.visual.*`` and LLaVA's
+    ``vision_tower.*`` and ``language_model.model.*`` as ``model.vision_tower.*`` and
+    ``model.language_model.*``, and compressed-tensors matches a config's ``ignore`` and
+    ``targets`` against those names. A config that names checkpoint modules only (as
+    llm-compressor 0.14 writes it) makes transformers quantize the kept vision tower from
+    bf16 weights with no scales. Empty when transformers cannot build the architecture (then
+    it cannot load the folder either)."""
+    if not any(k in config for k in ("text_config", "vision_config", "audio_config")):
+        return {}
+    try:
+        model = empty_model(config, source, meta=True)
+    except Fp8ExportError:
+        return {}
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {m: n for m, n in module_names(model, modules).items() if n != m and n in linears}
+
+
 def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = False
              ) -> dict[str, Any]:
     """Checkpoint tensors by name -> the model's state dict keys, converted as transformers
@@ -356,7 +378,8 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
              f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
              "(trust_remote_code=False).")
     arch = (config.get("architectures") or [config.get("model_type")])[0]
-    _refuse_broken_forward(arch, where)
+    if not meta:  # names and shapes need no forward
+        _refuse_broken_forward(arch, where)
     if shapes is not None or meta:
         on_meta = _build(auto, cfg, dtype, where, arch, meta=True)
         if shapes is not None:

@@ -54,3 +54,28 @@ def media_data(tmp_path_factory):
     from next_families import write_media
 
     return write_media(tmp_path_factory.mktemp("media"))
+
+
+@pytest.fixture(scope="session")
+def next_fp8(next_dir, media_data, tmp_path_factory):
+    """``next_fp8(name)``: the tiny model of a newer family converted with calibrated static
+    scales (16 lines of text at 64 tokens; Whisper: 8 clips of audio with their transcripts),
+    built once and shared by the pipeline, transformers and peer tests."""
+    from fp8export.api import convert
+    from fp8export.convert.config import ConvertConfig
+    from tests.conftest import SAMPLES
+
+    root = tmp_path_factory.mktemp("next-fp8")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            data = media_data / "audio.jsonl" if name == "whisper" else \
+                SAMPLES / "tiny-llama" / "data" / "calib.txt"
+            convert(ConvertConfig(checkpoint=next_dir(name), output=root / name,
+                                  scales="calibrate", calib_data=data,
+                                  calib_samples=8 if name == "whisper" else 16, seq_len=64))
+            built[name] = root / name
+        return built[name]
+
+    return get

@@ -71,10 +71,8 @@ def _fp8_calls(folder, ids):
 
 
 @pytest.mark.parametrize("family", RUNS)
-def test_next_family_pipeline(family, next_dir, tmp_path):
-    src = next_dir(family)
-    fp8 = tmp_path / "fp8"
-    _convert(src, fp8)
+def test_next_family_pipeline(family, next_dir, next_fp8, tmp_path):
+    src, fp8 = next_dir(family), next_fp8(family)
     manifest = json.loads((fp8 / "fp8export.json").read_text())
     quantized = manifest["quantized"]
     # text alone never reaches Mllama's cross-attention layer: dynamic there, said in a note
@@ -146,11 +144,9 @@ def test_llava_with_images(next_dir, media_data, tmp_path):
                                        "text_only": 0}
 
 
-def test_whisper_with_audio(next_dir, media_data, tmp_path):
+def test_whisper_with_audio(next_dir, next_fp8, media_data, tmp_path):
     """Whisper's encoder and decoder linears in FP8, calibrated on audio + transcripts."""
-    src = next_dir("whisper")
-    fp8 = tmp_path / "fp8"
-    _convert(src, fp8, data=media_data / "audio.jsonl", samples=8)
+    src, fp8 = next_dir("whisper"), next_fp8("whisper")
     quantized = json.loads((fp8 / "fp8export.json").read_text())["quantized"]
     assert "model.encoder.layers.0.fc1" in quantized
     assert "model.decoder.layers.0.encoder_attn.k_proj" in quantized
@@ -179,15 +175,14 @@ def test_llama4_is_refused_by_name(next_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "llava"])
-def test_next_family_onnx(family, next_dir, tmp_path):
+def test_next_family_onnx(family, next_dir, next_fp8, tmp_path):
     from fp8export.api import export_onnx
     from fp8export.onnx.export import ExportOnnxConfig
 
-    src = next_dir(family)
-    _convert(src, tmp_path / "fp8")
-    exported = export_onnx(ExportOnnxConfig(fp8_dir=tmp_path / "fp8",
-                                             output=tmp_path / "m.onnx", dtype="fp32"))
-    quantized = json.loads((tmp_path / "fp8" / "fp8export.json").read_text())["quantized"]
+    src, fp8 = next_dir(family), next_fp8(family)
+    exported = export_onnx(ExportOnnxConfig(fp8_dir=fp8, output=tmp_path / "m.onnx",
+                                             dtype="fp32"))
+    quantized = json.loads((fp8 / "fp8export.json").read_text())["quantized"]
     assert len(exported.fp8_gemms) == len(quantized)
     assert _verify(src, tmp_path / "m.onnx", tmp_path / "v").passed
 
