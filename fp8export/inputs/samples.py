@@ -120,6 +120,19 @@ def check_data_file(path: str | Path) -> Path:
     return p
 
 
+def media_kinds(path: str | Path) -> list[str]:
+    """The media (``image``, ``audio``) the lines of a .jsonl data file name; none for the
+    other formats (a malformed line is :func:`load_samples`' to report)."""
+    from fp8export.inputs.media import media_fields
+
+    p = check_data_file(path)
+    if p.suffix.lower() != ".jsonl":
+        return []
+    with open_input(p, DATA) as f:
+        records = _media_lines(p, f) or []
+    return sorted({k for _, obj in records for k in media_fields(obj)})
+
+
 def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: int | None = None,
                  seq_len: int | None = None, max_positions: int | None = None,
                  vocab_size: int | None = None, num_labels: int | None = None,

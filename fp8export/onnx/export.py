@@ -311,12 +311,32 @@ def trace_model(folder, dtype: OnnxDtype, opset: int):
     finally:
         quiet.setLevel(level)
     model = program.model
+    fixed = fixed_dims(model, dynamic)
+    if fixed:
+        raise Fp8ExportError(
+            f"{folder.path}: torch.onnx (dynamo) traced architecture {arch} with {fixed}: its "
+            "forward loops over the tokens in Python (e.g. a Mamba scan without its kernels), "
+            "so the graph would take inputs of that shape only. Serve the FP8 folder directly "
+            "(vLLM / the torch FP8 runner); verify checks it without ONNX.")
     if model.graph.outputs[0].name != output_name:  # exporter may rename; keep the contract
         model.graph.outputs[0].name = output_name
     longest = wrapped.model.max_positions if keras else max_positions(folder.config)
     if longest:
         model.metadata_props[MAX_POSITIONS_KEY] = str(int(longest))
     return model, output_name, probe_feed(input_names, args)
+
+
+def fixed_dims(model, dynamic: dict) -> str:
+    """The axes ``dynamic`` declared dynamic that the traced ``model`` (an ``onnx_ir.Model``)
+    fixed to a size (the exporter specializes an axis a Python loop runs over), as
+    ``"input_ids sequence = 8"``; empty when every one stayed symbolic."""
+    fixed = []
+    for value in model.graph.inputs:
+        for axis, dim in (dynamic.get(value.name) or {}).items():
+            size = value.shape[axis] if value.shape is not None else None
+            if isinstance(size, int):
+                fixed.append(f"{value.name} {getattr(dim, '__name__', axis)} = {size}")
+    return ", ".join(fixed)
 
 
 def torch_export(folder, dtype: OnnxDtype, opset: int):

@@ -175,7 +175,7 @@ def test_llama4_is_refused_by_name(next_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "llava"])
-def test_next_family_onnx(family, next_dir, next_fp8, tmp_path):
+def test_next_family_onnx(family, next_dir, next_fp8, media_data, run_cli, tmp_path):
     from fp8export.api import export_onnx
     from fp8export.onnx.export import ExportOnnxConfig
 
@@ -185,6 +185,13 @@ def test_next_family_onnx(family, next_dir, next_fp8, tmp_path):
     quantized = json.loads((fp8 / "fp8export.json").read_text())["quantized"]
     assert len(exported.fp8_gemms) == len(quantized)
     assert _verify(src, tmp_path / "m.onnx", tmp_path / "v").passed
+    if family == "llava":  # the graph takes token ids only: image data is refused, not dropped
+        r = run_cli("verify", src, tmp_path / "m.onnx", "--data", media_data / "images.jsonl",
+                    "--report-dir", tmp_path / "r")
+        errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert r.exit_code == 1 and len(errors) == 1, r.output
+        assert "names image files" in errors[0] and "token ids only" in errors[0]
+        assert not (tmp_path / "r").exists()
 
 
 def test_vlm_families_listed():
