@@ -5,6 +5,7 @@ ONNX graph's accuracy against the bf16 checkpoint, and the time of each step.
     python bench/families.py            # every family of tests/families/model_families.py
     python bench/families.py --next     # the newer families (next_families.py): every
                                         # command, each a result or its Error line
+    python bench/families.py --next jamba whisper   # only those rows
 
 Each family's tiny random model is built and saved by transformers (``save_family``), then
 ``convert --scales calibrate`` (32 calibration lines, 64 tokens), ``export-onnx`` (fp32) and
@@ -75,16 +76,22 @@ def run(family: str, work: Path) -> dict:
     return row
 
 
-# the data each newer family runs on: text for language towers, images / audio where the
-# model's processor is saved with it (LLaVA, Whisper)
-NEXT_DATA = {"whisper": "audio.jsonl"}
+# Rows of the newer families: (row, family, calibration/evaluation data). The language tower
+# on text; LLaVA also on images and Whisper on audio, through the processors saved with them.
+NEXT_ROWS = [*((f, f, None) for f in NEXT_FAMILIES if f != "whisper"),
+             ("llava + images", "llava", "images.jsonl"), ("whisper", "whisper", "audio.jsonl")]
 STEPS = ("convert (weights)", "convert (calibrated)", "calibrate", "verify", "inspect",
-         "export-onnx", "verify onnx")
+         "export-onnx", "verify onnx", "transformers")
 
 
-def run_next(family: str, work: Path, media: Path) -> dict:
+def run_next(row: str, family: str, media_file: str | None, work: Path, media: Path) -> dict:
     """Every command on one newer family: per step ``ok`` with its numbers, or the Error
-    line fp8export printed (``Fp8ExportError``), or the crash (a bug)."""
+    line fp8export printed (``Fp8ExportError``), or the crash (a bug). ``transformers``:
+    ``from_pretrained`` of the calibrated folder (else the weights-only one) generating 8
+    tokens next to the bf16 model (``tests/families/hf_generate.py``); an exception there is
+    transformers' own (``upstream``)."""
+    from hf_generate import compare
+
     from fp8export.api import calibrate, convert, export_onnx, inspect, verify
     from fp8export.calibration.config import CalibrateConfig
     from fp8export.convert.config import ConvertConfig
@@ -93,8 +100,8 @@ def run_next(family: str, work: Path, media: Path) -> dict:
     from fp8export.verify.config import VerifyConfig
 
     src = save_next(family, work / "src")
-    data = media / NEXT_DATA[family] if family in NEXT_DATA else DATA / "calib.txt"
-    eval_data = media / NEXT_DATA[family] if family in NEXT_DATA else DATA / "eval.txt"
+    data = media / media_file if media_file else DATA / "calib.txt"
+    eval_data = media / media_file if media_file else DATA / "eval.txt"
     thresholds = work / "thresholds.json"
     thresholds.write_text(json.dumps(THRESHOLDS))
     fp8 = work / "fp8"
@@ -110,6 +117,13 @@ def run_next(family: str, work: Path, media: Path) -> dict:
         return {"kl_mean": res.metrics["kl_mean"], "top1": res.metrics["top1_agreement"],
                 "passed": res.passed}
 
+    def transformers_run():
+        out = compare(family, src, fp8 if fp8.exists() else work / "w", media)
+        return {"kl_mean": out["kl_mean"], "top1": out["top1"], "passed": (
+            out["kl_mean"] <= THRESHOLDS["kl_mean"]
+            and out["top1"] >= THRESHOLDS["top1_agreement"] and not out["missing"]),
+            "same_tokens": f"{out['same_tokens']}/{out['tokens']}"}
+
     steps = {
         "convert (weights)": lambda: _quantized(convert(ConvertConfig(
             checkpoint=src, output=work / "w", scales="weights")).output),
@@ -124,22 +138,24 @@ def run_next(family: str, work: Path, media: Path) -> dict:
         "export-onnx": lambda: len(export_onnx(ExportOnnxConfig(
             fp8_dir=fp8, output=work / "m.onnx", dtype="fp32")).fp8_gemms),
         "verify onnx": lambda: check(work / "m.onnx"),
+        "transformers": transformers_run,
     }
-    row = {"family": family, "model_type": NEXT_FAMILIES[family][0],
-           "data": data.name, "steps": {}}
+    out_row = {"row": row, "family": family, "model_type": NEXT_FAMILIES[family][0],
+               "data": data.name, "steps": {}}
     for step in STEPS:
         t0 = time.perf_counter()
         try:
             out = {"result": "ok", "value": steps[step]()}
         except Fp8ExportError as exc:
             out = {"result": "Error", "message": str(exc).splitlines()[0][:400]}
-        except Exception as exc:  # a crash is a bug: recorded as such, not hidden
-            out = {"result": "crash", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        except Exception as exc:  # a crash is a bug (ours), or transformers' own
+            out = {"result": "upstream" if step == "transformers" else "crash",
+                   "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
         out["seconds"] = round(time.perf_counter() - t0, 2)
-        row["steps"][step] = out
-        print(f"{family:13s} {step:22s} {out['result']:5s} {out['seconds']:7.1f} s  "
+        out_row["steps"][step] = out
+        print(f"{row:15s} {step:22s} {out['result']:5s} {out['seconds']:7.1f} s  "
               f"{out.get('value', out.get('message', ''))}", flush=True)
-    return row
+    return out_row
 
 
 def _quantized(folder) -> int:
@@ -148,38 +164,62 @@ def _quantized(folder) -> int:
 
 def _cell(step: dict) -> str:
     if step["result"] != "ok":
-        return f"{step['result']}: {step['message'][:90]}"
+        return f"{step['result']}: {step['message'][:110]}"
     v = step["value"]
     if isinstance(v, dict):
-        return f"KL {v['kl_mean']:.1e}, top-1 {v['top1']:.2f}{'' if v['passed'] else ' FAIL'}"
+        tokens = f", tokens {v['same_tokens']}" if "same_tokens" in v else ""
+        return (f"KL {v['kl_mean']:.1e}, top-1 {v['top1']:.2f}{tokens}"
+                f"{'' if v['passed'] else ' FAIL'}")
     return f"ok ({v})"
 
 
 def main_next() -> None:
+    import os
+
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="fp8export-bench-") as tmp:
         machine = machine_info(Path(tmp))
         (Path(tmp) / "media").mkdir()
         media = write_media(Path(tmp) / "media")
-        for family in NEXT_FAMILIES:
-            rows.append(run_next(family, Path(tmp) / family, media))
+        only = [a for a in sys.argv[1:] if not a.startswith("--")]
+        for row, family, media_file in NEXT_ROWS:
+            if not only or row in only:
+                rows.append(run_next(row, family, media_file,
+                                     Path(tmp) / row.replace(" ", "_"), media))
+    machine["load_average_at_start"] = [round(x, 1) for x in load]
     out = REPO / "bench" / "results"
     (out / "families_next.json").write_text(
         json.dumps({"machine": machine, "rows": rows}, indent=2, sort_keys=True) + "\n")
     lines = ["# Newer families (bench/families.py --next)", "",
              "Tiny random models saved by transformers (tests/families/next_families.py); every "
-             "command per family: `ok` (number of FP8 linears, amaxes, ONNX FP8 GEMMs), verify's "
-             "KL / top-1 against bf16 (8 samples, 64 tokens, CPU; the matrix's thresholds), or "
-             "the `Error:` line fp8export prints. Data: calib.txt / eval.txt (the language "
-             "tower), Whisper: audio.jsonl (0.8 s clips + transcripts through its processor).",
-             "", "| family | " + " | ".join(STEPS) + " | seconds |",
+             "command per family: `ok` (number of FP8 linears, amaxes, tensors, ONNX FP8 "
+             "GEMMs), verify's KL / top-1 against bf16 (8 samples, 64 tokens, CPU; the "
+             "matrix's thresholds), or the `Error:` line fp8export prints. `transformers`: "
+             "`from_pretrained(folder)` (default configuration, compressed-tensors "
+             f"{_version('compressed_tensors')}) generating 8 greedy tokens beside the bf16 "
+             "model: KL / top-1 of the logits over the bf16 model's sequence and the generated "
+             "tokens that agree. Data: calib.txt / eval.txt (the language tower); `llava + "
+             "images`: images.jsonl (12 PNGs + a text line, through LLaVA's processor); "
+             "Whisper: audio.jsonl (0.8 s clips + transcripts).",
+             "", f"Machine: {machine['cores']} cores, shared (load average "
+             f"{machine['load_average_at_start'][0]} at the start): seconds are wall time "
+             "under that load.", "",
+             "| family | " + " | ".join(STEPS) + " | seconds |",
              "|---|" + "---|" * (len(STEPS) + 1)]
     for r in rows:
         total = sum(s["seconds"] for s in r["steps"].values())
-        lines.append(f"| {r['family']} | " + " | ".join(_cell(r["steps"][s]) for s in STEPS)
+        lines.append(f"| {r['row']} | " + " | ".join(_cell(r["steps"][s]) for s in STEPS)
                      + f" | {total:.0f} |")
     (out / "families_next.md").write_text("\n".join(lines) + "\n")
     print("wrote", out / "families_next.json", "and", out / "families_next.md")
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "not installed"
 
 
 def main() -> None:

@@ -18,41 +18,11 @@ import json
 
 import pytest
 import torch
+from hf_generate import NEW_TOKENS, generate, kl_top1, load, logits, prompt
 from next_families import NEXT_FAMILIES
 from test_family_matrix import THRESHOLDS
 
 LOADS = [f for f in NEXT_FAMILIES if f != "llama4"]
-NEW_TOKENS = 8
-
-
-def _load(folder):
-    import transformers
-
-    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
-    model, info = getattr(transformers, arch).from_pretrained(folder, output_loading_info=True)
-    return model.eval(), info
-
-
-def _kl_top1(ref: torch.Tensor, cand: torch.Tensor) -> tuple[float, float]:
-    ref, cand = ref.float().log_softmax(-1), cand.float().log_softmax(-1)
-    kl = torch.nn.functional.kl_div(cand, ref, log_target=True, reduction="none").sum(-1)
-    return kl.mean().item(), (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
-
-
-def _inputs(family, next_dir, media_data):
-    """The prompt: token ids (and, for Whisper, the features of one audio clip)."""
-    ids = torch.tensor([list(range(5, 21))])
-    if family != "whisper":
-        return {"input_ids": ids}
-    from transformers import AutoProcessor
-
-    from fp8export.inputs.media import load_audio
-
-    audio, rate = load_audio(media_data / "a0.wav", media_data, "a0.wav")
-    feats = AutoProcessor.from_pretrained(next_dir(family)).feature_extractor(
-        audio, sampling_rate=rate, return_tensors="pt")
-    return {"input_features": feats["input_features"].to(torch.bfloat16),
-            "decoder_input_ids": ids[:, :4]}
 
 
 def _from_fp8(key: str, modules) -> bool:
@@ -62,18 +32,11 @@ def _from_fp8(key: str, modules) -> bool:
     return any(m == parent or m.startswith(f"{parent}.") for m in modules)
 
 
-def _logits(model, inputs, seq):
-    with torch.no_grad():
-        if "input_features" in inputs:
-            return model(input_features=inputs["input_features"], decoder_input_ids=seq).logits
-        return model(input_ids=seq).logits
-
-
 @pytest.mark.parametrize("family", LOADS)
 def test_from_pretrained_generates_like_bf16(family, next_dir, next_fp8, media_data):
     src, fp8 = next_dir(family), next_fp8(family)
-    ref, _ = _load(src)
-    model, info = _load(fp8)
+    ref, _ = load(src)
+    model, info = load(fp8)
     assert not info["missing_keys"], info
     # transformers builds MoE experts as 3-D parameters: it dequantizes their FP8 weights into
     # them and has no use for their static input scales (vLLM runs them in FP8)
@@ -87,26 +50,22 @@ def test_from_pretrained_generates_like_bf16(family, next_dir, next_fp8, media_d
 
     expected = {n for n in module_names(model, manifest["quantized"]).values() if n in linears}
     assert quantized == expected, sorted(quantized ^ expected)[:6]
-    inputs = _inputs(family, next_dir, media_data)
-    prompt = inputs.get("decoder_input_ids", inputs.get("input_ids"))
+    inputs = prompt(family, src, media_data)
     kept = ref.state_dict()
-    with torch.no_grad():
-        seq = ref.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                           do_sample=False)
-        if family == "whisper":
-            # compressed-tensors decompresses on the model's first forward (a pre-hook on the
-            # top module); Whisper's generate calls the encoder first, which then multiplies
-            # bf16 by the E4M3 codes. Upstream, for any compressed-tensors FP8 Whisper
-            # (llm-compressor's too): one forward call first, as users must.
-            with pytest.raises(RuntimeError, match="same dtype"):
-                model.generate(**inputs, max_new_tokens=1)
-            _logits(model, inputs, prompt)
-        ours = model.generate(**inputs, max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False)
-        state = model.state_dict()  # after the first forward: decompressed
+    seq = generate(ref, inputs)
+    if family == "whisper":
+        # compressed-tensors decompresses on the model's first forward (a pre-hook on the top
+        # module); Whisper's generate calls the encoder first, which then multiplies bf16 by
+        # the E4M3 codes. Upstream, for any compressed-tensors FP8 Whisper (llm-compressor's
+        # too): one forward call first, as users must.
+        with pytest.raises(RuntimeError, match="same dtype"):
+            generate(model, inputs, 1)
+        logits(model, inputs, inputs["decoder_input_ids"])
+    ours = generate(model, inputs)
+    state = model.state_dict()  # after the first forward: decompressed
     # Whisper's generate returns the new tokens without the decoder prompt
     assert seq.shape == ours.shape and seq.shape[1] >= NEW_TOKENS
-    kl, top1 = _kl_top1(_logits(ref, inputs, seq), _logits(model, inputs, seq))
+    kl, top1 = kl_top1(logits(ref, inputs, seq), logits(model, inputs, seq))
     assert kl <= THRESHOLDS["kl_mean"] and top1 >= THRESHOLDS["top1_agreement"], \
         (family, kl, top1)
     fp8_modules = module_names(model, manifest["quantized"]).values()
@@ -121,11 +80,11 @@ def test_llava_with_an_image_as_transformers_loads_it(next_dir, next_fp8, media_
     from transformers import AutoProcessor
 
     src = next_dir("llava")
-    ref, _ = _load(src)
-    model, _ = _load(next_fp8("llava"))
+    ref, _ = load(src)
+    model, _ = load(next_fp8("llava"))
     image = Image.open(media_data / "img3.png").convert("RGB")
     inputs = AutoProcessor.from_pretrained(src)(text=["<image>a photo of"], images=[image],
                                                 return_tensors="pt")
     with torch.no_grad():
-        kl, top1 = _kl_top1(ref(**inputs).logits, model(**inputs).logits)
+        kl, top1 = kl_top1(ref(**inputs).logits, model(**inputs).logits)
     assert kl <= THRESHOLDS["kl_mean"] and top1 >= THRESHOLDS["top1_agreement"], (kl, top1)
