@@ -16,20 +16,23 @@ opener refuses anything else). Every file is bounded before it is decoded:
   :data:`MAX_AUDIO_CHANNELS`, and reads at most that many frames whatever the header says.
 
 Pillow comes with the core install (matplotlib depends on it); soundfile is the ``audio``
-extra, named in the error when missing. Processors run in this process (``trust_remote_code``
-False, local files only). Each sample is its own batch (images give different numbers of
-tokens and patches); the tensors the processor makes besides ``input_ids`` /
-``attention_mask`` travel in :attr:`Samples.extras`.
+extra, named in the error when missing. The processor is loaded from a private copy of its
+files made through the guarded opener (:func:`open_processor`) and runs in this process.
+Each sample is its own batch (images give different numbers of tokens and patches); the
+tensors the processor makes besides ``input_ids`` / ``attention_mask`` travel in
+:attr:`Samples.extras`.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fp8export.errors import Fp8ExportError
-from fp8export.io.guarded import FileKind, MiB, read_input
+from fp8export.io.guarded import CONFIG, FileKind, MiB, parse_json, read_input
 
 IMAGE = FileKind("image file", 64 * MiB)
 AUDIO = FileKind("audio file", 256 * MiB)
@@ -41,6 +44,9 @@ MAX_AUDIO_CHANNELS = 8
 MAX_SAMPLE_RATE = 384_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MEDIA_KEYS = ("image", "audio")
+# what processors read besides the tokenizer's files (copied as the tokenizer's are)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja")
 WHISPER_RATE = 16_000
 
 
@@ -135,22 +141,54 @@ def _resample(x, rate: int, target: int):
 
 
 def open_processor(model_dir: Path):
-    """The model's own processor (``AutoProcessor``, local files only, no remote code)."""
+    """The model's own processor (``AutoProcessor``), loaded as the tokenizer is: from a
+    private copy of its files made through the guarded opener (regular files inside the model
+    folder, size capped, JSON limits; the tokenizer checked as :mod:`~fp8export.inputs.
+    tokenizer` checks it; keys that name code or other files dropped), local files only, no
+    remote code. It runs in this process; the media it reads are bounded before decoding."""
+    import tempfile
+
     from transformers import AutoProcessor
 
+    from fp8export.inputs.tokenizer import private_copy
+
+    model_dir = Path(model_dir)
     try:
-        processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True,
-                                                  trust_remote_code=False)
+        with tempfile.TemporaryDirectory(prefix="fp8export-processor-") as tmp:
+            private_copy(model_dir, Path(tmp))
+            for name in PROCESSOR_FILES:
+                _copy_processor_file(model_dir, Path(tmp), name)
+            processor = AutoProcessor.from_pretrained(tmp, local_files_only=True,
+                                                      trust_remote_code=False)
         if not any(hasattr(processor, a) for a in ("image_processor", "feature_extractor")):
             # AutoProcessor falls back to the tokenizer alone, which drops the media silently
             raise ValueError("no image processor or feature extractor in the folder")
         return processor
+    except Fp8ExportError:
+        raise
     except Exception as exc:
         raise Fp8ExportError(
             f"{model_dir}: images/audio in the data need the model's processor, and it cannot "
             f"be loaded ({type(exc).__name__}: {str(exc)[:200]}). Put the processor's files "
             "(preprocessor_config.json, processor_config.json) beside the model, or use "
             "text-only data for the language tower.") from None
+
+
+def _copy_processor_file(folder: Path, private: Path, name: str) -> None:
+    src = folder / name
+    if not os.path.lexists(src):
+        return
+    raw = read_input(src, CONFIG, root=folder)
+    if name.endswith(".json"):
+        doc = parse_json(raw, src, name)
+        if not isinstance(doc, dict):
+            raise Fp8ExportError(f"{src}: must hold a JSON object. Save the processor again "
+                                 "(processor.save_pretrained).")
+        doc = {k: v for k, v in doc.items()
+               if k not in ("auto_map", "name_or_path", "_name_or_path")
+               and not k.endswith(("_file", "_files"))}
+        raw = json.dumps(doc).encode()
+    (private / name).write_bytes(raw)
 
 
 def _prompt(processor, text: str) -> str:

@@ -196,3 +196,29 @@ def test_next_family_onnx(family, next_dir, next_fp8, media_data, run_cli, tmp_p
 
 def test_vlm_families_listed():
     assert set(VLM_FAMILIES) <= set(NEXT_FAMILIES)
+
+
+def test_processor_loads_from_a_private_copy(next_dir, tmp_path):
+    """The processor's files are read through the guarded opener, as the tokenizer's: a link
+    out of the model folder is refused, and an auto_map naming code in the folder is dropped
+    (the class transformers ships loads; the code never runs)."""
+    import shutil
+
+    from fp8export.errors import Fp8ExportError
+    from fp8export.inputs.media import open_processor
+
+    model = tmp_path / "model"
+    shutil.copytree(next_dir("llava"), model, ignore=shutil.ignore_patterns("*.safetensors"))
+    marker = tmp_path / "ran"
+    (model / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                   "from transformers import LlavaProcessor as EvilProcessor\n")
+    config = json.loads((model / "processor_config.json").read_text())
+    config["auto_map"] = {"AutoProcessor": "evil.EvilProcessor"}
+    (model / "processor_config.json").write_text(json.dumps(config))
+    assert type(open_processor(model)).__name__ == "LlavaProcessor"
+    assert not marker.exists()
+    outside = tmp_path / "outside.json"
+    (model / "processor_config.json").rename(outside)
+    (model / "processor_config.json").symlink_to(outside)
+    with pytest.raises(Fp8ExportError, match="processor_config.json"):
+        open_processor(model)
