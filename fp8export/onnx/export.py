@@ -181,8 +181,12 @@ def build_torch_model(folder, dtype):
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     # the names on disk: hf_state fuses per-expert tensors into 3-D ones on load
-    if not stores_fused_experts(folder.tensors):  # 3-D experts stay transformers' module
+    if not stores_fused_experts(folder.tensors):
         unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
+    elif hasattr(model, "set_experts_implementation"):
+        # 3-D experts stay transformers' (bf16) module; its batched_mm form gathers each
+        # token's experts and traces, its default grouped_mm has no ONNX lowering
+        model.set_experts_implementation("batched_mm")
     return model.eval().requires_grad_(False).to(torch.device("cpu"))
 
 
