@@ -18,6 +18,7 @@ agreement is mostly ties; KL is the number to read.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -82,6 +83,7 @@ NEXT_ROWS = [*((f, f, None) for f in NEXT_FAMILIES if f != "whisper"),
              ("llava + images", "llava", "images.jsonl"), ("whisper", "whisper", "audio.jsonl")]
 STEPS = ("convert (weights)", "convert (calibrated)", "calibrate", "verify", "inspect",
          "export-onnx", "verify onnx", "transformers")
+FOLDER_STEPS = ("verify", "inspect", "export-onnx", "transformers")
 
 
 def run_next(row: str, family: str, media_file: str | None, work: Path, media: Path) -> dict:
@@ -117,8 +119,11 @@ def run_next(row: str, family: str, media_file: str | None, work: Path, media: P
         return {"kl_mean": res.metrics["kl_mean"], "top1": res.metrics["top1_agreement"],
                 "passed": res.passed}
 
+    def folder():  # the calibrated folder; the weights-only one where calibration is refused
+        return fp8 if fp8.exists() else work / "w"
+
     def transformers_run():
-        out = compare(family, src, fp8 if fp8.exists() else work / "w", media)
+        out = compare(family, src, folder(), media)
         return {"kl_mean": out["kl_mean"], "top1": out["top1"], "passed": (
             out["kl_mean"] <= THRESHOLDS["kl_mean"]
             and out["top1"] >= THRESHOLDS["top1_agreement"] and not out["missing"]),
@@ -133,10 +138,10 @@ def run_next(row: str, family: str, media_file: str | None, work: Path, media: P
         "calibrate": lambda: len(calibrate(CalibrateConfig(
             checkpoint=src, calib_data=data, output=work / "amax.json", calib_samples=32,
             seq_len=64)).amax),
-        "verify": lambda: check(fp8),
-        "inspect": lambda: len(inspect(fp8).tensors),
+        "verify": lambda: check(folder()),
+        "inspect": lambda: len(inspect(folder()).tensors),
         "export-onnx": lambda: len(export_onnx(ExportOnnxConfig(
-            fp8_dir=fp8, output=work / "m.onnx", dtype="fp32")).fp8_gemms),
+            fp8_dir=folder(), output=work / "m.onnx", dtype="fp32")).fp8_gemms),
         "verify onnx": lambda: check(work / "m.onnx"),
         "transformers": transformers_run,
     }
@@ -144,6 +149,9 @@ def run_next(row: str, family: str, media_file: str | None, work: Path, media: P
                "data": data.name, "steps": {}}
     for step in STEPS:
         t0 = time.perf_counter()
+        if step == "verify onnx" and not (work / "m.onnx").exists():
+            out_row["steps"][step] = {"result": "not run", "message": "no graph", "seconds": 0}
+            continue
         try:
             out = {"result": "ok", "value": steps[step]()}
         except Fp8ExportError as exc:
@@ -152,6 +160,8 @@ def run_next(row: str, family: str, media_file: str | None, work: Path, media: P
             out = {"result": "upstream" if step == "transformers" else "crash",
                    "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
         out["seconds"] = round(time.perf_counter() - t0, 2)
+        if step in FOLDER_STEPS and not fp8.exists() and (work / "w").exists():
+            out["folder"] = "weights-only"
         out_row["steps"][step] = out
         print(f"{row:15s} {step:22s} {out['result']:5s} {out['seconds']:7.1f} s  "
               f"{out.get('value', out.get('message', ''))}", flush=True)
@@ -163,14 +173,16 @@ def _quantized(folder) -> int:
 
 
 def _cell(step: dict) -> str:
-    if step["result"] != "ok":
-        return f"{step['result']}: {step['message'][:110]}"
+    which = " (weights-only folder)" if step.get("folder") else ""
+    if step["result"] != "ok":  # the Error line without its temporary path
+        message = re.sub(r"^/\S+: ", "", step["message"]).replace("|", "/")
+        return f"{step['result']}{which}: {message[:170]}"
     v = step["value"]
     if isinstance(v, dict):
         tokens = f", tokens {v['same_tokens']}" if "same_tokens" in v else ""
         return (f"KL {v['kl_mean']:.1e}, top-1 {v['top1']:.2f}{tokens}"
-                f"{'' if v['passed'] else ' FAIL'}")
-    return f"ok ({v})"
+                f"{'' if v['passed'] else ' FAIL'}{which}")
+    return f"ok ({v}){which}"
 
 
 def main_next() -> None:
@@ -201,7 +213,9 @@ def main_next() -> None:
              "model: KL / top-1 of the logits over the bf16 model's sequence and the generated "
              "tokens that agree. Data: calib.txt / eval.txt (the language tower); `llava + "
              "images`: images.jsonl (12 PNGs + a text line, through LLaVA's processor); "
-             "Whisper: audio.jsonl (0.8 s clips + transcripts).",
+             "Whisper: audio.jsonl (0.8 s clips + transcripts). Where the calibrated convert is "
+             "refused, verify, inspect, export-onnx and transformers take the weights-only "
+             "folder (marked); `not run`: no graph to verify.",
              "", f"Machine: {machine['cores']} cores, shared (load average "
              f"{machine['load_average_at_start'][0]} at the start): seconds are wall time "
              "under that load.", "",

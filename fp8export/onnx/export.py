@@ -228,6 +228,13 @@ def _hf_traceable(folder, dtype: OnnxDtype):
     import torch
 
     model = build_torch_model(folder, dtype.torch_dtype)
+    main = getattr(model, "main_input_name", "input_ids")
+    if getattr(model.config, "is_encoder_decoder", False) and main != "input_ids":
+        raise Fp8ExportError(
+            f"{folder.path}: {type(model).__name__} is an encoder-decoder whose encoder reads "
+            f"{main} (audio features), and export-onnx traces models that read token ids. "
+            "Serve the FP8 folder directly (vLLM / the torch FP8 runner); verify checks it with "
+            "audio data.")
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(vocab, 2), (2, 8), generator=gen, dtype=torch.int64)
@@ -319,9 +326,10 @@ def trace_model(folder, dtype: OnnxDtype, opset: int):
     if fixed:
         raise Fp8ExportError(
             f"{folder.path}: torch.onnx (dynamo) traced architecture {arch} with {fixed}: its "
-            "forward loops over the tokens in Python (e.g. a Mamba scan without its kernels), "
-            "so the graph would take inputs of that shape only. Serve the FP8 folder directly "
-            "(vLLM / the torch FP8 runner); verify checks it without ONNX.")
+            "forward loops over the tokens in Python (a recurrent layer's scan without its "
+            "kernels: Mamba, Gated DeltaNet), so the graph would take inputs of that shape "
+            "only. Serve the FP8 folder directly (vLLM / the torch FP8 runner); verify checks it "
+            "without ONNX.")
     if model.graph.outputs[0].name != output_name:  # exporter may rename; keep the contract
         model.graph.outputs[0].name = output_name
     longest = wrapped.model.max_positions if keras else max_positions(folder.config)

@@ -6,8 +6,10 @@ weights and must run (hooks count their calls); the default selection keeps what
 (vision towers, projectors, routers, recurrent mixers). LLaVA and Whisper also run with image
 and audio data through their own processors. Llama 4 is refused by name (transformers 5.2x
 cannot run its forward), Whisper on text-only data too (its encoder reads audio).
-``export-onnx`` of every family is measured by ``bench/families.py`` (minutes for the hybrids);
-here it runs for one VLM and DeepSeek-V3.
+``export-onnx`` of every family is measured by ``bench/families.py`` (minutes for the hybrids,
+which it refuses after the trace); here it runs for LLaVA, DeepSeek-V3 and gpt-oss (3-D
+experts), and Whisper's is refused before any trace. Every model is converted once per session
+(``next_fp8`` in conftest.py).
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def test_llama4_is_refused_by_name(next_dir, tmp_path):
         _convert(src, tmp_path / "fp8")
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", "llava"])
+# gpt-oss: its 3-D experts stay bf16 in the graph, traced as transformers' batched_mm
+@pytest.mark.parametrize("family", ["deepseek-v3", "llava", "gpt-oss"])
 def test_next_family_onnx(family, next_dir, next_fp8, media_data, run_cli, tmp_path):
     from fp8export.api import export_onnx
     from fp8export.onnx.export import ExportOnnxConfig
@@ -192,6 +195,17 @@ def test_next_family_onnx(family, next_dir, next_fp8, media_data, run_cli, tmp_p
         assert r.exit_code == 1 and len(errors) == 1, r.output
         assert "names image files" in errors[0] and "token ids only" in errors[0]
         assert not (tmp_path / "r").exists()
+
+
+def test_whisper_export_onnx_is_refused(next_fp8, tmp_path):
+    """The graph would read token ids; Whisper's encoder reads audio features."""
+    from fp8export.api import export_onnx
+    from fp8export.errors import Fp8ExportError
+    from fp8export.onnx.export import ExportOnnxConfig
+
+    with pytest.raises(Fp8ExportError, match="encoder reads input_features"):
+        export_onnx(ExportOnnxConfig(fp8_dir=next_fp8("whisper"), output=tmp_path / "m.onnx"))
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_vlm_families_listed():
