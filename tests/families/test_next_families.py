@@ -177,6 +177,7 @@ def test_llama4_is_refused_by_name(next_dir, tmp_path):
 
 
 # gpt-oss: its 3-D experts stay bf16 in the graph, traced as transformers' batched_mm
+@pytest.mark.slow  # a trace each (30-110 s on 2 shared cores); CI runs the slow tier
 @pytest.mark.parametrize("family", ["deepseek-v3", "llava", "gpt-oss"])
 def test_next_family_onnx(family, next_dir, next_fp8, media_data, run_cli, tmp_path):
     from fp8export.api import export_onnx
