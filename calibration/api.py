@@ -127,7 +127,7 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
 
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
     from fp8export.models import load_model_placed
-    from fp8export.moe import unfuse_experts
+    from fp8export.moe import stores_fused_experts, unfuse_experts
     from fp8export.placement import parse_max_memory, resolve_device
 
     method = str(cfg.calib_method)
@@ -140,7 +140,8 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
         with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
             model, config, spread = load_model_placed(
                 cfg.checkpoint, device, parse_max_memory(cfg.max_memory), dtype=torch.bfloat16)
-            unfuse_experts(model, mode="all")  # MoE: every expert sees every token
+            if not stores_fused_experts(_tensor_names(cfg.checkpoint)):
+                unfuse_experts(model, mode="all")  # MoE: every expert sees every token
         input_device = torch.device(spread.main_device if spread is not None else device)
         notes = [spread.note()] if spread is not None else []
         if spread is not None:
@@ -163,6 +164,13 @@ def _tokenizer_for(cfg: CalibrateConfig):
     if not cfg.checkpoint.is_dir() or Path(cfg.calib_data).suffix.lower() not in TEXT_SUFFIXES:
         return contextlib.nullcontext(None)
     return open_tokenizer(cfg.checkpoint, for_file=Path(cfg.calib_data))
+
+
+def _tensor_names(checkpoint: Path) -> list[str]:
+    from fp8export.checkpoint.source import open_checkpoint
+
+    with open_checkpoint(checkpoint) as ckpt:
+        return [t.name for t in ckpt.tensors()]
 
 
 def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_device, notes,
@@ -194,6 +202,10 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
                            seq_len=cfg.seq_len, max_positions=max_positions(config),
                            vocab_size=vocab_size(config), tokenizer=tokenizer)
+    if samples.media is not None:
+        notes.append(f"calibration inputs: {samples.media['images']} image, "
+                     f"{samples.media['audio']} audio, {samples.media['text_only']} text-only "
+                     f"sample(s) through the model's {samples.media['processor']}")
     if cfg.calib_samples and len(samples) < cfg.calib_samples:
         notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
                      f"--calib-samples {cfg.calib_samples})")

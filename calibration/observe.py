@@ -51,15 +51,15 @@ def forward_fn(model, modules: Sequence[str]) -> Callable[[Batch, Any], Any]:
         run = body
     cfg = getattr(model, "config", None)
     kwargs = {"use_cache": False} if getattr(cfg, "use_cache", None) is not None else {}
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise Fp8ExportError("encoder-decoder models are not calibrated yet (the decoder needs "
-                             "its own inputs); use --calib-amax or weights-only scales.")
+    encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
+    from fp8export.models import model_inputs
 
     def call(batch: Batch, device):
         ids = batch.input_ids.to(device, non_blocking=True)
         mask = batch.attention_mask.to(device, non_blocking=True)
+        inputs = model_inputs(model, ids, mask, batch.extras, device)
         with torch.inference_mode():
-            return run(input_ids=ids, attention_mask=mask, **kwargs)
+            return run(**inputs, **kwargs) if not encoder_decoder else model(**inputs, **kwargs)
 
     return call
 

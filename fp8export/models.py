@@ -30,6 +30,12 @@ from fp8export.errors import Fp8ExportError
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                  "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}
+# A ``...ForConditionalGeneration`` is a causal LM over text (and images or audio): the auto
+# class that maps its config to the class ``architectures`` names is the one to build with
+# (AutoModelForCausalLM maps Mllama and Llama 4 to their text-only classes, whose module
+# names differ from the checkpoint's).
+_GENERATIVE_AUTOS = ("AutoModelForCausalLM", "AutoModelForImageTextToText",
+                     "AutoModelForSpeechSeq2Seq")
 # Keys transformers would act on that a checkpoint must not choose for us: which code to import
 # and from where, and an attention kernel that may not be installed (we pick sdpa/eager).
 _DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "name_or_path",
@@ -181,7 +187,8 @@ def missing_tensors(model, present) -> list[str]:
     return [name for name in model.state_dict()
             if name not in present and not name.endswith(REBUILT_BUFFERS)
             and not any(a in present for a in alias_of.get(name, ()))
-            and not (tie and name.endswith(("lm_head.weight", "decoder.weight")))]
+            and not (tie and name.endswith(("lm_head.weight", "decoder.weight",
+                                                      "proj_out.weight")))]
 
 
 def weight_conversions(model) -> tuple[list, list]:
@@ -215,6 +222,28 @@ def module_names(model, modules) -> dict[str, str]:
     renamings = weight_conversions(model)[0]
     return {m: model_key(model, f"{m}.weight", renamings).removesuffix(".weight")
             for m in modules}
+
+
+def loader_linear_names(config: dict[str, Any], source: Path, modules) -> dict[str, str]:
+    """Checkpoint module name -> the name of the ``nn.Linear`` transformers builds for it, for
+    those of ``modules`` that transformers renames when it loads the folder.
+
+    Composite models only (a ``text_config`` / ``vision_config`` / ``audio_config``):
+    transformers 5 builds Qwen2.5-VL's ``visual.*`` as ``model.visual.*`` and LLaVA's
+    ``vision_tower.*`` and ``language_model.model.*`` as ``model.vision_tower.*`` and
+    ``model.language_model.*``, and compressed-tensors matches a config's ``ignore`` and
+    ``targets`` against those names. A config that names checkpoint modules only (as
+    llm-compressor 0.14 writes it) makes transformers quantize the kept vision tower from
+    bf16 weights with no scales. Empty when transformers cannot build the architecture (then
+    it cannot load the folder either)."""
+    if not any(k in config for k in ("text_config", "vision_config", "audio_config")):
+        return {}
+    try:
+        model = empty_model(config, source, meta=True)
+    except Fp8ExportError:
+        return {}
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {m: n for m, n in module_names(model, modules).items() if n != m and n in linears}
 
 
 def hf_state(model, tensors: Mapping[str, Any], where: Path, *, lazy: bool = False
@@ -333,10 +362,12 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
     where = config_file(source)
     task = task_of(config)
     auto_name = _AUTO_CLASSES[task]
-    auto = getattr(transformers, auto_name)
     if shapes is not None:
         _check_counts(config, list(shapes), where)
     cfg = hf_config(config, source)
+    if task == "causal-lm":
+        auto_name = _generative_auto(cfg, (config.get("architectures") or [""])[0])
+    auto = getattr(transformers, auto_name)
     if type(cfg) not in auto._model_mapping:
         _refuse_remote_code(config, where, (auto_name,),
                             f"building {config.get('model_type')} as {auto_name}")
@@ -347,6 +378,8 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
              f"{type(cfg).__name__.removesuffix('Config')} implementation is used "
              "(trust_remote_code=False).")
     arch = (config.get("architectures") or [config.get("model_type")])[0]
+    if not meta:  # names and shapes need no forward
+        _refuse_broken_forward(arch, where)
     if shapes is not None or meta:
         on_meta = _build(auto, cfg, dtype, where, arch, meta=True)
         if shapes is not None:
@@ -354,6 +387,69 @@ def empty_model(config: dict[str, Any], source: Path, dtype: torch.dtype = torch
         if meta:
             return on_meta.eval()
     return _build(auto, cfg, dtype, where, arch, meta=False, empty=empty).eval()
+
+
+def _refuse_broken_forward(arch: str, where: Path) -> None:
+    """Architectures whose forward this transformers cannot run: one line instead of a
+    traceback. Llama 4's ``ForConditionalGeneration.forward`` (transformers 5.2x) builds its
+    output from a field its language model never returns (``image_outputs``)."""
+    if arch != "Llama4ForConditionalGeneration":
+        return
+    import inspect
+
+    import transformers
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.models.llama4 import modeling_llama4
+
+    source = inspect.getsource(modeling_llama4.Llama4ForConditionalGeneration.forward)
+    if "outputs.image_outputs" in source and \
+            "image_outputs" not in MoeCausalLMOutputWithPast.__dataclass_fields__:
+        raise Fp8ExportError(
+            f"{where}: transformers {transformers.__version__} cannot run "
+            "Llama4ForConditionalGeneration (its forward reads 'image_outputs', which its "
+            "language model does not return), and calibrate, verify and export-onnx run the "
+            "model through transformers. Convert with --scales weights (no forward needed) and "
+            "verify with a transformers release whose Llama 4 forward runs.")
+
+
+def _generative_auto(cfg, arch: str) -> str:
+    """The auto class of ``_GENERATIVE_AUTOS`` that builds ``arch`` for ``cfg`` (else the
+    first that knows the config; AutoModelForCausalLM when none does)."""
+    import transformers
+
+    known = []
+    for name in _GENERATIVE_AUTOS:
+        auto = getattr(transformers, name, None)
+        if auto is None or type(cfg) not in auto._model_mapping:
+            continue
+        built = auto._model_mapping[type(cfg)]
+        if any(c.__name__ == arch for c in (built if isinstance(built, (list, tuple))
+                                            else (built,))):
+            return name
+        known.append(name)
+    return known[0] if known else _AUTO_CLASSES["causal-lm"]
+
+
+def model_inputs(model, ids, mask, extras, device) -> dict[str, Any]:
+    """The forward's keyword arguments for one batch: the tokens, and the tensors the model's
+    processor made (pixels, audio features). An encoder-decoder (Whisper) reads the tokens as
+    its decoder's and needs its encoder's input from the data."""
+    dtype = getattr(model, "dtype", None)
+    extras = {k: (v.to(device, dtype=dtype if v.is_floating_point() and dtype else v.dtype)
+                  if isinstance(v, torch.Tensor) else v) for k, v in (extras or {}).items()}
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return {"input_ids": ids, "attention_mask": mask, **extras}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids" and main not in extras:
+        arch = type(model).__name__
+        what = "audio" if main == "input_features" else main
+        raise Fp8ExportError(
+            f"{arch} is an encoder-decoder whose encoder reads {what}, and the data holds text "
+            "only. Give the data as .jsonl lines with an 'audio' path (relative to the data "
+            "file) and the transcript as 'text', e.g. {\"audio\": \"clip.wav\", \"text\": "
+            "\"...\"}.")
+    return {**extras, "decoder_input_ids": ids, "decoder_attention_mask": mask}
 
 
 def _refuse_quantized(ckpt, path: Path) -> None:

@@ -158,6 +158,13 @@ class ExpertLinears(nn.Module):
         return out.to(x.dtype)
 
 
+def stores_fused_experts(names) -> bool:
+    """Whether tensor ``names`` hold an experts layer as 3-D tensors (gpt-oss, Llama 4,
+    Qwen3-VL-MoE checkpoints): those experts stay in high precision (``scales/select.py``)
+    and run as transformers' own module, so the model keeps it fused."""
+    return any(n.endswith((".experts.gate_up_proj", ".experts.down_proj")) for n in names)
+
+
 def moe_modules(model: nn.Module) -> dict[str, ExpertLinears]:
     """The model's :class:`ExpertLinears` by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, ExpertLinears)}

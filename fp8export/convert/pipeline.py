@@ -626,8 +626,11 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     if activation_scheme(static, dynamic) == "mixed":
         notes.append(f"{len(dynamic)} layer(s) have no activation range and run with dynamic "
                      f"activations (second config group): {_listed(dynamic)}")
-    qconfig = quantization_config(cfg.format, static=static, dynamic=dynamic,
-                                  ignore=scales.sel.ignore, tool_version=__version__,
+    # beside each checkpoint name, the one transformers' loader matches where it renames
+    also = _loader_names(ckpt, [*static, *dynamic, *scales.sel.ignore])
+    qconfig = quantization_config(cfg.format, static=_with(static, also),
+                                  dynamic=_with(dynamic, also),
+                                  ignore=_with(scales.sel.ignore, also), tool_version=__version__,
                                   per_channel=_per_channel(cfg),
                                   kv_cache=scales.kv_entry is not None, block=_block(cfg),
                                   dynamic_strategy=str(cfg.dynamic_activations))
@@ -651,6 +654,18 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
     if ckpt.config and "quantization_config" in ckpt.config:
         notes.append("the source config.json had a quantization_config; it was replaced")
     return qconfig
+
+
+def _loader_names(ckpt: Checkpoint, modules: list[str]) -> dict[str, str]:
+    if not ckpt.config or not ckpt.path.is_dir():
+        return {}
+    from fp8export.models import loader_linear_names
+
+    return loader_linear_names(ckpt.config, ckpt.path, modules)
+
+
+def _with(names: list[str], also: dict[str, str]) -> list[str]:
+    return list(dict.fromkeys([*names, *(also[n] for n in names if n in also)]))
 
 
 def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scales: _Scales,

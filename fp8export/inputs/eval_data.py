@@ -65,8 +65,14 @@ def load_verify_samples(data: Path | None, reference: Path, config: dict[str, An
         if len(s) == 0:
             raise Fp8ExportError(f"{data}: no usable samples in the data file. Give at least "
                                  "one non-empty line / record.")
-        return s, {"source": str(data), "builtin": False, "samples": len(s),
-                   "tokens": s.num_tokens, "truncated": s.truncated}
+        found = {"source": str(data), "builtin": False, "samples": len(s),
+                 "tokens": s.num_tokens, "truncated": s.truncated}
+        if s.media is not None:  # images / audio through the model's processor
+            found["media"] = s.media
+            found["note"] = (f"Inputs: {s.media['images']} image, {s.media['audio']} audio and "
+                             f"{s.media['text_only']} text-only sample(s), encoded by the "
+                             f"model's {s.media['processor']}; one sample per batch.")
+        return s, found
     if has_tokenizer(tok_dir):
         texts = BUILTIN_TEXTS[:samples] if samples else BUILTIN_TEXTS
         with tempfile.TemporaryDirectory() as tmp:

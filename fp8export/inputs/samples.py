@@ -68,6 +68,10 @@ class Samples:
     labels: tuple[Any, ...] | None = None
     truncated: int = 0  # how many samples were cut to ``max_len``
     max_len: int | None = None  # the truncation length applied, if any
+    # per sample, the tensors the model's processor made besides the tokens (pixel_values,
+    # image_grid_thw, input_features...: ``fp8export.inputs.media``); None for token data
+    extras: tuple[dict[str, Any], ...] | None = None
+    media: dict[str, Any] | None = None  # what the media data held (for reports)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -89,6 +93,7 @@ class Batch:
     attention_mask: torch.Tensor
     labels: torch.Tensor | None
     indices: tuple[int, ...]
+    extras: dict[str, Any] | None = None  # the sample's media tensors (one-sample batches)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +118,19 @@ def check_data_file(path: str | Path) -> Path:
         if os.fstat(f.fileno()).st_size == 0:
             raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
     return p
+
+
+def media_kinds(path: str | Path) -> list[str]:
+    """The media (``image``, ``audio``) the lines of a .jsonl data file name; none for the
+    other formats (a malformed line is :func:`load_samples`' to report)."""
+    from fp8export.inputs.media import media_fields
+
+    p = check_data_file(path)
+    if p.suffix.lower() != ".jsonl":
+        return []
+    with open_input(p, DATA) as f:
+        records = _media_lines(p, f) or []
+    return sorted({k for _, obj in records for k in media_fields(obj)})
 
 
 def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: int | None = None,
@@ -154,6 +172,16 @@ def load_samples(path: str | Path, tokenizer_dir: Path | None, *, max_samples: i
     with open_input(p, DATA) as f:  # a regular file within the size cap (no FIFO, no device)
         if os.fstat(f.fileno()).st_size == 0:
             raise Fp8ExportError(f"{p}: the data file is empty. {_FORMATS_HINT}")
+        media = _media_lines(p, f) if suffix == ".jsonl" else None
+        if media is not None:
+            from fp8export.inputs.media import read_records
+
+            ids, extras, media_info = read_records(p, media, tokenizer_dir,
+                                                   max_samples=max_samples, max_len=max_len,
+                                                   check_ids=bounds.check_ids)
+            return Samples(source=p, input_ids=tuple(ids), pad_id=_pad_id_of(tokenizer_dir,
+                                                                             vocab_size),
+                           max_len=max_len, extras=tuple(extras), media=media_info)
         if suffix in TEXT_SUFFIXES:
             ids, labels, pad_id = _tokenise(p, _text_samples(p, f, suffix), tokenizer_dir,
                                             max_samples, bounds, tokenizer)
@@ -196,6 +224,8 @@ def iter_batches(samples: Samples, batch_size: int) -> Iterator[Batch]:
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}.")
     n = len(samples)
+    if samples.extras is not None:  # media: each sample its own batch (own patch count)
+        batch_size = 1
     for start in range(0, n, batch_size):
         idx = tuple(range(start, min(start + batch_size, n)))
         rows = [samples.input_ids[i] for i in idx]
@@ -214,10 +244,13 @@ def iter_batches(samples: Samples, batch_size: int) -> Iterator[Batch]:
                     labels[j, : len(v)] = torch.tensor(v, dtype=torch.int64)
             else:
                 labels = torch.tensor([int(v) for v in lab], dtype=torch.int64)
-        yield Batch(input_ids=ids, attention_mask=mask, labels=labels, indices=idx)
+        yield Batch(input_ids=ids, attention_mask=mask, labels=labels, indices=idx,
+                    extras=samples.extras[start] if samples.extras is not None else None)
 
 
 def num_batches(samples: Samples, batch_size: int) -> int:
+    if samples.extras is not None:
+        return len(samples)
     return (len(samples) + batch_size - 1) // batch_size
 
 
@@ -317,6 +350,29 @@ def _text_samples(p: Path, f: IO[bytes], suffix: str) -> Iterator[tuple[str, Any
                 f"{p}:{lineno}: needs a string 'text' field, e.g. {{\"text\": \"...\"}}.")
         _check_unicode(obj["text"], f"{p}:{lineno}")
         yield obj["text"], obj.get("label")
+
+
+def _media_lines(p: Path, f: IO[bytes]) -> list[tuple[int, dict]] | None:
+    """The records of a .jsonl file when any names an image or audio file, else None (the
+    file is read again as text)."""
+    from fp8export.inputs.media import media_fields
+
+    records, media = [], False
+    for lineno, line in _lines(p, f):
+        if not line.strip():
+            continue
+        try:
+            obj = parse_json(line, f"{p}:{lineno}", "the line")
+        except Fp8ExportError:  # the text reader says what is wrong with the line
+            f.seek(0)
+            return None
+        if isinstance(obj, dict):
+            media = media or bool(media_fields(obj))
+            records.append((lineno, obj))
+        else:
+            records.append((lineno, {}))
+    f.seek(0)
+    return records if media else None
 
 
 def _check_unicode(text: str, where: str) -> None:

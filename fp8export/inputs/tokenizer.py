@@ -90,6 +90,23 @@ def open_tokenizer(folder: Path, *, for_file: Path | None = None,
     from fp8export.inputs.tokenizer_process import REQUEST_SECONDS, TokenizerProcess
 
     folder = Path(folder)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
+            name = private_copy(folder, Path(tmp), for_file=for_file)
+            # the child has read everything it needs once loaded: the copy goes right after
+            return TokenizerProcess(Path(tmp), name, memory_bytes=memory_bytes,
+                                    seconds=seconds or REQUEST_SECONDS)
+    except OSError as exc:  # a full or unwritable TMPDIR, a fork that the system refused
+        raise Fp8ExportError(
+            f"{folder}: cannot prepare the tokenizer ({exc.strerror or exc}; it is loaded from "
+            f"a private copy in {tempfile.gettempdir()}). Free space there, or point TMPDIR "
+            "elsewhere.") from exc
+
+
+def private_copy(folder: Path, private: Path, *, for_file: Path | None = None) -> str:
+    """Copy the tokenizer of ``folder`` into the empty folder ``private`` (the module
+    docstring: checked, keys naming code or files dropped); returns the name to show for it.
+    The model's processor is loaded from such a copy too (:mod:`fp8export.inputs.media`)."""
     vocab = _present(folder, VOCABULARIES)
     if not vocab:
         raise Fp8ExportError(
@@ -115,19 +132,9 @@ def open_tokenizer(folder: Path, *, for_file: Path | None = None,
             "fp8export never runs code from a checkpoint (trust_remote_code=False). Save a "
             "tokenizer of a class transformers ships (tokenizer.json), or give pre-tokenised "
             ".npz / .safetensors data with 'input_ids'.")
-    name = str(folder / "tokenizer.json") if (folder / "tokenizer.json") in vocab \
+    _private_copy(folder, private, tok_cfg, model_type)
+    return str(folder / "tokenizer.json") if (folder / "tokenizer.json") in vocab \
         else f"{folder} (its tokenizer)"
-    try:
-        with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
-            _private_copy(folder, Path(tmp), tok_cfg, model_type)
-            # the child has read everything it needs once loaded: the copy goes right after
-            return TokenizerProcess(Path(tmp), name, memory_bytes=memory_bytes,
-                                    seconds=seconds or REQUEST_SECONDS)
-    except OSError as exc:  # a full or unwritable TMPDIR, a fork that the system refused
-        raise Fp8ExportError(
-            f"{folder}: cannot prepare the tokenizer ({exc.strerror or exc}; it is loaded from "
-            f"a private copy in {tempfile.gettempdir()}). Free space there, or point TMPDIR "
-            "elsewhere.") from exc
 
 
 def _private_copy(folder: Path, private: Path, tok_cfg: dict[str, Any],

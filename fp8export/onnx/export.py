@@ -156,7 +156,7 @@ def build_torch_model(folder, dtype):
     import torch
 
     from fp8export.models import empty_model, hf_state, missing_tensors
-    from fp8export.moe import unfuse_experts
+    from fp8export.moe import stores_fused_experts, unfuse_experts
 
     model = empty_model(folder.config, folder.path, dtype=dtype,
                         shapes=folder.tensors.shapes())
@@ -181,7 +181,13 @@ def build_torch_model(folder, dtype):
         model.tie_weights()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
+    # the names on disk: hf_state fuses per-expert tensors into 3-D ones on load
+    if not stores_fused_experts(folder.tensors):
+        unfuse_experts(model, mode="dense")  # MoE: no data-dependent routing in the graph
+    elif hasattr(model, "set_experts_implementation"):
+        # 3-D experts stay transformers' (bf16) module; its batched_mm form gathers each
+        # token's experts and traces, its default grouped_mm has no ONNX lowering
+        model.set_experts_implementation("batched_mm")
     return model.eval().requires_grad_(False).to(torch.device("cpu"))
 
 
@@ -223,6 +229,13 @@ def _hf_traceable(folder, dtype: OnnxDtype):
     import torch
 
     model = build_torch_model(folder, dtype.torch_dtype)
+    main = getattr(model, "main_input_name", "input_ids")
+    if getattr(model.config, "is_encoder_decoder", False) and main != "input_ids":
+        raise Fp8ExportError(
+            f"{folder.path}: {type(model).__name__} is an encoder-decoder whose encoder reads "
+            f"{main} (audio features), and export-onnx traces models that read token ids. "
+            "Serve the FP8 folder directly (vLLM / the torch FP8 runner); verify checks it with "
+            "audio data.")
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(vocab, 2), (2, 8), generator=gen, dtype=torch.int64)
@@ -310,12 +323,33 @@ def trace_model(folder, dtype: OnnxDtype, opset: int):
     finally:
         quiet.setLevel(level)
     model = program.model
+    fixed = fixed_dims(model, dynamic)
+    if fixed:
+        raise Fp8ExportError(
+            f"{folder.path}: torch.onnx (dynamo) traced architecture {arch} with {fixed}: its "
+            "forward loops over the tokens in Python (a recurrent layer's scan without its "
+            "kernels: Mamba, Gated DeltaNet), so the graph would take inputs of that shape "
+            "only. Serve the FP8 folder directly (vLLM / the torch FP8 runner); verify checks it "
+            "without ONNX.")
     if model.graph.outputs[0].name != output_name:  # exporter may rename; keep the contract
         model.graph.outputs[0].name = output_name
     longest = wrapped.model.max_positions if keras else max_positions(folder.config)
     if longest:
         model.metadata_props[MAX_POSITIONS_KEY] = str(int(longest))
     return model, output_name, probe_feed(input_names, args)
+
+
+def fixed_dims(model, dynamic: dict) -> str:
+    """The axes ``dynamic`` declared dynamic that the traced ``model`` (an ``onnx_ir.Model``)
+    fixed to a size (the exporter specializes an axis a Python loop runs over), as
+    ``"input_ids sequence = 8"``; empty when every one stayed symbolic."""
+    fixed = []
+    for value in model.graph.inputs:
+        for axis, dim in (dynamic.get(value.name) or {}).items():
+            size = value.shape[axis] if value.shape is not None else None
+            if isinstance(size, int):
+                fixed.append(f"{value.name} {getattr(dim, '__name__', axis)} = {size}")
+    return ", ".join(fixed)
 
 
 def torch_export(folder, dtype: OnnxDtype, opset: int):

@@ -190,6 +190,7 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
             bindings[layer.name] = Binding(layer.name, node, init, tnode, orient, "provenance")
             used.add(i)
     # 2) content, for the rest (shape first, then values; ambiguity is an error)
+    unbound: list[str] = []
     for layer in layers.values():
         if layer.name in bindings:
             continue
@@ -202,10 +203,8 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
             if _matches(value(init), _expected(layer, orient, dtype)):
                 hits.append(i)
         if not hits:
-            raise Fp8ExportError(
-                f"layer {layer.name}: no MatMul/Gemm in the exported graph uses its weight (by "
-                "module name or by content). Exclude it at convert time (--exclude "
-                f"'{layer.name}') or report the architecture.")
+            unbound.append(layer.name)
+            continue
         inits_hit = {id(candidates[i][1]) for i in hits}
         if len(inits_hit) > 1:
             raise Fp8ExportError(
@@ -215,6 +214,15 @@ def bind_layers(model, layers: Mapping, dtype: str) -> dict[str, Binding]:
         node, init, tnode, orient = candidates[i]
         bindings[layer.name] = Binding(layer.name, node, init, tnode, orient, "content")
         used.add(i)
+    if unbound:
+        more = f" (and {len(unbound) - 1} more: {', '.join(unbound[1:4])}" \
+            f"{', ...' if len(unbound) > 4 else ''})" if len(unbound) > 1 else ""
+        raise Fp8ExportError(
+            f"layer {unbound[0]}: no MatMul/Gemm in the exported graph uses its weight (by "
+            f"module name or by content){more}. The model is traced on text, so layers that "
+            "run only on images or audio (Mllama's cross-attention layers) are not in the "
+            f"graph. Exclude them at convert time (--exclude '{unbound[0]}'), serve the FP8 "
+            "folder directly (vLLM; verify runs it), or report the architecture.")
     return bindings
 
 

@@ -74,6 +74,13 @@ class TorchModelRunner(Runner):
             kwargs["attention_mask"] = torch.as_tensor(np.asarray(feed["attention_mask"]),
                                                        dtype=torch.long,
                                                        device=self.input_device)
+        extras = {k: torch.as_tensor(np.asarray(v)) for k, v in feed.items()
+                  if k not in ("input_ids", "attention_mask")}
+        if extras or getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            from fp8export.models import model_inputs
+
+            kwargs = model_inputs(self.model, ids, kwargs.get("attention_mask"), extras,
+                                  self.input_device)
         with torch.inference_mode():
             out = self.model(**kwargs, use_cache=False) if self._takes_cache() else \
                 self.model(**kwargs)

@@ -136,7 +136,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     missing = [k for k in state if k not in loadable and k.rpartition(".")[0] not in swapped]
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
-        tied = {k for k in missing if k.endswith(("lm_head.weight", "decoder.weight"))}
+        tied = {k for k in missing if k.endswith(("lm_head.weight", "decoder.weight",
+                                                    "proj_out.weight"))}
     missing = [k for k in missing if k not in tied
                and not k.endswith(("inv_freq", "position_ids", "original_inv_freq"))]
     if missing:

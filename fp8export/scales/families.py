@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -29,6 +29,12 @@ class Family:
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # group tag -> sibling leaves
     in_out: frozenset[str] = frozenset()  # leaves stored [in, out] (Conv1D)
     tied_heads: tuple[str, ...] = ()  # head modules that may be tied (absent from the weights)
+    # fused groups of the projections under a parent of this leaf name, instead of ``fused``:
+    # cross-attention reads q from the decoder and k/v from the encoder (vision, audio), so
+    # serving stacks fuse k/v only (vLLM's QKVCrossParallelLinear)
+    fused_under: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    # module-name components kept in high precision by default in this family, with the reason
+    kept: dict[str, str] = field(default_factory=dict)
 
 
 _LLAMA = Family(
@@ -61,10 +67,46 @@ _T5 = Family(
     tied_heads=("lm_head",),
 )
 
+_CROSS_KV = {"cross_attn": {"kv": ("k_proj", "v_proj")},
+             "encoder_attn": {"kv": ("k_proj", "v_proj")}}
+# Language towers of vision-language models and the newer decoders: Llama's projections, the
+# towers and projectors kept by the component rule of ``default_exclusion``. Mllama's
+# cross-attention layers fuse k/v only.
+_DECODER = replace(_LLAMA, name="decoder", fused_under=_CROSS_KV)
+# DeepSeek-V2/V3 multi-head latent attention: q_a_proj and kv_a_proj_with_mqa read the same
+# hidden states and vLLM loads them as one ``fused_qkv_a_proj``; q_b_proj / kv_b_proj read
+# different low-rank activations (their norms, q_a_layernorm / kv_a_layernorm, stay as they are).
+_MLA = replace(_LLAMA, name="deepseek (MLA)",
+               linear=_LLAMA.linear | {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"},
+               fused={**_LLAMA.fused, "qkv_a": ("q_a_proj", "kv_a_proj_with_mqa")})
+# Hybrids: the recurrent mixers keep what is not a plain linear of the token stream.
+_QWEN3_NEXT = replace(_LLAMA, name="qwen3-next", kept={
+    "linear_attn": "Gated DeltaNet linear-attention layer (kept in high precision by default, "
+                   "as llm-compressor's Qwen3-Next recipe does)"})
+_JAMBA = replace(_LLAMA, name="jamba", linear=_LLAMA.linear | {"in_proj", "out_proj"}, kept={
+    "x_proj": "Mamba SSM parameter projection (dt, B, C: kept in high precision)",
+    "dt_proj": "Mamba SSM time-step projection (kept in high precision; transformers reads its "
+               "weight directly)"})
+_WHISPER = Family(
+    name="whisper",
+    # encoder and decoder: self_attn/encoder_attn q/k/v/out_proj, fc1/fc2 (llm-compressor's
+    # and ModelOpt's Whisper recipes quantize both stacks and keep proj_out, the tied head)
+    linear=frozenset({"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}),
+    fused={"qkv": ("q_proj", "k_proj", "v_proj")},
+    fused_under=_CROSS_KV,
+    tied_heads=("proj_out",),
+)
+
 _BY_MODEL_TYPE = {
     **{t: _LLAMA for t in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
                            "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
                            "olmo2", "granite", "starcoder2", "smollm3")},
+    **{t: _DECODER for t in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3",
+                             "mllama", "llava", "idefics3", "smolvlm", "llama4", "gpt_oss")},
+    **{t: _MLA for t in ("deepseek_v2", "deepseek_v3")},
+    "qwen3_next": _QWEN3_NEXT,
+    "jamba": _JAMBA,
+    "whisper": _WHISPER,
     "gpt2": _GPT2,
     **{t: _BERT for t in ("bert", "roberta", "xlm-roberta", "camembert", "electra")},
     **{t: _T5 for t in ("t5", "mt5", "umt5")},
@@ -99,6 +141,13 @@ _COMPONENT_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"(^|\.)(lm_head|output_layer|classifier|score|qa_outputs|pooler|cls|head)(\.|$)"
          r"|^output$", "output head (kept in high precision by default)"),
         (_ROUTER, "MoE router/gate (kept in high precision by default)"),
+        # what llm-compressor's and ModelOpt's VLM recipes leave in bf16 (ModelOpt's
+        # default_disabled_quantizers: *visual*, *vision_tower*, *vision_model*,
+        # *multi_modal_projector*, *embed_vision*); Idefics3's projector is ``connector``
+        (r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|"
+         r"connector)(\.|$)",
+         "vision tower or multimodal projector (kept in high precision by default, as "
+         "llm-compressor and ModelOpt do; --include GLOB puts it in FP8)"),
     ))
 _LEAF_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(p), reason) for p, reason in (
@@ -151,6 +200,10 @@ def role_of(module: str, family: Family | None) -> tuple[str, str | None]:
     reason = default_exclusion(module)
     if reason is not None:
         return "other", reason
+    if family is not None and family.kept:
+        for part in module.split("."):
+            if part in family.kept:
+                return "other", family.kept[part]
     if family is None or leaf(module) in family.linear:
         return "linear", None
     return "other", f"not a linear layer of the {family.name} family (use --include to quantize)"
@@ -161,9 +214,9 @@ def fused_group_of(module: str, family: Family | None) -> tuple[str, tuple[str, 
     if family is None:
         return None
     name = leaf(module)
-    for tag, members in family.fused.items():
+    base = parent(module)
+    for tag, members in family.fused_under.get(leaf(base), family.fused).items():
         if name in members:
-            base = parent(module)
             prefix = f"{base}." if base else ""
             return f"{prefix}{tag}", tuple(f"{prefix}{m}" for m in members)
     return None

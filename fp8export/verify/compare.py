@@ -62,7 +62,8 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
                               desc=f"comparing logits on {len(samples)} sample(s)", unit="batch"):
             check()  # the time limit, between batches wherever the run is (signals or not)
             feed = {"input_ids": batch.input_ids.numpy(),
-                    "attention_mask": batch.attention_mask.numpy()}
+                    "attention_mask": batch.attention_mask.numpy(),
+                    **{k: v.numpy() for k, v in (batch.extras or {}).items()}}
             if probe is not None and probe.active:
                 probe.set_mask(batch.attention_mask)
             ref_logits = class_logits(first_output(ref.infer(feed), "the reference"), head)

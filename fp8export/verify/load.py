@@ -49,6 +49,8 @@ def open_session(cfg: VerifyConfig, kind: str, measure_floor: bool) -> Session:
     from fp8export.verify.candidates import open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE
 
+    if kind in ("onnx", "engine") and cfg.data is not None:
+        refuse_media(cfg, kind)
     max_memory = parse_max_memory(cfg.max_memory) or None
     reference = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
                                device=str(cfg.device), max_memory=max_memory)
@@ -65,6 +67,21 @@ def open_session(cfg: VerifyConfig, kind: str, measure_floor: bool) -> Session:
     if kind == "fp8-folder":
         session.folder_format = fp8_folder_format(cfg.candidate, session.notes)
     return session
+
+
+def refuse_media(cfg: VerifyConfig, kind: str) -> None:
+    """An ONNX graph or engine takes token ids only (export-onnx traces the model on text):
+    data naming images or audio would feed the reference pixels the candidate never sees."""
+    from fp8export.inputs.samples import media_kinds
+
+    kinds = media_kinds(cfg.data)
+    if kinds:
+        what = "an ONNX graph" if kind == "onnx" else "a TensorRT engine"
+        raise Fp8ExportError(
+            f"{cfg.data}: names {' and '.join(kinds)} files, but the candidate {cfg.candidate} "
+            f"is {what}, which takes token ids only (export-onnx traces the language model on "
+            "text). Verify it with text-only data, and the FP8 folder with the "
+            f"{' and '.join(kinds)} data.")
 
 
 def activate(session: Session, running: contextlib.ExitStack) -> None:
