@@ -10,7 +10,17 @@ calibration batches), then ``fuse_projections`` (one GEMM per group). lm_head an
 stay bf16 (DESIGN.md exclusions). Prefill computes logits for the last position only
 (``logits_to_keep=1``), as a server does.
 
+The FP8 model also runs FP8 attention (``fp8export.runtime.attention``, mode ``--attention``:
+the Triton kernel, P in E4M3 unless ``--p-bf16``) with k/v scales calibrated per layer on the
+same batches (max |K| and |V| / 448, keys after RoPE), and decodes with the FP8 KV cache
+(``Fp8StaticCache``: E4M3, half the bytes of transformers' bf16 ``StaticCache``).
+
 Sections (``--parts``, comma separated):
+  attention the attention kernel alone: time against cuDNN/flash SDPA (bf16, GQA) at the
+            model's prefill and decode shapes, P in E4M3 vs bf16, its accuracy against fp32
+            attention and its agreement with the CPU emulation (rel-L2), a tile sweep
+  memory    KV-cache bytes (bf16 StaticCache vs the FP8 cache) and the largest decode batch
+            whose weights + cache + step peak fit ``--budget-gib`` at ``--budget-context``
   overhead  host microseconds per call of each eager building block (launch cost)
   gemm      bare GEMMs at the model's projection shapes: bf16 vs ``_scaled_mm`` (+ quantize)
             vs the small-M Triton kernel, M from 1 to 16384
@@ -43,12 +53,14 @@ import torch  # noqa: E402
 from gpu_fp8_report import write_report  # noqa: E402  (beside this script)
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
-from fp8export.runtime import fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runtime import attention, fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runtime.fp8_attention import emulated  # noqa: E402
 from fp8export.runtime.fp8_fused import fuse_projections  # noqa: E402
 from fp8export.runtime.fp8_linear import Fp8Linear  # noqa: E402
+from fp8export.runtime.kv_cache import kv_hook  # noqa: E402
 from fp8export.scales.families import family_of, fused_group_of  # noqa: E402
 
-DEFAULT_SHAPES = "1x128,1x512,1x2048,4x512,4x2048,8x2048,16x2048,32x512,64x256"
+DEFAULT_SHAPES = "1x128,1x512,8x2048,32x512"
 RESULT: dict = {}
 
 
@@ -68,8 +80,10 @@ def build_bf16(args) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True):
-    """Copy of ``model`` with every decoder nn.Linear as the runtime's FP8 layers."""
+def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True,
+           attention_mode: str = "fp8", p_fp8: bool = True):
+    """Copy of ``model`` with every decoder nn.Linear as the runtime's FP8 layers, and its
+    attention in ``attention_mode`` ("fp8", "kv": FP8 KV cache only, "off")."""
     targets = {n: m for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and ".layers." in n}
     amax: dict[str, torch.Tensor] = {}
@@ -101,7 +115,27 @@ def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True)
     fused = {g: m for g, m in groups.items() if len(m) > 1} if fuse else {}
     skipped = fuse_projections(fp8, fused)
     assert not skipped, skipped
+    if attention_mode != "off":
+        attention.install(fp8, kv_scales(model, calib), mode=attention_mode, p_fp8=p_fp8)
     return fp8.eval(), len(targets), len(fused)
+
+
+@torch.no_grad()
+def kv_scales(model, calib: list[torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """Per attention layer (k_scale, v_scale) = max |K| / 448 and max |V| / 448 over ``calib``,
+    keys after RoPE, as ``convert --kv-cache fp8`` calibrates them."""
+    amax: dict[str, list[float]] = {}
+
+    def observe(name, key, value):
+        a = amax.setdefault(name, [0.0, 0.0])
+        a[0] = max(a[0], float(key.abs().max()))
+        a[1] = max(a[1], float(value.abs().max()))
+        return key, value
+
+    with kv_hook(model, observe):
+        for ids in calib:
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return {n: (float(amax_to_scale(k)), float(amax_to_scale(v))) for n, (k, v) in amax.items()}
 
 
 def time_cuda(fn, min_time: float = 0.5, warmup: int = 3) -> list[float]:
@@ -358,6 +392,155 @@ def bench_gemms(args) -> list[dict]:
             log_row(row)
     return rows
 
+def _attn_inputs(b, hq, hkv, tq, tk, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, device="cuda", generator=g).bfloat16()
+    # keys with a few large channels, as rotated keys have; values plain
+    k = (torch.randn(b, hkv, tk, d, device="cuda", generator=g)
+         * (1 + 4 * torch.rand(d, device="cuda", generator=g))).bfloat16()
+    v = torch.randn(b, hkv, tk, d, device="cuda", generator=g).bfloat16()
+    ks = torch.full((hkv,), float(k.float().abs().max()) / 448, device="cuda")
+    vs = torch.full((hkv,), float(v.float().abs().max()) / 448, device="cuda")
+    return q, k, v, ks, vs
+
+
+def _rel(a, b) -> float:
+    return round(float((a.double() - b.double()).norm() / b.double().norm()), 6)
+
+
+def bench_attention(args) -> dict:
+    """The kernel alone at the model's shapes: device ms (CUDA graphs of 20 calls) against SDPA
+    on bf16 with GQA, P in E4M3 vs bf16; accuracy against fp32 attention on the same 16-bit
+    inputs and agreement with the torch emulation; a tile sweep at the large prefill shapes."""
+    import torch.nn.functional as F
+
+    from fp8export.runtime.attention_math import (
+        MaskInfo,
+        fp8_attention_reference,
+        quantize_heads,
+    )
+    from fp8export.runtime.fp8_attention import launch_attention, launch_kv_write
+
+    hq, hkv, d = args.heads, args.kv_heads, args.hidden // args.heads
+    sm = d ** -0.5
+    rows, sweep = [], []
+    prefill = [(1, 128), (8, 2048), (32, 512)]
+    decode = [(1, 384), (8, 384), (32, 384), (32, 4096)]
+    for kind, shapes in (("prefill", prefill), ("decode", decode)):
+        for b, t in shapes:
+            tq = t if kind == "prefill" else 1
+            q, k, v, ks, vs = _attn_inputs(b, hq, hkv, tq, t, d, seed=b * t)
+            q_start = t - tq
+            start_t = torch.tensor(q_start, device="cuda")
+            k8 = quantize_heads(k, ks)
+            v8t = quantize_heads(v, vs).transpose(2, 3).contiguous()
+            v8 = v8t.transpose(2, 3)
+            row = {"kind": kind, "batch": b, "q_tokens": tq, "kv_tokens": t}
+            causal = tq > 1
+            mask = None
+            if not causal:  # decode: SDPA over the whole cache (all positions valid)
+                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=True))
+            else:
+                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True))
+            for p_fp8 in (True, False):
+                tag = "p_e4m3" if p_fp8 else "p_bf16"
+                if kind == "prefill":  # no cache: the kernel quantizes K and V as it loads
+                    def run(p_fp8=p_fp8):
+                        return launch_attention(q, k, v, ks, vs, None, None, 0, sm, True, 0,
+                                                p_fp8)
+                else:  # from the FP8 cache, position on the device
+                    def run(p_fp8=p_fp8):
+                        return launch_attention(q, k8, v8, ks, vs, None, start_t, 0, sm, True,
+                                                0, p_fp8)
+                out = run()
+                row[f"{tag}_ms"] = graph_ms(run)
+                row[f"speedup_{tag}"] = round(row["sdpa_ms"] / row[f"{tag}_ms"], 3)
+                if b * tq * t <= 8 * 2048 * 2048 // 4:  # the fp32 references fit comfortably
+                    info = MaskInfo(q_start, True, 0, mask, None)
+                    emu = fp8_attention_reference(q, k8, v8, ks, vs, sm_scale=sm, info=info,
+                                                  p_fp8=p_fp8)
+                    exact = F.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), is_causal=causal,
+                        enable_gqa=True).transpose(1, 2)
+                    sdpa = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
+                    row[f"{tag}_vs_emulation_rel_l2"] = _rel(out, emu)
+                    row[f"{tag}_vs_fp32_rel_l2"] = _rel(out, exact)
+                    row["sdpa_bf16_vs_fp32_rel_l2"] = _rel(sdpa, exact)
+            if kind == "decode":
+                kc = torch.empty(b, hkv, t, d, dtype=torch.float8_e4m3fn, device="cuda")
+                vc = torch.empty(b, hkv, d, t, dtype=torch.float8_e4m3fn, device="cuda")
+                kn, vn = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+                row["kv_write_ms"] = graph_ms(lambda: launch_kv_write(kn, vn, ks, vs, kc, vc,
+                                                                      start_t))
+            rows.append(row)
+            log_row(row)
+            if kind == "prefill" and b * t >= 16384:
+                for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+                                          (128, 8, 3)):
+                    cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
+                    try:
+                        ms = graph_ms(lambda cfg=cfg: launch_attention(
+                            q, k, v, ks, vs, None, None, 0, sm, True, 0, True, config=cfg))
+                    except Exception as exc:  # a tiling that does not compile or fit
+                        ms = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    sweep.append({"batch": b, "seq": t, **cfg, "ms": ms})
+                    log_row(sweep[-1])
+    return {"rows": rows, "sweep": sweep}
+
+
+def bench_memory(model, fp8, args) -> dict:
+    """KV-cache bytes per sequence (bf16 StaticCache vs FP8 cache, allocated and measured) and
+    the largest decode batch whose weights + cache + step peak fit ``--budget-gib`` with a
+    ``--budget-context``-token cache: found by bisection, each candidate batch run for one
+    decode step and its peak allocation read back."""
+    ctx, budget = args.budget_context, int(args.budget_gib * 2**30)
+    out = {"context": ctx, "budget_gib": args.budget_gib}
+    for label, m in (("bf16", model), ("fp8", fp8)):
+        weights = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+        def step_peak(batch: int, m=m) -> tuple[int, int]:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            cache = make_cache(m, ctx)
+            ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+            with torch.no_grad():
+                m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated() - base  # the cache, after the step
+            peak = torch.cuda.max_memory_allocated() - base
+            del cache
+            return held, peak
+
+        held1, _ = step_peak(1)
+        held2, _ = step_peak(2)
+        per_seq = held2 - held1
+        lo, hi = 0, max(1, (budget - weights) // max(per_seq, 1) + 1)
+        peaks = {}
+        while lo < hi:  # the largest batch whose weights + peak fit the budget
+            mid = (lo + hi + 1) // 2
+            _, peak = step_peak(mid)
+            peaks[mid] = peak
+            if weights + peak <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[label] = {"weights_gib": round(weights / 2**30, 3),
+                      "kv_cache_bytes_per_sequence": per_seq,
+                      "kv_cache_mib_per_sequence": round(per_seq / 2**20, 2),
+                      "max_decode_batch": lo,
+                      "peak_gib_at_max": round((weights + peaks.get(lo, 0)) / 2**30, 3)}
+        log_row({"model": label, **out[label]})
+    out["kv_cache_ratio_fp8_over_bf16"] = round(out["fp8"]["kv_cache_bytes_per_sequence"]
+                                                / out["bf16"]["kv_cache_bytes_per_sequence"], 4)
+    out["max_batch_ratio"] = round(out["fp8"]["max_decode_batch"]
+                                   / max(1, out["bf16"]["max_decode_batch"]), 3)
+    return out
+
 
 def bench_sweep(args) -> list[dict]:
     """Tile sweep of the small-M kernel at decode sizes; the heuristic's pick is marked."""
@@ -459,6 +642,17 @@ def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, round
     return rows
 
 
+def make_cache(model, max_cache_len: int):
+    """The FP8 KV cache for a model running FP8 attention, else transformers' bf16 one."""
+    from transformers import StaticCache
+
+    from fp8export.runtime.fp8_kv_cache import fp8_static_cache
+
+    if model.__dict__.get("_fp8export_attention") is not None:
+        return fp8_static_cache(model, max_cache_len)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
 class DecodeRun:
     """Greedy single-token steps (batch ``batch``) with a StaticCache after a ``--prompt``-token
     prefill; ``compiled``: the steps run under ``torch.compile(mode="reduce-overhead")``. The
@@ -466,11 +660,8 @@ class DecodeRun:
     need no host sync (as in a serving loop that reads tokens back asynchronously)."""
 
     def __init__(self, model, batch: int, args, compiled: bool):
-        from transformers import StaticCache
-
         self.batch = batch
-        self.cache = StaticCache(config=model.config,
-                                 max_cache_len=args.prompt + 3 * args.decode_steps + 32)
+        self.cache = make_cache(model, args.prompt + 3 * args.decode_steps + 32)
         g = torch.Generator(device="cuda").manual_seed(4)
         ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cuda", generator=g)
         with torch.no_grad():
@@ -542,15 +733,23 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--parts", default="overhead,gemm,prefill,decode")
+    ap.add_argument("--parts", default="overhead,attention,memory,prefill,decode")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS list, comma separated")
     ap.add_argument("--compile-shapes", default="1x128,8x2048,32x512")
-    ap.add_argument("--decode-batches", default="1,8,32,128")
-    ap.add_argument("--decode-compiled", default="1,8,32,128",
+    ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--decode-compiled", default="1,8,32",
                     help="batches also timed compiled + CUDA graphs ('' for none)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--unfused", action="store_true", help="also time FP8 without fused groups")
+    ap.add_argument("--attention", choices=("fp8", "kv", "off"), default="fp8",
+                    help="the FP8 model's attention: FP8 kernel + FP8 KV cache, FP8 KV cache "
+                         "with bf16 attention, or bf16 (FP8 linears only)")
+    ap.add_argument("--p-bf16", action="store_true", help="FP8 attention with P in bf16")
+    ap.add_argument("--linears-only", action="store_true",
+                    help="also time the FP8-linears-only model (bf16 attention) in eager prefill")
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--budget-context", type=int, default=4096)
     ap.add_argument("--eager-m-alt", type=int, default=0,
                     help="also time eager FP8 with this one-launch row threshold")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
@@ -591,19 +790,25 @@ def main() -> int:
         section("gemms", lambda: bench_gemms(args), args)
     if "sweep" in parts:
         section("sweep", lambda: bench_sweep(args), args)
-    if not parts & {"prefill", "decode"}:
+    if "attention" in parts:
+        section("attention", lambda: bench_attention(args), args)
+    if not parts & {"prefill", "decode", "memory"}:
         return 0
     model = build_bf16(args)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator(device="cuda").manual_seed(2)
     calib = [torch.randint(0, args.vocab, (4, 512), device="cuda", generator=g) for _ in range(2)]
     t0 = time.perf_counter()
-    fp8, n_fp8, n_groups = to_fp8(model, calib)
+    fp8, n_fp8, n_groups = to_fp8(model, calib, attention_mode=args.attention,
+                                  p_fp8=not args.p_bf16)
     models = {"bf16": model, "fp8": fp8}
+    if args.linears_only:
+        models["fp8_linears"] = to_fp8(model, calib, attention_mode="off")[0]
     if args.unfused:
         models["fp8_unfused"] = to_fp8(model, calib, fuse=False)[0]
     if args.eager_m_alt:
         models[f"fp8_eagerM{args.eager_m_alt}"] = WithEagerM(fp8, args.eager_m_alt)
+    RESULT["fp8_attention"] = {"mode": args.attention, "p": "bf16" if args.p_bf16 else "e4m3"}
     RESULT["model"] = {"params": params, "hidden": args.hidden, "intermediate": args.intermediate,
                        "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                        "vocab": args.vocab, "fp8_linears": n_fp8, "fused_groups": n_groups,
@@ -624,7 +829,8 @@ def main() -> int:
         for m in emu.values():
             m.mode = "emulate"
             m._refresh()
-        outs["fp8_emulated"] = fp8(input_ids=ids, use_cache=False).logits.float()
+        with emulated():  # the FP8 attention's torch emulation too
+            outs["fp8_emulated"] = fp8(input_ids=ids, use_cache=False).logits.float()
         for m in emu.values():
             m.mode = "scaled_mm"
             m._refresh()
@@ -634,6 +840,8 @@ def main() -> int:
         k: round(torch.nn.functional.cosine_similarity(ref.flatten(), v.flatten(), dim=0).item(),
                  6) for k, v in outs.items() if k != "bf16"}
     print(f"logits cosine vs bf16: {RESULT['logits_cosine_random_weights']}", flush=True)
+    if "memory" in parts:
+        section("memory", lambda: bench_memory(model, fp8, args), args)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
     if "prefill" in parts:

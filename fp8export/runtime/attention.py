@@ -40,6 +40,7 @@ from fp8export.runtime.attention_math import (
     head_scales,
     quantize_heads,
 )
+from fp8export.runtime.fp8_attention import fp8_attention
 
 NAME = "fp8export_attention"
 MODES = ("off", "kv", "fp8")
@@ -75,11 +76,21 @@ def kv_heads(module: torch.nn.Module) -> int:
     return module.k_proj.out_features // head_dim
 
 
+_HF: dict = {}  # transformers' functions the attention and mask functions call (module globals:
+# torch.compile traces those functions, and imports inside them would break its graph)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        causal_mask_function,
+        sdpa_mask,
+    )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    _HF.update(causal=causal_mask_function, sdpa_mask=sdpa_mask,
+               functions=ALL_ATTENTION_FUNCTIONS)
     if NAME not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(NAME, _attention)
         AttentionMaskInterface.register(NAME, _mask)
@@ -150,16 +161,14 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset=None, kv_offs
           local_size: int | None = None, use_vmap: bool = False, cache_position=None,
           **kwargs) -> MaskInfo:
     """The mask function transformers calls once per forward (per layer type)."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
     if q_offset is None:  # older transformers: the cache positions say where the queries sit
         q_offset = cache_position[0] if cache_position is not None else kv_length - q_length
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.clone()  # a static cache advances its counter in place later
     q_start = q_offset - kv_offset if kv_offset else q_offset
-    known = not use_vmap and (mask_function is causal_mask_function or local_size)
+    known = not use_vmap and (mask_function is _HF["causal"] or local_size)
     if not known:
-        dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+        dense = _HF["sdpa_mask"](batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                           q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                           attention_mask=attention_mask, local_size=local_size,
                           allow_is_causal_skip=False, use_vmap=use_vmap, **kwargs)
@@ -187,8 +196,6 @@ def _as_info(attention_mask, q: torch.Tensor, k: torch.Tensor, module) -> MaskIn
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                **kwargs):
-    from fp8export.runtime.fp8_attention import fp8_attention
-
     state: AttentionState = module.__dict__[_STATE]
     info = _as_info(attention_mask, query, key, module)
     ks, vs = module.fp8_k_scale, module.fp8_v_scale
@@ -197,14 +204,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = fp8_attention(query, key, value, ks, vs, sm_scale=sm_scale, info=info,
                             p_fp8=state.p_fp8)
         return out, None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     k8 = key if key.dtype == E4M3_DTYPE else quantize_heads(key, ks)
     v8 = value if value.dtype == E4M3_DTYPE else quantize_heads(value, vs)
     k16, v16 = dequantized_attention_inputs(k8, v8, ks, vs, query.dtype)
     mask = _base_mask(state.base, info, query, k16)
     kwargs.pop("sliding_window", None)  # in the mask already
-    return ALL_ATTENTION_FUNCTIONS[state.base](module, query, k16, v16, mask, scaling=scaling,
+    return _HF["functions"][state.base](module, query, k16, v16, mask, scaling=scaling,
                                                dropout=dropout, **kwargs)
 
 

@@ -25,7 +25,7 @@ tiling (benchmarks).
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 
 import torch
@@ -46,27 +46,46 @@ from fp8export.runtime.fp8_quant import Launcher
 _EXACT_CAST = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
+_KERNELS: list = []  # [(attention kernel, KV write kernel) or None], filled on first use
+
+
 def _kernels():
-    """(attention kernel, KV write kernel), or None without Triton."""
+    """(attention kernel, KV write kernel), or None without Triton (a plain global, not
+    functools.cache: torch.compile traces this module's calls)."""
+    if not _KERNELS:
+        try:
+            from fp8export.runtime import _attention_kernels as k
+        except ImportError:
+            _KERNELS.append(None)
+        else:
+            _KERNELS.append((k.fp8_attention_kernel, k.kv_write_kernel))
+    return _KERNELS[0]
+
+
+_EMULATE = [False]
+
+
+@contextlib.contextmanager
+def emulated():
+    """Inside the block the GPU runs ``attention_math`` too (the kernels' reference, tests)."""
+    _EMULATE.append(True)
     try:
-        from fp8export.runtime import _attention_kernels as k
-    except ImportError:
-        return None
-    return k.fp8_attention_kernel, k.kv_write_kernel
+        yield
+    finally:
+        _EMULATE.pop()
 
 
 def kernel_available(device: torch.device) -> bool:
     """Triton is installed and ``device`` is a GPU with FP8 tensor cores (CC >= 8.9)."""
-    if device.type != "cuda" or _kernels() is None:
+    if device.type != "cuda" or _kernels() is None or _EMULATE[-1]:
         return False
-    return _capability(device.index if device.index is not None else
-                       torch.cuda.current_device()) >= (8, 9)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= (8, 9)
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+_CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
 def _head_pad(d: int) -> int:
@@ -99,9 +118,13 @@ def prefill_config(rows: int) -> dict[str, int]:
     return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}
 
 
-@functools.cache
+_LAUNCHER: list[Launcher] = []
+
+
 def _launcher() -> Launcher:
-    return Launcher(_kernels()[0], out_arg=5)
+    if not _LAUNCHER:
+        _LAUNCHER.append(Launcher(_kernels()[0], out_arg=5))
+    return _LAUNCHER[0]
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
@@ -112,7 +135,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: to
     float32 ``[Hkv]``, as the cache stores them). Returns ``[B, Tq, Hq, D]`` in q's dtype."""
     if q.is_cuda and kernel_available(q.device) and kernel_supports(q, info) is None:
         if torch.compiler.is_compiling():
-            return _ops().attention(q, k, v, k_scale, v_scale, info.key_mask,
+            return torch.ops.fp8export.fp8_attention(q, k, v, k_scale, v_scale, info.key_mask,
                                     *_q_start(info.q_start), sm_scale, info.causal,
                                     int(info.window), p_fp8)
         return launch_attention(q, k, v, k_scale, v_scale, info.key_mask,
@@ -178,7 +201,7 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
             torch.uint8).transpose(2, 3))
         return
     if torch.compiler.is_compiling():
-        _ops().kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
+        torch.ops.fp8export.kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
         return
     launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
 
@@ -199,36 +222,32 @@ def launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start) -> 
                         BLOCK_T=block_t, EXACT=_EXACT_CAST, num_warps=4)
 
 
-@functools.cache
-def _ops():
-    """The kernels as torch custom ops, for ``torch.compile`` (registered once, on first use)."""
-    from types import SimpleNamespace
-
-    @torch.library.custom_op("fp8export::fp8_attention", mutates_args=())
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+# The kernels as torch custom ops, for torch.compile: opaque to Inductor, captured by CUDA graphs.
+@torch.library.custom_op("fp8export::fp8_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                   v_scale: torch.Tensor, key_mask: torch.Tensor | None,
                   q_start_t: torch.Tensor | None, q_start: int, sm_scale: float, causal: bool,
                   window: int, p_fp8: bool) -> torch.Tensor:
-        return launch_attention(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start,
-                                sm_scale, causal, window, p_fp8)
+    return launch_attention(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale,
+                            causal, window, p_fp8)
 
-    @attention.register_fake
-    def _(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale, causal, window,
-          p_fp8):
-        b, hq, tq, d = q.shape
-        return q.new_empty((b, tq, hq, d))
 
-    @torch.library.custom_op("fp8export::kv_write", mutates_args=("k_cache", "v_cache_t"))
-    def write(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
-              v_scale: torch.Tensor, k_cache: torch.Tensor, v_cache_t: torch.Tensor,
-              start: torch.Tensor) -> None:
-        launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
+@_attention_op.register_fake
+def _(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale, causal, window, p_fp8):
+    b, hq, tq, d = q.shape
+    return q.new_empty((b, tq, hq, d))
 
-    @write.register_fake
-    def _(key, value, k_scale, v_scale, k_cache, v_cache_t, start):
-        return None
 
-    return SimpleNamespace(attention=attention, kv_write=write)
+@torch.library.custom_op("fp8export::kv_write", mutates_args=("k_cache", "v_cache_t"))
+def _kv_write_op(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, k_cache: torch.Tensor, v_cache_t: torch.Tensor,
+                 start: torch.Tensor) -> None:
+    launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
+
+
+@_kv_write_op.register_fake
+def _(key, value, k_scale, v_scale, k_cache, v_cache_t, start):
+    return None
 
 
 __all__ = ["P_SCALE", "fp8_attention", "kv_write", "launch_attention", "kernel_available"]

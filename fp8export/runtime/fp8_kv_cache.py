@@ -20,6 +20,7 @@ import torch
 
 from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import E4M3_DTYPE
+from fp8export.runtime.fp8_attention import kv_write
 
 
 def _static_layer():
@@ -58,8 +59,6 @@ def _static_layer():
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-            from fp8export.runtime.fp8_attention import kv_write
-
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             kv_write(key_states, value_states, self.k_scale, self.v_scale, self.keys,
