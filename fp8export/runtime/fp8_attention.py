@@ -115,7 +115,7 @@ def prefill_config(rows: int) -> dict[str, int]:
         return {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
     if rows <= 64:
         return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 128, "num_warps": 4, "num_stages": 2}  # the H200 sweep's best
 
 
 _LAUNCHER: list[Launcher] = []
@@ -127,6 +127,12 @@ def _launcher() -> Launcher:
     return _LAUNCHER[0]
 
 
+PREQUANTIZE_KEYS = 4096
+"""From this many keys (batch x length) uncached 16-bit keys and values are quantized in one
+pass before the attention (each key block is then read once as E4M3 by every query block);
+below it the kernel quantizes them as it loads them (one launch less, for small eager calls)."""
+
+
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                   v_scale: torch.Tensor, *, sm_scale: float, info: MaskInfo,
                   p_fp8: bool = True) -> torch.Tensor:
@@ -134,10 +140,13 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: to
     strides): E4M3 from the FP8 cache, or 16-bit (quantized with ``k_scale``/``v_scale``,
     float32 ``[Hkv]``, as the cache stores them). Returns ``[B, Tq, Hq, D]`` in q's dtype."""
     if q.is_cuda and kernel_available(q.device) and kernel_supports(q, info) is None:
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if k.dtype != E4M3_DTYPE and (compiling or k.shape[0] * k.shape[2] >= PREQUANTIZE_KEYS):
+            k, v = quantize_kv(k, v, k_scale, v_scale)
+        if compiling:
             return torch.ops.fp8export.fp8_attention(q, k, v, k_scale, v_scale, info.key_mask,
-                                    *_q_start(info.q_start), sm_scale, info.causal,
-                                    int(info.window), p_fp8)
+                                                     *_q_start(info.q_start), sm_scale,
+                                                     info.causal, int(info.window), p_fp8)
         return launch_attention(q, k, v, k_scale, v_scale, info.key_mask,
                                 *_q_start(info.q_start), sm_scale, info.causal,
                                 int(info.window), p_fp8)
@@ -145,6 +154,21 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: to
     v8 = v if v.dtype == E4M3_DTYPE else quantize_heads(v, v_scale)
     return fp8_attention_reference(q, k8, v8, k_scale, v_scale, sm_scale=sm_scale, info=info,
                                    p_fp8=p_fp8)
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit keys and values as the FP8 cache stores them: E4M3 keys ``[B, H, T, D]`` and
+    values as a ``[B, H, T, D]`` view of ``[B, H, D, T]`` storage."""
+    if torch.compiler.is_compiling() or not k.is_cuda:  # Inductor fuses these into RoPE
+        k8 = quantize_heads(k, k_scale)
+        v8 = quantize_heads(v, v_scale).transpose(2, 3).contiguous().transpose(2, 3)
+        return k8, v8
+    b, h, t, d = k.shape
+    k8 = torch.empty((b, h, t, d), dtype=E4M3_DTYPE, device=k.device)
+    v8t = torch.empty((b, h, d, t), dtype=E4M3_DTYPE, device=k.device)
+    launch_kv_write(k, v, k_scale, v_scale, k8, v8t, 0)
+    return k8, v8t.transpose(2, 3)
 
 
 def _q_start(q_start) -> tuple[torch.Tensor | None, int]:
@@ -189,10 +213,10 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
              start: torch.Tensor) -> None:
     """Quantize ``key``/``value`` ``[B, Hkv, Tn, D]`` into ``k_cache [B, Hkv, T, D]`` and
     ``v_cache_t [B, Hkv, D, T]`` (E4M3) at positions ``start + [0, Tn)`` (``start``: 0-d
-    integer tensor on the cache's device). Positions past the cache are not written."""
-    use_kernel = (key.is_cuda and kernel_available(key.device)) or (
-        _EXACT_CAST and _kernels() is not None)
-    if not use_kernel:
+    integer tensor on the cache's device). The kernel skips positions past the cache; the
+    torch path (CPU, and under torch.compile, where Inductor fuses it and CUDA graphs see
+    in-place updates of the cache's static buffers, as with transformers' own cache) raises."""
+    if torch.compiler.is_compiling() or not (key.is_cuda and kernel_available(key.device)):
         pos = torch.arange(key.shape[2], device=key.device) + start
         # as bytes: index_copy_ has no float8 kernels
         k_cache.view(torch.uint8).index_copy_(2, pos, quantize_heads(key, k_scale).view(
@@ -200,13 +224,12 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
         v_cache_t.view(torch.uint8).index_copy_(3, pos, quantize_heads(value, v_scale).view(
             torch.uint8).transpose(2, 3))
         return
-    if torch.compiler.is_compiling():
-        torch.ops.fp8export.kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
-        return
     launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
 
 
-def launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start) -> None:
+def launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t,
+                    start: torch.Tensor | int) -> None:
+    """One launch of the KV write kernel (``start``: a 0-d device tensor or an int)."""
     b, h, tn, d = key.shape
     if key.stride(-1) != 1:
         key = key.contiguous()
@@ -214,15 +237,20 @@ def launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start) -> 
         value = value.contiguous()
     block_t = 16 if tn <= 16 else 64
     grid = (-(-tn // block_t), b * h)
-    _kernels()[1][grid](key, value, k_scale, v_scale, k_cache, v_cache_t, start, tn,
+    start_t = start if isinstance(start, torch.Tensor) else None
+    _kernels()[1][grid](key, value, k_scale, v_scale, k_cache, v_cache_t,
+                        k_cache if start_t is None else start_t,
+                        0 if start_t is not None else int(start), tn,
                         k_cache.shape[2], h, key.stride(0), key.stride(1), key.stride(2),
                         value.stride(0), value.stride(1), value.stride(2), k_cache.stride(0),
                         k_cache.stride(1), k_cache.stride(2), v_cache_t.stride(0),
                         v_cache_t.stride(1), v_cache_t.stride(2), D=d, D_PAD=_head_pad(d),
-                        BLOCK_T=block_t, EXACT=_EXACT_CAST, num_warps=4)
+                        BLOCK_T=block_t, START_PTR=start_t is not None, EXACT=_EXACT_CAST,
+                        num_warps=4)
 
 
-# The kernels as torch custom ops, for torch.compile: opaque to Inductor, captured by CUDA graphs.
+# The attention kernel as a torch custom op, for torch.compile: opaque to Inductor, captured by
+# CUDA graphs.
 @torch.library.custom_op("fp8export::fp8_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                   v_scale: torch.Tensor, key_mask: torch.Tensor | None,
@@ -236,18 +264,6 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: to
 def _(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale, causal, window, p_fp8):
     b, hq, tq, d = q.shape
     return q.new_empty((b, tq, hq, d))
-
-
-@torch.library.custom_op("fp8export::kv_write", mutates_args=("k_cache", "v_cache_t"))
-def _kv_write_op(key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor,
-                 v_scale: torch.Tensor, k_cache: torch.Tensor, v_cache_t: torch.Tensor,
-                 start: torch.Tensor) -> None:
-    launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t, start)
-
-
-@_kv_write_op.register_fake
-def _(key, value, k_scale, v_scale, k_cache, v_cache_t, start):
-    return None
 
 
 __all__ = ["P_SCALE", "fp8_attention", "kv_write", "launch_attention", "kernel_available"]
