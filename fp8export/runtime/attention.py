@@ -97,7 +97,7 @@ def _register() -> None:
 
 
 def install(model: torch.nn.Module, scales: Mapping[str, tuple], *, mode: str = "kv",
-            p_fp8: bool = True) -> AttentionState:
+            p_fp8: bool = False) -> AttentionState:
     """Run ``model``'s attention through the FP8 KV cache (``mode="kv"``) or FP8 attention
     (``mode="fp8"``) with ``scales``: attention module name -> ``(k_scale, v_scale)``, each a
     per-tensor value or one per KV head (dequantization factors, ``amax / 448``)."""

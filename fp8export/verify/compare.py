@@ -24,6 +24,7 @@ class Compared:
     floor: dict[str, Any] | None
     per_layer: list[dict[str, Any]] | None
     seconds: dict[str, float]
+    attention_cost: dict[str, Any] | None = None  # --kv-cache / --attention fp8: the ladder
 
 
 def first_output(out: dict, who: str):
@@ -47,6 +48,8 @@ def compare(session: Session, inputs: Inputs) -> Compared:
         session.floor
     samples, head = inputs.samples, inputs.head
     probe = _per_layer_probe(session)
+    variants = _attention_variants(session)
+    ladder: dict[str, Any] = {}
     per_layer = None
     cmp = floor_cmp = vs_fp32 = family = None
     t_ref = t_cand = t_floor = 0.0
@@ -72,6 +75,14 @@ def compare(session: Session, inputs: Inputs) -> Compared:
             like = {"attention_mask": feed["attention_mask"], "input_ids": feed["input_ids"],
                     "labels": labels, "indices": batch.indices}
             cmp.add(ref_logits, cand_logits, **like)
+            for label, mode in variants:  # the same batch through the cheaper configurations
+                cand.set_attention(mode)
+                try:
+                    out = class_logits(first_output(cand.infer(feed), label), head)
+                finally:
+                    cand.set_attention(cand.attention if cand.attention == "fp8" else "kv")
+                ladder.setdefault(label, new_comparison(family, inputs.task, cfg.reference)
+                                  ).add(ref_logits, out, **like)
             if floor_runner is not None:
                 fp32 = class_logits(first_output(floor_runner.infer(feed),
                                                  f"the {FLOOR_DTYPE} reference"), head)
@@ -87,8 +98,36 @@ def compare(session: Session, inputs: Inputs) -> Compared:
                              "with at least one non-empty sample.")
     compared = cmp.result()
     floor = None if floor_cmp is None else _floor(cfg, compared, floor_cmp, vs_fp32)
+    cost = _attention_cost(cand, ladder, cmp, compared) if variants else None
     return Compared(compared, cmp, family, floor, per_layer,
-                    {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor})
+                    {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor}, cost)
+
+
+COST_METRICS = ("kl_mean", "top1_agreement", "kl_p99", "top5_overlap", "ppl_ratio")
+
+
+def _attention_variants(session: Session) -> list[tuple[str, str]]:
+    """(label, attention mode) of the configurations measured beside the judged one."""
+    variants = getattr(session.candidate, "attention_variants", None)
+    return variants() if variants is not None else []
+
+
+def _attention_cost(cand, ladder: dict[str, Any], judged, judged_result: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Rows ``{configuration, <metric>, <metric>_interval}``: each configuration against the
+    reference on the same batches, the FP8-linears-only one first, the judged one last (95%
+    bootstrap intervals over samples, as the checks have)."""
+    from fp8export.analysis.confidence import intervals
+
+    rows = []
+    for label, comparison in [*ladder.items(), (cand.judged_variant(), judged)]:
+        result = judged_result if comparison is judged else comparison.result()
+        metrics = {k: result["metrics"][k] for k in COST_METRICS if k in result["metrics"]}
+        spans = intervals(comparison.sample_stats(), list(metrics))
+        rows.append({"configuration": label, **metrics,
+                     **{f"{k}_interval": v for k, v in spans.items()}})
+    return {"rows": rows, "kv_cache": cand.info.get("kv_cache"),
+            "attention": cand.attention}
 
 
 def _per_layer_probe(session: Session):

@@ -60,7 +60,7 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
         data=inputs.data_info, task=inputs.task, notes=notes,
         per_sample=compared["per_sample"], distributions=compared["distributions"],
         timing=timing, header=head, worst_samples=worst, family=str(family),
-        noise_floor=floor, confidence=confidence,
+        noise_floor=floor, confidence=confidence, attention_cost=measured.attention_cost,
     )
 
 

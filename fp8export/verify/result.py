@@ -33,6 +33,8 @@ class VerifyResult:
     family: str = "logits"  # which metrics judged the model (family.py)
     noise_floor: dict[str, Any] | None = None  # the reference against fp32 (noise_floor.py)
     confidence: dict[str, Any] | None = None  # bootstrap intervals of the checks (confidence.py)
+    # --kv-cache / --attention fp8: each configuration's metrics, FP8-linears-only first
+    attention_cost: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
