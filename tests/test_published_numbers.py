@@ -231,7 +231,8 @@ def _numbers(value) -> list[float]:
 
 
 @pytest.mark.parametrize(("start", "end", "sources", "not_results"), [
-    ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**", ["gpu_fp8.md"], []),
+    ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**",
+     ["gpu_fp8.md", "gpu_fp8_attention_h200.md"], []),
     ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **Multi-GPU calibrate / verify**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15"]),  # model size, target
