@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX
+from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX, dequantize, quantize_e4m3
 
 KEY_BLOCK = 64
 """Keys per step of the kernel's online softmax (the emulation needs the same blocks)."""
@@ -64,17 +64,17 @@ class MaskInfo(NamedTuple):
 
 def quantize_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row E4M3: ``(q8, scale)`` with ``scale = amax / 448`` over the last dimension (1 for
-    an all-zero row), ``q8 = e4m3(clamp(q / scale, ±448))``; ``scale`` is ``[..., 1]`` fp32."""
-    x = q.to(torch.float32)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    an all-zero row), ``q8 = e4m3(clamp(q / scale, ±448))`` (``numerics.fp8.quantize_e4m3``);
+    ``scale`` is ``[..., 1]`` fp32."""
+    amax = q.to(torch.float32).abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE), scale
+    return quantize_e4m3(q, scale), scale
 
 
 def quantize_heads(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]`` to E4M3 with one float32 dequantization scale per head (``[H]``)."""
-    s = scale.to(torch.float32).view(1, -1, 1, 1)
-    return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+    """``x [B, H, T, D]`` to E4M3 with one float32 dequantization scale per head (``[H]``):
+    ``numerics.fp8.quantize_e4m3`` with the scale broadcast over each head."""
+    return quantize_e4m3(x, scale.to(torch.float32).view(1, -1, 1, 1))
 
 
 def head_scales(scale, heads: int, device=None) -> torch.Tensor:
@@ -161,6 +161,6 @@ def dequantized_attention_inputs(k8: torch.Tensor, v8: torch.Tensor, k_scale: to
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 keys and values back to ``dtype`` (what a server with an FP8 KV cache and 16-bit
     attention reads: vLLM's non-FP8 attention backends dequantize the cache so)."""
-    ks = k_scale.to(device=k8.device, dtype=torch.float32).view(1, -1, 1, 1)
-    vs = v_scale.to(device=v8.device, dtype=torch.float32).view(1, -1, 1, 1)
-    return (k8.to(torch.float32) * ks).to(dtype), (v8.to(torch.float32) * vs).to(dtype)
+    ks = k_scale.to(device=k8.device).view(1, -1, 1, 1)
+    vs = v_scale.to(device=v8.device).view(1, -1, 1, 1)
+    return dequantize(k8, ks, dtype), dequantize(v8, vs, dtype)

@@ -7,8 +7,8 @@ projected (reference/fp8_checkpoint_formats.md: ``k_scale``/``v_scale`` per atte
 per tensor). Hugging Face attention modules write that cache and then call the attention
 function named by ``config._attn_implementation`` with exactly those keys and values, so this
 module registers one more attention function, ``fp8export_kv``: it hands the keys and values to
-the active observer (calibration), then calls the function the model used before. Models whose attention modules have no
-``k_proj``/``v_proj`` (fused ``c_attn``/``qkv``) are refused.
+the active observer (calibration), then calls the function the model used before. Models
+whose attention modules have no ``k_proj``/``v_proj`` (fused ``c_attn``/``qkv``) are refused.
 """
 
 from __future__ import annotations

@@ -90,13 +90,38 @@ def test_p_rounding_follows_the_kernels_key_blocks():
 
 
 def _tiny_llama(heads=4, kv=2):
+    """A random 2-layer Llama whose attention is not uniform: at init (std 0.02) its scores are
+    ~0.05 and every key weighs the same, so the keys' rounding could not show; q_proj and
+    k_proj x10 give scores of a few units, as a trained model has."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=100,
                       attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    return model
+
+
+def _kv_scales(model, ids) -> dict[str, tuple[float, float]]:
+    """(k_scale, v_scale) = amax / 448 per attention layer on ``ids`` (keys after RoPE), as
+    ``convert --kv-cache fp8`` calibrates them."""
+    from fp8export.runtime.kv_cache import kv_hook
+
+    amax: dict[str, list[float]] = {}
+
+    def observe(name, key, value):
+        a = amax.setdefault(name, [0.0, 0.0])
+        a[0], a[1] = max(a[0], float(key.abs().max())), max(a[1], float(value.abs().max()))
+        return key, value
+
+    with torch.no_grad(), kv_hook(model, observe):
+        model(input_ids=ids)
+    return {n: (k / 448, v / 448) for n, (k, v) in amax.items()}
 
 
 def test_fp8_cache_holds_half_the_bytes_and_decodes_as_the_full_forward():
@@ -111,8 +136,7 @@ def test_fp8_cache_holds_half_the_bytes_and_decodes_as_the_full_forward():
         bf16 = StaticCache(config=model.config, max_cache_len=32)
         _tiny_llama().to(torch.bfloat16)(input_ids=ids[:, :4], past_key_values=bf16,
                                          use_cache=True)
-        attention.install(model, {n: (0.02, 0.03) for n in attention.attention_layers(model)},
-                          mode="fp8")
+        attention.install(model, _kv_scales(model, ids), mode="fp8")
         full = model(input_ids=ids).logits
         cache = fp8_static_cache(model, 32)
         steps = [model(input_ids=ids[:, :16], past_key_values=cache,
@@ -132,15 +156,18 @@ def test_modes_switch_and_a_wrong_scale_shows():
     ids = torch.randint(0, 100, (2, 20))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        layers = attention.attention_layers(model)
-        attention.install(model, {n: (0.02, 0.02) for n in layers}, mode="kv")
+        scales = _kv_scales(model, ids)
+        attention.install(model, scales, mode="kv")
         kv = model(input_ids=ids).logits
         attention.set_mode(model, "fp8")
         fp8 = model(input_ids=ids).logits
         attention.set_mode(model, "off")
         assert torch.equal(model(input_ids=ids).logits, ref)
-        attention.install(model, {n: (0.02 * (8 if i == 0 else 1), 0.02)
-                                  for i, n in enumerate(layers)}, mode="fp8")
+        # layer 0's k_scale 8x too small: its largest keys clip at 448 (E4M3 is a float
+        # format, so a scale too large only costs the smallest keys' precision)
+        attention.install(model, {n: (ks / (8 if i == 0 else 1), vs)
+                                  for i, (n, (ks, vs)) in enumerate(sorted(scales.items()))},
+                          mode="fp8")
         bad = model(input_ids=ids).logits
     assert 0 < _rel(kv, ref) < 0.1 and 0 < _rel(fp8, ref) < 0.1
     assert _rel(bad, ref) > 1.5 * _rel(fp8, ref)
