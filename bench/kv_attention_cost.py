@@ -56,7 +56,7 @@ def measure(name: str, model: Path, calib: int, samples: int, seq_len: int, work
     if not (model / "config.json").is_file():
         sys.exit(f"{model} is missing; build it first (samples/smollm2/build.py for SmolLM2).")
     fp8, reports = work / f"{name}-fp8", work / f"{name}-report"
-    cli = [sys.executable, "-m", "fp8export"]
+    cli = [sys.executable, str(REPO / "cli.py")]
     convert_s = run([*cli, "convert", str(model), "-o", str(fp8), "--scales", "calibrate",
                      "--calib-data", str(DATA / "calib.txt"), "--calib-samples", str(calib),
                      "--seq-len", str(seq_len), "--kv-cache", "fp8", "--force"],
