@@ -44,8 +44,8 @@ def _attend(acc, m_i, l_i, q8, row_scale, qi, r_ok, k_base, v_base, mask_ptr, ks
         vt = tl.load(v_base + d[:, None] * svd + n[None, :].to(tl.int64) * svt,
                      mask=d_ok[:, None], other=0.0)
     if not KV_FP8:  # 16-bit keys and values: stored as the FP8 cache would store them
-        k = _e4m3(k.to(tl.float32) / ks, EXACT)
-        vt = _e4m3(vt.to(tl.float32) / vs, EXACT)
+        k = _e4m3(tl.math.div_rn(k.to(tl.float32), ks), EXACT)
+        vt = _e4m3(tl.math.div_rn(vt.to(tl.float32), vs), EXACT)
     # promote the FP8 products to fp32 after every 32 (Hopper's FP8 accumulation is narrower)
     s = tl.dot(q8, tl.trans(k), max_num_imprecise_acc=32) * row_scale[:, None]
     if MASKED:
@@ -99,8 +99,12 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, mask_ptr,
                 + t[:, None].to(tl.int64) * sqt + d[None, :],
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(q), axis=1)
-    sq = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    q8 = _e4m3(q / sq[:, None], EXACT)
+    # correctly rounded divisions wherever a quotient is then rounded to E4M3: Triton's `/` is
+    # the approximate div.full.f32 (2 ulp), which lands exact E4M3 ties (frequent with bf16
+    # inputs) on either side, so the operands would differ from the emulation's
+    sq = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                  1.0)
+    q8 = _e4m3(tl.math.div_rn(q, sq[:, None]), EXACT)
     ks = tl.load(ks_ptr + hkv)
     vs = tl.load(vs_ptr + hkv)
     row_scale = sq * (ks * c_log2)
@@ -136,9 +140,9 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, mask_ptr,
                                 mask_row, ks, vs, start_n, Tk, skt, skd, svt, svd, d, d_ok,
                                 BLOCK_N, True, CAUSAL, WINDOW, HAS_MASK, KV_FP8, P_FP8, EXACT)
     if P_FP8:
-        vs = vs / 256.0
+        vs = vs * 0.00390625  # 1 / P_SCALE, exact
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = tl.where((l_i > 0.0)[:, None], acc * vs / l_safe[:, None], 0.0)
+    o = tl.where((l_i > 0.0)[:, None], tl.math.div_rn(acc * vs, l_safe[:, None]), 0.0)
     out = out_ptr + b * sob + t[:, None].to(tl.int64) * sot + hq[:, None].to(tl.int64) * soh \
         + d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
@@ -165,7 +169,8 @@ def kv_write_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, kc_ptr, vc_ptr, start_ptr, sta
                 mask=ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + b * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :],
                 mask=ok, other=0.0).to(tl.float32)
+    # correctly rounded, as the torch write divides (see fp8_attention_kernel)
     tl.store(kc_ptr + b * kcb + h * kch + pos[:, None].to(tl.int64) * kct + d[None, :],
-             _e4m3(k / ks, EXACT), mask=ok)
+             _e4m3(tl.math.div_rn(k, ks), EXACT), mask=ok)
     tl.store(vc_ptr + b * vcb + h * vch + d[None, :].to(tl.int64) * vcd + pos[:, None],
-             _e4m3(v / vs, EXACT), mask=ok)
+             _e4m3(tl.math.div_rn(v, vs), EXACT), mask=ok)

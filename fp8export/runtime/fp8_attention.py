@@ -139,7 +139,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: to
     """Attention of ``q [B, Hq, Tq, D]`` over ``k``/``v`` (logically ``[B, Hkv, Tk, D]``, any
     strides): E4M3 from the FP8 cache, or 16-bit (quantized with ``k_scale``/``v_scale``,
     float32 ``[Hkv]``, as the cache stores them). Returns ``[B, Tq, Hq, D]`` in q's dtype."""
-    if q.is_cuda and kernel_available(q.device) and kernel_supports(q, info) is None:
+    if kernel_available(q.device) and kernel_supports(q, info) is None:
         compiling = torch.compiler.is_compiling()
         if k.dtype != E4M3_DTYPE and (compiling or k.shape[0] * k.shape[2] >= PREQUANTIZE_KEYS):
             k, v = quantize_kv(k, v, k_scale, v_scale)
@@ -250,14 +250,24 @@ def launch_kv_write(key, value, k_scale, v_scale, k_cache, v_cache_t,
 
 
 # The attention kernel as a torch custom op, for torch.compile: opaque to Inductor, captured by
-# CUDA graphs.
-@torch.library.custom_op("fp8export::fp8_attention", mutates_args=())
+# CUDA graphs. On a CPU the op is the emulation (what the kernel is tested against), so what a
+# compiled GPU step traces can be traced and checked on a CPU too.
+@torch.library.custom_op("fp8export::fp8_attention", mutates_args=(), device_types="cuda")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                   v_scale: torch.Tensor, key_mask: torch.Tensor | None,
                   q_start_t: torch.Tensor | None, q_start: int, sm_scale: float, causal: bool,
                   window: int, p_fp8: bool) -> torch.Tensor:
     return launch_attention(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale,
                             causal, window, p_fp8)
+
+
+@_attention_op.register_kernel("cpu")
+def _(q, k, v, k_scale, v_scale, key_mask, q_start_t, q_start, sm_scale, causal, window, p_fp8):
+    k8 = k if k.dtype == E4M3_DTYPE else quantize_heads(k, k_scale)
+    v8 = v if v.dtype == E4M3_DTYPE else quantize_heads(v, v_scale)
+    info = MaskInfo(q_start_t if q_start_t is not None else q_start, causal, window, key_mask)
+    return fp8_attention_reference(q, k8, v8, k_scale, v_scale, sm_scale=sm_scale, info=info,
+                                   p_fp8=p_fp8)
 
 
 @_attention_op.register_fake

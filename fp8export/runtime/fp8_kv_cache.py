@@ -29,6 +29,22 @@ def _static_layer():
     class Fp8StaticLayer(StaticLayer):
         """One layer's E4M3 keys and (transposed) values, written at ``cumulative_length``."""
 
+        values_t: torch.Tensor | None = None
+
+        @property
+        def values(self) -> torch.Tensor | None:
+            """``[B, Hkv, T, D]`` view of the transposed storage, made where it is read: kept as
+            an attribute, a compiled step would take it as one more input aliasing
+            ``values_t``, and AOTAutograd's synthetic base for two aliased inputs, one of
+            them mutated, is not a static input: Inductor then skips the CUDA graph ("mutated
+            inputs")."""
+            return None if self.values_t is None else self.values_t.transpose(2, 3)
+
+        @values.setter
+        def values(self, value) -> None:
+            if value is not None:  # the base class sets None; the storage is values_t
+                raise AttributeError("the FP8 cache stores its values in values_t")
+
         def __init__(self, max_cache_len: int, k_scale: torch.Tensor, v_scale: torch.Tensor):
             super().__init__(max_cache_len=max_cache_len)
             self.k_scale, self.v_scale = k_scale, v_scale
@@ -48,7 +64,6 @@ def _static_layer():
                                     dtype=E4M3_DTYPE, device=self.device)
             self.values_t = torch.zeros((*shape, self.v_head_dim, self.max_cache_len),
                                         dtype=E4M3_DTYPE, device=self.device)
-            self.values = self.values_t.transpose(2, 3)
             self.k_scale = self.k_scale.to(self.device)
             self.v_scale = self.v_scale.to(self.device)
             self.cumulative_length = self.cumulative_length.to(self.device)

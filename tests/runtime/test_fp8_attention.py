@@ -173,6 +173,85 @@ def test_modes_switch_and_a_wrong_scale_shows():
     assert _rel(bad, ref) > 1.5 * _rel(fp8, ref)
 
 
+def _compile_recorder():
+    """A torch.compile backend that records, per compiled graph, what Inductor checks before it
+    captures a CUDA graph (``torch._inductor.cudagraph_utils``): the graph inputs whose data the
+    graph mutates must all be static inputs (parameters, buffers, tensors marked with
+    ``mark_static_address``, as a static KV cache is), and no node may be unsafe for a graph
+    (a host sync such as ``.item()``, data-dependent shapes, ops tagged cudagraph-unsafe). It
+    runs the functionalized graph itself, so the outputs are those of the traced program."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    graphs: list[dict] = []
+
+    def fw(gm, inputs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        unsafe = get_first_incompatible_cudagraph_node(gm)
+        graphs.append({"mutated": mutated, "static": set(meta.static_input_indices),
+                       "unsafe": None if unsafe is None else str(unsafe.target),
+                       "ops": {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}})
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+    return backend, graphs
+
+
+@pytest.mark.slow  # two torch.compile traces of a tiny Llama (~30 s each on 2 cores)
+@pytest.mark.parametrize("path", ["emulation", "kernel"])
+def test_compiled_decode_step_is_one_cuda_graph_capturable_graph(monkeypatch, path):
+    """The decode step a server compiles with ``mode="reduce-overhead"``: prefill eager, then
+    one-token steps with the FP8 cache and the position on the device. On a CPU: one graph
+    (``fullgraph``: no graph break), compiled once for all steps (no recompilation as the
+    position advances), the cache written in place into its static buffers only, nothing that
+    would stop a CUDA graph; and the steps' logits are the eager ones. ``kernel``: the path a
+    GPU with FP8 tensor cores traces (the attention as the ``fp8export::fp8_attention`` custom
+    op, whose CPU implementation is the emulation)."""
+    from fp8export.runtime import attention
+    from fp8export.runtime import fp8_attention as fa
+    from fp8export.runtime.fp8_kv_cache import fp8_static_cache
+
+    model = _tiny_llama().to(torch.bfloat16)  # the kernel takes 16-bit queries
+    ids = torch.randint(0, 100, (2, 20))
+    attention.install(model, _kv_scales(model, ids), mode="fp8")
+
+    def decode(fwd, steps, kernel=False):
+        cache = fp8_static_cache(model, 32)
+        with torch.no_grad():
+            out = model(input_ids=ids[:, :16], past_key_values=cache, use_cache=True)
+            if kernel:  # the steps (compiled) take the GPU's path; the prefill ran eager
+                monkeypatch.setattr(fa, "kernel_available", lambda device: not fa._EMULATE[-1])
+            pos = torch.tensor([16])
+            tok, logits = out.logits[:, -1:].argmax(-1), []
+            for _ in range(steps):
+                out = fwd(input_ids=tok, past_key_values=cache, use_cache=True,
+                          cache_position=pos, position_ids=pos.expand(2, 1))
+                tok = out.logits[:, -1:].argmax(-1)
+                logits.append(out.logits[:, -1])
+                pos.add_(1)
+        return torch.stack(logits, 1), cache
+
+    want, _ = decode(model, 3)
+    backend, graphs = _compile_recorder()
+    torch._dynamo.reset()
+    try:
+        got, cache = decode(torch.compile(model, backend=backend, fullgraph=True,
+                                          dynamic=False), 3, kernel=path == "kernel")
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs: recompiled as the position advanced"
+    g = graphs[0]
+    assert g["unsafe"] is None, g["unsafe"]
+    assert g["mutated"], "the cache write must be an in-place update inside the graph"
+    assert set(g["mutated"]) <= g["static"], "mutated inputs that are not static buffers"
+    assert ("fp8export.fp8_attention.default" in g["ops"]) == (path == "kernel")
+    assert cache.layers[0].keys.dtype == torch.float8_e4m3fn
+    assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (the interpreter)")
 def test_kernel_logic_in_the_triton_interpreter():
