@@ -30,7 +30,8 @@ def _attend(acc, m_i, l_i, q8, row_scale, qi, r_ok, k_base, v_base, mask_ptr, ks
             Tk, skt, skd, svt, svd, d, d_ok, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
             KV_FP8: tl.constexpr, P_FP8: tl.constexpr, EXACT: tl.constexpr):
-    """One block of BLOCK_N keys into the online softmax (MASKED: apply the masks)."""
+    """One block of BLOCK_N keys into the online softmax (MASKED: a block that the causal or
+    window bound or the end of the keys cuts; the padded-key mask applies to every block)."""
     n = start_n + tl.arange(0, BLOCK_N)
     n_ok = n < Tk
     if MASKED:
@@ -58,6 +59,9 @@ def _attend(acc, m_i, l_i, q8, row_scale, qi, r_ok, k_base, v_base, mask_ptr, ks
             km = tl.load(mask_ptr + n, mask=n_ok, other=0)
             ok = ok & (km != 0)[None, :]
         s = tl.where(ok, s, float("-inf"))
+    elif HAS_MASK:  # a block no causal or window bound cuts: only padded keys to drop
+        km = tl.load(mask_ptr + n)
+        s = tl.where((km != 0)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -129,7 +133,7 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, mask_ptr,
     k_base = k_ptr + b * skb + hkv.to(tl.int64) * skh
     v_base = v_ptr + b * svb + hkv.to(tl.int64) * svh
     mask_row = mask_ptr + b * smb
-    if HAS_MASK or WINDOW > 0:
+    if WINDOW > 0:
         full = lo
     for start_n in range(lo, full, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q8, row_scale, qi, r_ok, k_base, v_base,

@@ -252,6 +252,36 @@ def test_compiled_decode_step_is_one_cuda_graph_capturable_graph(monkeypatch, pa
     assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
+@pytest.mark.slow  # one torch.compile trace of a tiny Llama
+def test_compiled_prefill_with_a_padding_mask_takes_the_kernel(monkeypatch):
+    """Compiled prefill as a server runs it (with the padding mask): the attention is the
+    kernel's custom op in one graph, no graph break. (Without an ``attention_mask``,
+    transformers' compiled mask is the packed-sequence one, which it cannot rule out while
+    tracing; the kernel does not take that mask and the step would trace the torch emulation.)"""
+    from fp8export.runtime import attention
+    from fp8export.runtime import fp8_attention as fa
+
+    model = _tiny_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 100, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    attention.install(model, _kv_scales(model, ids), mode="fp8")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    monkeypatch.setattr(fa, "kernel_available", lambda device: not fa._EMULATE[-1])
+    backend, graphs = _compile_recorder()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(
+                input_ids=ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1 and graphs[0]["unsafe"] is None
+    assert "fp8export.fp8_attention.default" in graphs[0]["ops"]
+    assert _rel(got[1], want[1]) < 1e-4 and _rel(got[0, 5:], want[0, 5:]) < 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs triton (the interpreter)")
 def test_kernel_logic_in_the_triton_interpreter():
@@ -273,6 +303,7 @@ def test_kernel_logic_in_the_triton_interpreter():
         worst = 0.0
         for b, hq, hkv, tq, tk, d, q0, win, pad in [(1, 4, 2, 70, 70, 64, 0, 0, False),
                                                     (2, 6, 2, 5, 80, 32, 75, 0, True),
+                                                    (2, 2, 1, 140, 140, 64, 0, 0, True),
                                                     (1, 2, 1, 40, 40, 64, 0, 16, False)]:
             g = torch.Generator().manual_seed(tq)
             q = torch.randn(b, hq, tq, d, generator=g).bfloat16().float()
