@@ -18,7 +18,7 @@ set -u
 OUT=${OUT:?set OUT to the output folder}
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET_S:-345}
-REPORT_RESERVE=${REPORT_RESERVE_S:-15}
+REPORT_RESERVE=${REPORT_RESERVE_S:-10}
 START=$(date +%s)
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -107,6 +107,6 @@ JSONS=()
 for part in decode compiled eager; do
   [[ -s "$OUT/$part.json" ]] && JSONS+=("$OUT/$part.json")
 done
-REPORT_RESERVE=0 step report 15 "$PY" bench/gpu_fp8.py --report "${JSONS[@]}" \
-  "$OUT/sections.json" --md "$OUT/gpu_fp8_attention.md" --notes ''
+REPORT_RESERVE=0 step report 15 "$PY" bench/gpu_fp8_report.py "${JSONS[@]}" \
+  "$OUT/sections.json" --md "$OUT/gpu_fp8_attention.md"
 echo "done in $(elapsed)s; $(wc -l < "$STATUS") steps in $STATUS"

@@ -61,7 +61,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_fp8_report import TARGETS, write_report  # noqa: E402  (beside this script)
+from gpu_fp8_report import TARGETS, merge_results, write_report  # noqa: E402  (beside)
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
 from fp8export.runtime import attention, fp8_gemm, fp8_quant  # noqa: E402
@@ -783,7 +783,6 @@ def section(name: str, fn, args):
 
 PARTS = ("overhead", "gemm", "sweep", "attention", "memory", "eager", "compiled", "prefill",
          "decode")
-MERGED_DICTS = ("errors", "section_s", "sections", "versions")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -842,20 +841,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.decode_eager is None:
         args.decode_eager = args.decode_batches
     return args
-
-
-def merge_results(paths) -> dict:
-    """Result files of one run's processes, merged in order: later keys win, except the
-    per-section dicts (errors, section_s, sections, versions), which are united."""
-    merged: dict = {}
-    for path in paths:
-        part = json.loads(Path(path).read_text())
-        for key, value in part.items():
-            if key in MERGED_DICTS and isinstance(value, dict):
-                merged.setdefault(key, {}).update(value)
-            else:
-                merged[key] = value
-    return merged
 
 
 def _versions() -> dict:

@@ -8,6 +8,9 @@ A result JSON carries the targets it was measured against (``targets``: :data:`T
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
 # targets of the H100 runs (gpu_fp8.md), before FP8 attention and the FP8 KV cache
@@ -243,7 +246,7 @@ def _not_measured(results: dict, section: str) -> str:
         return "not measured: " + err.strip().splitlines()[-1][:160].replace("|", "\\|")
     if status and status.get("rc"):
         return f"not measured: the section exited {status['rc']} (see its log)"
-    return "not measured: the section did not run"
+    return "not measured in this run"
 
 
 def _prefill_cause(x: dict, want: float, a: str, b: str) -> str:
@@ -285,11 +288,11 @@ def attention_report(r: dict) -> str:
     v = r.get("versions") or {}
     out = [f"# FP8 attention and the FP8 KV cache vs bf16 — {r.get('device', '?')} (CC "
            f"{r.get('compute_capability', '?')}), torch {r.get('torch', '?')}, CUDA "
-           f"{r.get('cuda', '?')}, Triton {v.get('triton', '?')}, transformers "
-           f"{v.get('transformers', '?')}", "",
-           "Written by `bench/gpu_fp8_report.py` from the run's JSON (`bench/gpu_fp8.py`; "
-           "`bench/gpu_attention_run.sh` runs its sections, each in its own process under a "
-           "hard time limit).", ""]
+           f"{r.get('cuda', '?')}, Triton {v.get('triton') or 'not recorded'}, transformers "
+           f"{v.get('transformers') or 'not recorded'}", "",
+           "Written by `bench/gpu_fp8_report.py` from the run's JSON (`bench/gpu_fp8.py`"
+           + ("; `bench/gpu_attention_run.sh` ran its sections, each in its own process under "
+              "a hard time limit)." if r.get("sections") else ")."), ""]
     if m:
         att = r.get("fp8_attention") or {}
         out += [f"Llama-shaped model, {m['params'] / 1e9:.2f} B params (hidden {m['hidden']}, "
@@ -307,6 +310,8 @@ def attention_report(r: dict) -> str:
     graphs = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_cudagraphs") or []}
     decode = {str(x["batch"]): x for x in r.get("decode") or []}
     mem = r.get("kv_memory")
+    if mem is None and "max_batch_ratio" in (r.get("memory") or {}):
+        mem = r["memory"]  # runs before the section had its own key
 
     rows = ["## Targets", "", "| target | measured (bf16 → FP8, same run) | met | cause "
             "(measured) |", "|---|---|---|---|"]
@@ -413,6 +418,35 @@ def attention_report(r: dict) -> str:
             out.append(f"| {label} | {x['weights_gib']} | {x['kv_cache_mib_per_sequence']} | "
                        f"{x['max_decode_batch']} | {x['peak_gib_at_max']} |")
         out += ["", f"KV cache FP8 / bf16: {mem['kv_cache_ratio_fp8_over_bf16']}×.", ""]
+    kernel = (r.get("attention") or {}).get("rows")
+    if kernel:
+        out += ["## The attention kernel alone (ms per call, CUDA graph of 20 calls)", "",
+                "Against transformers' bf16 SDPA (flash/cuDNN, GQA) on the same 16-bit inputs; "
+                "accuracy against fp32 attention and agreement with the emulation (rel-L2).", "",
+                "| shape | SDPA bf16 | FP8, P bf16 | FP8, P E4M3 | FP8 vs fp32, P bf16 / E4M3 | "
+                "SDPA bf16 vs fp32 | kernel vs emulation, P bf16 / E4M3 |",
+                "|---|---|---|---|---|---|---|"]
+        for x in kernel:
+            shape = (f"prefill {x['batch']}×{x['q_tokens']}" if x["kind"] == "prefill" else
+                     f"decode b{x['batch']}, {x['kv_tokens']} cached")
+
+            def pair(key, x=x):
+                a, b = x.get(f"p_bf16_{key}"), x.get(f"p_e4m3_{key}")
+                return "–" if a is None else f"{a:.3g} / {b:.3g}"
+
+            fp32 = x.get("sdpa_bf16_vs_fp32_rel_l2")
+            out.append(f"| {shape} | {x['sdpa_ms']:.4f} | {x['p_bf16_ms']:.4f} | "
+                       f"{x['p_e4m3_ms']:.4f} | {pair('vs_fp32_rel_l2')} | "
+                       f"{'–' if fp32 is None else f'{fp32:.3g}'} | "
+                       f"{pair('vs_emulation_rel_l2')} |")
+        sweep = (r.get("attention") or {}).get("sweep") or []
+        if sweep:
+            out += ["", "Tiles at prefill " + ", ".join(sorted({f"{x['batch']}×{x['seq']}"
+                                                                for x in sweep}))
+                    + " (P E4M3; BLOCK_M / warps / stages: ms): " + ", ".join(
+                        f"{x['BLOCK_M']}/{x['num_warps']}/{x['num_stages']}: {x['ms']}"
+                        for x in sweep) + "."]
+        out.append("")
     sections = r.get("sections") or {}
     if sections:
         out += ["## Sections of this run", "", "| section | seconds | limit s | exit | stopped |",
@@ -422,3 +456,42 @@ def attention_report(r: dict) -> str:
                        f"{'yes' if st.get('timed_out') else 'no'} |")
         out.append("")
     return "\n".join(out)
+
+
+MERGED_DICTS = ("errors", "section_s", "sections", "versions")
+
+
+def merge_results(paths) -> dict:
+    """Result files of one run's processes, merged in order: later keys win, except the
+    per-section dicts (errors, section_s, sections, versions), which are united."""
+    merged: dict = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        for key, value in part.items():
+            if key in MERGED_DICTS and isinstance(value, dict):
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged[key] = value
+    return merged
+
+
+def main(argv=None) -> int:
+    """``python bench/gpu_fp8_report.py RESULT.json... --md OUT.md``: the report without
+    importing torch (what ``gpu_fp8.py --report`` does too)."""
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--md", type=Path, required=True)
+    ap.add_argument("--notes", type=Path, default=None, help="appended to --md")
+    ap.add_argument("--targets", action="store_true",
+                    help="render against TARGETS results written before runs recorded theirs")
+    args = ap.parse_args(argv)
+    results = merge_results(args.results)
+    if args.targets:
+        results.setdefault("targets", TARGETS)
+    write_report(results, args.md, args.notes)
+    print(f"wrote {args.md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

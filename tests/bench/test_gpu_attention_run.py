@@ -44,7 +44,7 @@ def test_arguments():
 
 
 def test_merge_unites_the_per_section_dicts(tmp_path):
-    gpu = _bench("gpu_fp8")
+    gpu = _bench("gpu_fp8_report")
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"device": "X", "section_s": {"decode": 1}, "decode": [1],
                              "errors": {"decode": "boom"}}))
@@ -72,7 +72,7 @@ def _fixture() -> dict:
 
 
 def _targets(md: str) -> dict[str, list[str]]:
-    rows = md.split("## Targets")[1].split("\n## ")[0].strip().splitlines()[3:]
+    rows = md.split("## Targets")[1].split("\n## ")[0].strip().splitlines()[2:]
     return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows}
 
 
