@@ -7,13 +7,15 @@
 #
 #   OUT=/some/dir bash bench/gpu_attention_run.sh
 #
-# Steps (limit s): install (45); in the background, two --warm-only processes compile the
-# decode steps and the compiled prefill once (Inductor's on-disk caches; 8 compile threads
-# each) while the GPU tests run (90); then, alone on the machine: decode with CUDA graphs at
-# batch 1/8/32 (100), compiled prefill 8x2048/32x512/1x128 (110), eager prefill 1x512 and the
-# largest decode batch in 8 GiB (70); the report (15). Environment: BUDGET_S (default 345),
-# PYTHON (default python3), LIMIT_<STEP> to change one step's limit (STEP in upper case; 0
-# skips it), REPORT_RESERVE_S (seconds kept for the report, default 15).
+# Steps (limit s): install (45); eager prefill 1x512 (50), alone: it is host-bound, so nothing
+# may run beside it; then two --warm-only processes compile the decode steps and the compiled
+# prefill once in the background (Inductor's on-disk caches, 8 compile threads each) while the
+# GPU tests (90) and the memory step (45: the largest decode batch in 8 GiB and the logits
+# check; neither is a timing) run; then, alone again: decode with CUDA graphs at batch 1/8/32
+# (100) and compiled prefill 8x2048/32x512/1x128 (100); the report (10).
+# Environment: BUDGET_S (default 345), PYTHON (default python3), LIMIT_<STEP> to change one
+# step's limit (STEP in upper case; 0 skips it), REPORT_RESERVE_S (seconds kept for the report,
+# default 10).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 PY=${PYTHON:-python3}
@@ -59,8 +61,10 @@ BENCH=("$PY" bench/gpu_fp8.py --no-logits-check --parts)
 
 step install 45 "$PY" -m pip install --no-deps --no-build-isolation -e .
 
-# compile caches, in the background, while the GPU tests run
-WLIM=$(limit warm 150 120)
+step eager 50 "${BENCH[@]}" eager --shapes 1x512 --out "$OUT/eager.json"
+
+# compile caches, in the background, while the GPU tests and the memory step run
+WLIM=$(limit warm 150 130)
 W=()
 if (( WLIM >= 5 )); then
   TORCHINDUCTOR_COMPILE_THREADS=8 timeout -k 5 "$WLIM" "${BENCH[@]}" decode --decode-eager '' \
@@ -72,21 +76,21 @@ if (( WLIM >= 5 )); then
 fi
 step gpu_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
   tests/runtime/test_fp8_attention_gpu.py --junitxml "$OUT/gpu_tests.xml"
+step memory 45 "$PY" bench/gpu_fp8.py --parts memory --out "$OUT/memory.json"
 t0=$(date +%s)
 for pid in "${W[@]}"; do wait "$pid"; echo "warm process $pid exited $?"; done
 printf 'warm (background, compile only)\t%s\t%s\t-\t0\n' "$(( $(date +%s) - t0 ))" \
   "$WLIM" >> "$STATUS"
 
 step decode 100 "${BENCH[@]}" decode --decode-eager '' --out "$OUT/decode.json"
-step compiled 110 "${BENCH[@]}" compiled --out "$OUT/compiled.json"
-step eager 70 "$PY" bench/gpu_fp8.py --parts memory,eager --shapes 1x512 --linears-only \
-  --out "$OUT/eager.json"
-
+step compiled 100 "${BENCH[@]}" compiled --out "$OUT/compiled.json"
 # sections.json: the status of every step, for the report (written here, without python)
-NOTE="Each step ran in its own process under a hard time limit (bench/gpu_attention_run.sh)."
+NOTE="Each step ran in its own process under a hard time limit (bench/gpu_attention_run.sh); \
+eager prefill ran first, alone."
 if (( ${#W[@]} )); then
-  NOTE="$NOTE The decode and compiled-prefill steps ran after --warm-only processes had compiled \
-the same graphs beside the GPU tests (Inductor's caches: fxgraph_cache_hit in each row)."
+  NOTE="$NOTE The decode and compiled-prefill steps ran alone after --warm-only processes had \
+compiled the same graphs beside the GPU tests and the memory step (Inductor's caches: \
+fxgraph_cache_hit in each row's dynamo stats)."
 fi
 TESTS=$(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null | tr -d '"\\' | tr -s '=' | sed 's/^= *//; s/ *=$//')
 {
@@ -104,9 +108,9 @@ TESTS=$(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null | tr -d '"\\' | tr -s '=' | s
 } > "$OUT/sections.json"
 
 JSONS=()
-for part in decode compiled eager; do
+for part in memory decode compiled eager; do
   [[ -s "$OUT/$part.json" ]] && JSONS+=("$OUT/$part.json")
 done
-REPORT_RESERVE=0 step report 15 "$PY" bench/gpu_fp8_report.py "${JSONS[@]}" \
+REPORT_RESERVE=0 step report 10 "$PY" bench/gpu_fp8_report.py "${JSONS[@]}" \
   "$OUT/sections.json" --md "$OUT/gpu_fp8_attention.md"
 echo "done in $(elapsed)s; $(wc -l < "$STATUS") steps in $STATUS"

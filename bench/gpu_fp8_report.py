@@ -228,7 +228,7 @@ def _ms(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
-STEP_OF = {"prefill_cudagraphs": "compiled", "prefill_eager": "eager", "kv_memory": "eager",
+STEP_OF = {"prefill_cudagraphs": "compiled", "prefill_eager": "eager", "kv_memory": "memory",
            "decode": "decode"}
 """The step of ``gpu_attention_run.sh`` that measures each section."""
 

@@ -92,10 +92,16 @@ class TorchFp8Runner(TorchModelRunner):
             return "+ FP8 KV cache (judged)"
         return "FP8 linears only (judged)"
 
+    def attention_setup(self) -> dict[str, Any]:
+        return {"kv_cache": self.info.get("kv_cache"), "attention": self.attention}
+
     def set_attention(self, mode: str) -> None:
-        """Run the next batches with attention mode "off", "kv" or "fp8" (attention.set_mode)."""
+        """Run the next batches with attention mode "off", "kv" or "fp8" (attention.set_mode),
+        or "judged": the mode the runner was opened with."""
         from fp8export.runtime.attention import set_mode
 
+        if mode == "judged":
+            mode = "fp8" if self.attention == "fp8" else "kv"
         set_mode(self.model, mode)
 
     def fp8_path(self) -> str:

@@ -48,7 +48,7 @@ def compare(session: Session, inputs: Inputs) -> Compared:
         session.floor
     samples, head = inputs.samples, inputs.head
     probe = _per_layer_probe(session)
-    variants = _attention_variants(session)
+    variants = session.candidate.attention_variants()
     ladder: dict[str, Any] = {}
     per_layer = None
     cmp = floor_cmp = vs_fp32 = family = None
@@ -80,7 +80,7 @@ def compare(session: Session, inputs: Inputs) -> Compared:
                 try:
                     out = class_logits(first_output(cand.infer(feed), label), head)
                 finally:
-                    cand.set_attention(cand.attention if cand.attention == "fp8" else "kv")
+                    cand.set_attention("judged")
                 ladder.setdefault(label, new_comparison(family, inputs.task, cfg.reference)
                                   ).add(ref_logits, out, **like)
             if floor_runner is not None:
@@ -106,12 +106,6 @@ def compare(session: Session, inputs: Inputs) -> Compared:
 COST_METRICS = ("kl_mean", "top1_agreement", "kl_p99", "top5_overlap", "ppl_ratio")
 
 
-def _attention_variants(session: Session) -> list[tuple[str, str]]:
-    """(label, attention mode) of the configurations measured beside the judged one."""
-    variants = getattr(session.candidate, "attention_variants", None)
-    return variants() if variants is not None else []
-
-
 def _attention_cost(cand, ladder: dict[str, Any], judged, judged_result: dict[str, Any]
                     ) -> dict[str, Any]:
     """Rows ``{configuration, <metric>, <metric>_interval}``: each configuration against the
@@ -126,8 +120,7 @@ def _attention_cost(cand, ladder: dict[str, Any], judged, judged_result: dict[st
         spans = intervals(comparison.sample_stats(), list(metrics))
         rows.append({"configuration": label, **metrics,
                      **{f"{k}_interval": v for k, v in spans.items()}})
-    return {"rows": rows, "kv_cache": cand.info.get("kv_cache"),
-            "attention": cand.attention}
+    return {"rows": rows, **cand.attention_setup()}
 
 
 def _per_layer_probe(session: Session):

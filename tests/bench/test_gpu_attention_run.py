@@ -67,7 +67,8 @@ def _fixture() -> dict:
             "kv_memory": run2["memory"], "prefill_cudagraphs": h100["prefill_cudagraphs"],
             "versions": {"triton": "3.6.0", "transformers": "5.x"},
             "sections": {"decode": {"seconds": 80, "limit_s": 100, "rc": 0, "timed_out": False},
-                         "eager": {"seconds": 50, "limit_s": 70, "rc": 0, "timed_out": False}},
+                         "eager": {"seconds": 30, "limit_s": 50, "rc": 0, "timed_out": False},
+                         "memory": {"seconds": 30, "limit_s": 45, "rc": 0, "timed_out": False}},
             "gpu_tests": "12 passed in 40.1s"}
 
 
@@ -111,10 +112,9 @@ def test_report_is_rendered_from_the_json(tmp_path):
 def test_report_says_why_a_target_was_not_measured(tmp_path):
     report = _bench("gpu_fp8_report")
     r = _fixture()
-    del r["prefill_cudagraphs"], r["decode"], r["kv_memory"]
+    del r["prefill_cudagraphs"], r["decode"], r["kv_memory"], r["memory"]
     r["sections"]["compiled"] = {"seconds": 115, "limit_s": 110, "rc": 124, "timed_out": True}
     r["sections"]["decode"] = {"seconds": 0, "limit_s": -3, "rc": "skipped", "timed_out": False}
-    r["sections"]["eager"]["rc"] = 0
     r["errors"] = {"kv_memory": "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory"}
     md = tmp_path / "report.md"
     report.write_report(r, md, None)
@@ -147,14 +147,14 @@ def test_runner_stops_a_stuck_step_at_the_budget(tmp_path):
     s = status["sections"]
     assert s["install"]["timed_out"] and s["install"]["rc"] in (124, 137)
     assert s["install"]["limit_s"] <= 6
-    for name in ("gpu_tests", "decode", "compiled", "eager"):
+    for name in ("gpu_tests", "memory", "decode", "compiled", "eager"):
         assert s[name]["rc"] == "skipped", (name, s[name])
 
 
 @pytest.mark.slow  # imports torch twice (~20-60 s on a loaded 2-core machine)
 def test_runner_without_a_gpu_writes_the_report(tmp_path):
     env = {"PYTHON": sys.executable, "LIMIT_INSTALL": "0", "LIMIT_GPU_TESTS": "0",
-           "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0"}
+           "LIMIT_MEMORY": "0", "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0"}
     status, _ = _run(tmp_path, env, timeout=300)
     assert status["sections"]["decode"]["rc"] == 1  # gpu_fp8.py: "needs a CUDA GPU"
     text = (tmp_path / "out" / "gpu_fp8_attention.md").read_text()
