@@ -10,15 +10,36 @@ calibration batches), then ``fuse_projections`` (one GEMM per group). lm_head an
 stay bf16 (DESIGN.md exclusions). Prefill computes logits for the last position only
 (``logits_to_keep=1``), as a server does.
 
+The FP8 model also runs FP8 attention (``fp8export.runtime.attention``, mode ``--attention``:
+the Triton kernel, P in E4M3 unless ``--p-bf16``) with k/v scales calibrated per layer on the
+same batches (max |K| and |V| / 448, keys after RoPE), and decodes with the FP8 KV cache
+(``Fp8StaticCache``: E4M3, half the bytes of transformers' bf16 ``StaticCache``).
+
 Sections (``--parts``, comma separated):
+  attention the attention kernel alone: time against cuDNN/flash SDPA (bf16, GQA) at the
+            model's prefill and decode shapes, P in E4M3 vs bf16, its accuracy against fp32
+            attention and its agreement with the CPU emulation (rel-L2), a tile sweep
+  memory    KV-cache bytes (bf16 StaticCache vs the FP8 cache) and the largest decode batch
+            whose weights + cache + step peak fit ``--budget-gib`` at ``--budget-context``
   overhead  host microseconds per call of each eager building block (launch cost)
   gemm      bare GEMMs at the model's projection shapes: bf16 vs ``_scaled_mm`` (+ quantize)
             vs the small-M Triton kernel, M from 1 to 16384
   sweep     tile sweep of the small-M Triton kernel (to set its heuristic)
-  prefill   eager at every shape; ``torch.compile(mode="reduce-overhead")`` (Inductor fusion
-            + CUDA graphs) at ``--compile-shapes``
-  decode    single-token steps with a StaticCache after a ``--prompt``-token prefill, batch
-            ``--decode-batches``; eager and compiled + CUDA graphs
+  eager     eager prefill at ``--shapes``
+  compiled  ``torch.compile(mode="reduce-overhead")`` (Inductor fusion + CUDA graphs) prefill at
+            ``--compile-shapes``, with the padding mask a server passes (an all-ones
+            ``attention_mask``: without one, transformers' compiled mask is the packed-sequence
+            mask, which it cannot rule out while tracing; the FP8 kernel does not take it and
+            the step would trace the torch emulation instead)
+  prefill   eager and compiled
+  decode    single-token steps with a StaticCache after a ``--prompt``-token prefill: eager at
+            ``--decode-eager`` batches, compiled + CUDA graphs at ``--decode-compiled``
+
+Compile work is bounded: shapes are static (``dynamic=False``: one graph per shape, recompiles
+logged with their reason), a recompile-limit hit is an error instead of a silent fall-back to
+eager, and ``--warm-only`` compiles and runs each compiled configuration once without timing
+(to fill Inductor's on-disk caches from another process while something else runs). Rows are
+saved as they are measured, so a section stopped by a time limit keeps what it finished.
 
 Usage (on an H100/H200):
     python bench/gpu_fp8.py --out bench/results/gpu_fp8.json
@@ -40,15 +61,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_fp8_report import write_report  # noqa: E402  (beside this script)
+from gpu_fp8_report import TARGETS, merge_results, write_report  # noqa: E402  (beside)
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
-from fp8export.runtime import fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runtime import attention, fp8_gemm, fp8_quant  # noqa: E402
+from fp8export.runtime.fp8_attention import emulated  # noqa: E402
 from fp8export.runtime.fp8_fused import fuse_projections  # noqa: E402
 from fp8export.runtime.fp8_linear import Fp8Linear  # noqa: E402
+from fp8export.runtime.kv_cache import kv_hook  # noqa: E402
 from fp8export.scales.families import family_of, fused_group_of  # noqa: E402
 
-DEFAULT_SHAPES = "1x128,1x512,1x2048,4x512,4x2048,8x2048,16x2048,32x512,64x256"
+DEFAULT_SHAPES = "1x128,1x512,8x2048,32x512"
 RESULT: dict = {}
 
 
@@ -68,8 +91,10 @@ def build_bf16(args) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True):
-    """Copy of ``model`` with every decoder nn.Linear as the runtime's FP8 layers."""
+def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True,
+           attention_mode: str = "fp8", p_fp8: bool = True):
+    """Copy of ``model`` with every decoder nn.Linear as the runtime's FP8 layers, and its
+    attention in ``attention_mode`` ("fp8", "kv": FP8 KV cache only, "off")."""
     targets = {n: m for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and ".layers." in n}
     amax: dict[str, torch.Tensor] = {}
@@ -101,7 +126,27 @@ def to_fp8(model: torch.nn.Module, calib: list[torch.Tensor], fuse: bool = True)
     fused = {g: m for g, m in groups.items() if len(m) > 1} if fuse else {}
     skipped = fuse_projections(fp8, fused)
     assert not skipped, skipped
+    if attention_mode != "off":
+        attention.install(fp8, kv_scales(model, calib), mode=attention_mode, p_fp8=p_fp8)
     return fp8.eval(), len(targets), len(fused)
+
+
+@torch.no_grad()
+def kv_scales(model, calib: list[torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """Per attention layer (k_scale, v_scale) = max |K| / 448 and max |V| / 448 over ``calib``,
+    keys after RoPE, as ``convert --kv-cache fp8`` calibrates them."""
+    amax: dict[str, list[float]] = {}
+
+    def observe(name, key, value):
+        a = amax.setdefault(name, [0.0, 0.0])
+        a[0] = max(a[0], float(key.abs().max()))
+        a[1] = max(a[1], float(value.abs().max()))
+        return key, value
+
+    with kv_hook(model, observe):
+        for ids in calib:
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return {n: (float(amax_to_scale(k)), float(amax_to_scale(v))) for n, (k, v) in amax.items()}
 
 
 def time_cuda(fn, min_time: float = 0.5, warmup: int = 3) -> list[float]:
@@ -303,10 +348,30 @@ def reset_dynamo() -> None:
 
 
 def dynamo_stats() -> dict:
-    """Graph breaks and graphs compiled since the last ``torch._dynamo.reset()``."""
+    """Since the last ``torch._dynamo.reset()``: graph breaks, graphs compiled, CUDA graphs
+    skipped, and Inductor's / AOTAutograd's cache hits and misses (a warm cache from another
+    process turns a compile into a trace and a lookup)."""
     c = torch._dynamo.utils.counters
     return {"graph_breaks": sum(c["graph_break"].values()),
-            "unique_graphs": c["stats"].get("unique_graphs", 0)}
+            "unique_graphs": c["stats"].get("unique_graphs", 0),
+            "cudagraph_skips": c["inductor"].get("cudagraph_skips", 0),
+            "fxgraph_cache_hit": c["inductor"].get("fxgraph_cache_hit", 0),
+            "fxgraph_cache_miss": c["inductor"].get("fxgraph_cache_miss", 0),
+            "fxgraph_cache_bypass": c["inductor"].get("fxgraph_cache_bypass", 0),
+            "autograd_cache_hit": c["aot_autograd"].get("autograd_cache_hit", 0)}
+
+
+def bound_compile_work(recompile_limit: int) -> None:
+    """Static shapes are compiled once each; a recompile beyond ``recompile_limit`` per frame
+    is an error (not a silent fall-back to eager that would be timed as 'compiled'), and every
+    recompile is logged with the guard that failed."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across releases
+        if hasattr(cfg, name):
+            setattr(cfg, name, recompile_limit)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+    torch._logging.set_logs(recompiles=True, graph_breaks=True)
 
 
 def gemm_shapes(args):
@@ -357,6 +422,158 @@ def bench_gemms(args) -> list[dict]:
             rows.append(row)
             log_row(row)
     return rows
+
+def _attn_inputs(b, hq, hkv, tq, tk, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, device="cuda", generator=g).bfloat16()
+    # keys with a few large channels, as rotated keys have; values plain
+    k = (torch.randn(b, hkv, tk, d, device="cuda", generator=g)
+         * (1 + 4 * torch.rand(d, device="cuda", generator=g))).bfloat16()
+    v = torch.randn(b, hkv, tk, d, device="cuda", generator=g).bfloat16()
+    ks = torch.full((hkv,), float(k.float().abs().max()) / 448, device="cuda")
+    vs = torch.full((hkv,), float(v.float().abs().max()) / 448, device="cuda")
+    return q, k, v, ks, vs
+
+
+def _rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return round(float((a - b).norm() / b.norm()), 6)
+
+
+def bench_attention(args) -> dict:
+    """The kernel alone at the model's shapes: device ms (CUDA graphs of 20 calls) against SDPA
+    on bf16 with GQA, P in E4M3 vs bf16; accuracy against fp32 attention on the same 16-bit
+    inputs and agreement with the CPU emulation; a tile sweep at the large prefill shapes."""
+    import torch.nn.functional as F
+
+    from fp8export.runtime.attention_math import (
+        MaskInfo,
+        fp8_attention_reference,
+        quantize_heads,
+    )
+    from fp8export.runtime.fp8_attention import launch_attention, launch_kv_write
+
+    hq, hkv, d = args.heads, args.kv_heads, args.hidden // args.heads
+    sm = d ** -0.5
+    rows, sweep = [], []
+    prefill = [(1, 128), (8, 2048), (32, 512)]
+    decode = [(1, 384), (8, 384), (32, 384), (32, 4096)]
+    for kind, shapes in (("prefill", prefill), ("decode", decode)):
+        for b, t in shapes:
+            tq = t if kind == "prefill" else 1
+            q, k, v, ks, vs = _attn_inputs(b, hq, hkv, tq, t, d, seed=b * t)
+            q_start = t - tq
+            start_t = torch.tensor(q_start, device="cuda")
+            k8 = quantize_heads(k, ks)
+            v8t = quantize_heads(v, vs).transpose(2, 3).contiguous()
+            v8 = v8t.transpose(2, 3)
+            row = {"kind": kind, "batch": b, "q_tokens": tq, "kv_tokens": t}
+            causal = tq > 1
+            mask = None
+            if not causal:  # decode: SDPA over the whole cache (all positions valid)
+                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=True))
+            else:
+                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True))
+            for p_fp8 in (True, False):
+                tag = "p_e4m3" if p_fp8 else "p_bf16"
+                if kind == "prefill":  # no cache: the kernel quantizes K and V as it loads
+                    def run(p_fp8=p_fp8):
+                        return launch_attention(q, k, v, ks, vs, None, None, 0, sm, True, 0,
+                                                p_fp8)
+                else:  # from the FP8 cache, position on the device
+                    def run(p_fp8=p_fp8):
+                        return launch_attention(q, k8, v8, ks, vs, None, start_t, 0, sm, True,
+                                                0, p_fp8)
+                out = run()
+                row[f"{tag}_ms"] = graph_ms(run)
+                row[f"speedup_{tag}"] = round(row["sdpa_ms"] / row[f"{tag}_ms"], 3)
+                if b * tq * t <= 8 * 2048 * 2048 // 4:  # the fp32 references fit comfortably
+                    info = MaskInfo(q_start, True, 0, mask, None)
+                    # the emulation on the CPU, in fp32: what verify computes
+                    emu = fp8_attention_reference(
+                        q.cpu(), k8.cpu(), v8.cpu(), ks.cpu(), vs.cpu(), sm_scale=sm,
+                        info=info, p_fp8=p_fp8, out_dtype=torch.float32)
+                    exact = F.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), is_causal=causal,
+                        enable_gqa=True).transpose(1, 2)
+                    sdpa = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
+                    row[f"{tag}_vs_emulation_rel_l2"] = _rel(out, emu)
+                    row[f"{tag}_vs_fp32_rel_l2"] = _rel(out, exact)
+                    row["sdpa_bf16_vs_fp32_rel_l2"] = _rel(sdpa, exact)
+            if kind == "decode":
+                kc = torch.empty(b, hkv, t, d, dtype=torch.float8_e4m3fn, device="cuda")
+                vc = torch.empty(b, hkv, d, t, dtype=torch.float8_e4m3fn, device="cuda")
+                kn, vn = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+                row["kv_write_ms"] = graph_ms(lambda: launch_kv_write(kn, vn, ks, vs, kc, vc,
+                                                                      start_t))
+            rows.append(row)
+            log_row(row)
+            if kind == "prefill" and b * t >= 16384:
+                for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+                                          (128, 8, 3)):
+                    cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
+                    try:
+                        ms = graph_ms(lambda cfg=cfg: launch_attention(
+                            q, k, v, ks, vs, None, None, 0, sm, True, 0, True, config=cfg))
+                    except Exception as exc:  # a tiling that does not compile or fit
+                        ms = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    sweep.append({"batch": b, "seq": t, **cfg, "ms": ms})
+                    log_row(sweep[-1])
+    return {"rows": rows, "sweep": sweep}
+
+
+def bench_memory(model, fp8, args) -> dict:
+    """KV-cache bytes per sequence (bf16 StaticCache vs FP8 cache, allocated and measured) and
+    the largest decode batch whose weights + cache + step peak fit ``--budget-gib`` with a
+    ``--budget-context``-token cache: found by bisection, each candidate batch run for one
+    decode step and its peak allocation read back."""
+    ctx, budget = args.budget_context, int(args.budget_gib * 2**30)
+    out = {"context": ctx, "budget_gib": args.budget_gib}
+    for label, m in (("bf16", model), ("fp8", fp8)):
+        weights = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+        def step_peak(batch: int, m=m) -> tuple[int, int]:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            cache = make_cache(m, ctx)
+            ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+            with torch.no_grad():
+                m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated() - base  # the cache, after the step
+            peak = torch.cuda.max_memory_allocated() - base
+            del cache
+            return held, peak
+
+        held1, _ = step_peak(1)
+        held2, _ = step_peak(2)
+        per_seq = held2 - held1
+        lo, hi = 0, max(1, (budget - weights) // max(per_seq, 1) + 1)
+        peaks = {}
+        while lo < hi:  # the largest batch whose weights + peak fit the budget
+            mid = (lo + hi + 1) // 2
+            _, peak = step_peak(mid)
+            peaks[mid] = peak
+            if weights + peak <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[label] = {"weights_gib": round(weights / 2**30, 3),
+                      "kv_cache_bytes_per_sequence": per_seq,
+                      "kv_cache_mib_per_sequence": round(per_seq / 2**20, 2),
+                      "max_decode_batch": lo,
+                      "peak_gib_at_max": round((weights + peaks.get(lo, 0)) / 2**30, 3)}
+        log_row({"model": label, **out[label]})
+    out["kv_cache_ratio_fp8_over_bf16"] = round(out["fp8"]["kv_cache_bytes_per_sequence"]
+                                                / out["bf16"]["kv_cache_bytes_per_sequence"], 4)
+    out["max_batch_ratio"] = round(out["fp8"]["max_decode_batch"]
+                                   / max(1, out["bf16"]["max_decode_batch"]), 3)
+    return out
 
 
 def bench_sweep(args) -> list[dict]:
@@ -416,26 +633,40 @@ class WithEagerM(torch.nn.Module):
 
 
 def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, rounds: int = 5,
-                  profile: bool = True) -> list[dict]:
+                  profile: bool = True, rows: list | None = None, mask: bool = False,
+                  warm_only: bool = False, on_row=None) -> list[dict]:
     """Median ms per forward of each model at each shape. The models take turns in ``rounds``
     rounds (``min_time / rounds`` seconds each), so that drift of the host or the clocks hits all
     of them alike; ``<label>_spread`` is the range of the per-round medians over their median.
-    ``profile``: also the device time per forward and its kernel table (torch.profiler)."""
-    rows = []
+    ``profile``: also the device time per forward and its kernel table (torch.profiler).
+    ``mask``: pass an all-ones ``attention_mask``; ``rows``: append to it (``on_row`` after each
+    row); ``warm_only``: the first call of each model only (compilation), no timing."""
+    rows = [] if rows is None else rows
     g = torch.Generator(device="cuda").manual_seed(1)
     for b, s in shapes:
         ids = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
+        kwargs = {"attention_mask": torch.ones_like(ids)} if mask else {}
         row = {"batch": b, "seq": s, "tokens": b * s}
         calls = {}
         for label, model in models.items():
             def call(m=model):
                 with torch.no_grad():
-                    m(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    m(input_ids=ids, use_cache=False, logits_to_keep=1, **kwargs)
             calls[label] = call
+            before = dynamo_stats()
             t0 = time.perf_counter()
             call()
             torch.cuda.synchronize()
             row[f"{label}_first_call_s"] = round(time.perf_counter() - t0, 2)
+            if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+                row[f"{label}_dynamo"] = {k: v - before.get(k, 0)
+                                          for k, v in dynamo_stats().items()}
+        if warm_only:
+            rows.append(row)
+            log_row(row)
+            if on_row:
+                on_row()
+            continue
         times: dict[str, list[float]] = {label: [] for label in models}
         medians: dict[str, list[float]] = {label: [] for label in models}
         for _ in range(rounds):
@@ -456,7 +687,20 @@ def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, round
             row[f"speedup_{label}"] = round(row[f"{base}_ms"] / row[f"{label}_ms"], 3)
         rows.append(row)
         log_row(row)
+        if on_row:
+            on_row()
     return rows
+
+
+def make_cache(model, max_cache_len: int):
+    """The FP8 KV cache for a model running FP8 attention, else transformers' bf16 one."""
+    from transformers import StaticCache
+
+    from fp8export.runtime.fp8_kv_cache import fp8_static_cache
+
+    if model.__dict__.get("_fp8export_attention") is not None:
+        return fp8_static_cache(model, max_cache_len)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
 class DecodeRun:
@@ -466,11 +710,8 @@ class DecodeRun:
     need no host sync (as in a serving loop that reads tokens back asynchronously)."""
 
     def __init__(self, model, batch: int, args, compiled: bool):
-        from transformers import StaticCache
-
         self.batch = batch
-        self.cache = StaticCache(config=model.config,
-                                 max_cache_len=args.prompt + 3 * args.decode_steps + 32)
+        self.cache = make_cache(model, args.prompt + 3 * args.decode_steps + 32)
         g = torch.Generator(device="cuda").manual_seed(4)
         ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cuda", generator=g)
         with torch.no_grad():
@@ -503,13 +744,17 @@ class DecodeRun:
 def bench_decode(model, label: str, batch: int, args, compiled: bool) -> dict:
     """One decode configuration: ms per step back to back (``<label>_ms``: max of host and
     device time), the host's ms per step, ms per step when each step is waited for, and the
-    device time per step by kernel class (torch.profiler)."""
+    device time per step by kernel class (torch.profiler). ``args.warm_only``: the first
+    (compiling) steps only."""
     t0 = time.perf_counter()
     run = DecodeRun(model, batch, args, compiled)
     run.step()
+    run.step()  # reduce-overhead records the CUDA graph on the second call
     torch.cuda.synchronize()
     first_s = round(time.perf_counter() - t0, 2)
-    for _ in range(3):
+    if args.warm_only:
+        return {f"{label}_first_call_s": first_s}
+    for _ in range(2):
         run.step()
     host, wall = host_and_wall_ms(run.step, args.decode_steps)
     synced = statistics.median(run.synced_step_ms() for _ in range(args.decode_steps))
@@ -526,7 +771,9 @@ def section(name: str, fn, args):
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     try:
-        RESULT[name] = fn()
+        out = fn()
+        if out is not None:
+            RESULT[name] = out
     except Exception:  # keep what the other sections measured
         RESULT.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
         print(RESULT["errors"][name], flush=True)
@@ -534,7 +781,11 @@ def section(name: str, fn, args):
     save(args)
 
 
-def main() -> int:
+PARTS = ("overhead", "gemm", "sweep", "attention", "memory", "eager", "compiled", "prefill",
+         "decode")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=8192)
@@ -542,29 +793,74 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--parts", default="overhead,gemm,prefill,decode")
+    ap.add_argument("--parts", default="overhead,attention,memory,prefill,decode",
+                    help="comma separated: " + ", ".join(PARTS))
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS list, comma separated")
-    ap.add_argument("--compile-shapes", default="1x128,8x2048,32x512")
-    ap.add_argument("--decode-batches", default="1,8,32,128")
-    ap.add_argument("--decode-compiled", default="1,8,32,128",
+    ap.add_argument("--compile-shapes", default="8x2048,32x512,1x128")
+    ap.add_argument("--no-compile-mask", dest="compile_mask", action="store_false",
+                    help="compiled prefill without an attention_mask (see 'compiled' above)")
+    ap.add_argument("--decode-batches", default="1,8,32", help="batches of the eager decode "
+                    "(alias of --decode-eager, kept for old command lines)")
+    ap.add_argument("--decode-eager", default=None,
+                    help="batches decoded eager ('' for none; default: --decode-batches)")
+    ap.add_argument("--decode-compiled", default="1,8,32",
                     help="batches also timed compiled + CUDA graphs ('' for none)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--unfused", action="store_true", help="also time FP8 without fused groups")
+    ap.add_argument("--attention", choices=("fp8", "kv", "off"), default="fp8",
+                    help="the FP8 model's attention: FP8 kernel + FP8 KV cache, FP8 KV cache "
+                         "with bf16 attention, or bf16 (FP8 linears only)")
+    ap.add_argument("--p-e4m3", dest="p_bf16", action="store_false",
+                    help="FP8 attention with P in E4M3 (default: bf16, what the runtime ships)")
+    ap.add_argument("--p-bf16", dest="p_bf16", action="store_true", default=True,
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--linears-only", action="store_true",
+                    help="also time the FP8-linears-only model (bf16 attention) in eager prefill")
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--budget-context", type=int, default=4096)
     ap.add_argument("--eager-m-alt", type=int, default=0,
                     help="also time eager FP8 with this one-launch row threshold")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compiled sections: compile and run each configuration once, no timing")
+    ap.add_argument("--recompile-limit", type=int, default=8,
+                    help="torch._dynamo recompiles per frame before it is an error")
+    ap.add_argument("--no-logits-check", dest="logits_check", action="store_false",
+                    help="skip the FP8-vs-bf16-vs-emulated logits check at start")
+    ap.add_argument("--note", default="", help="a line about this run, kept in the JSON")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
     ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
                     help="write --md from these result files (merged in order) and exit")
     ap.add_argument("--md", type=Path, default=Path("bench/results/gpu_fp8.md"))
     ap.add_argument("--notes", type=Path, default=Path("bench/results/gpu_fp8_notes.md"),
                     help="appended to --md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS) - {""}
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if args.decode_eager is None:
+        args.decode_eager = args.decode_batches
+    return args
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__}
+    for name in ("transformers", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def _batches(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.report:
-        merged: dict = {}
-        for path in args.report:
-            merged.update(json.loads(path.read_text()))
-        write_report(merged, args.md, args.notes)
+        write_report(merge_results(args.report), args.md, args.notes)
         print(f"wrote {args.md}")
         return 0
     if not torch.cuda.is_available():
@@ -575,35 +871,48 @@ def main() -> int:
         print(f"FP8 GEMMs need compute capability >= 8.9; this GPU is {cc}", file=sys.stderr)
         return 1
     parts = set(args.parts.split(","))
+    if "prefill" in parts:
+        parts |= {"eager", "compiled"}
+    bound_compile_work(args.recompile_limit)
     RESULT.update({
         "device": torch.cuda.get_device_name(), "compute_capability": f"{cc[0]}.{cc[1]}",
         "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
-        "eager_m": fp8_gemm.EAGER_M,
+        "versions": _versions(), "targets": TARGETS, "eager_m": fp8_gemm.EAGER_M,
+        "argv": sys.argv[1:] if argv is None else list(argv), "warm_only": args.warm_only,
         "method": "prefill: median of CUDA-event timings, the models taking turns in 5 rounds "
-                  "of >=0.1 s each; decode: --decode-steps steps back to back (ms/step), and "
+                  "of >=0.1 s each; compiled prefill with an all-ones attention_mask (both "
+                  "models); decode: --decode-steps steps back to back (ms/step), and "
                   "the median of as many steps each waited for (synced); device time from "
                   "torch.profiler kernel records; logits_to_keep=1; static per-tensor input "
                   "scales; same process and weights",
     })
+    if args.note:
+        RESULT["note"] = args.note
     if "overhead" in parts:
         section("overhead", lambda: bench_overhead(args), args)
     if "gemm" in parts:
         section("gemms", lambda: bench_gemms(args), args)
     if "sweep" in parts:
         section("sweep", lambda: bench_sweep(args), args)
-    if not parts & {"prefill", "decode"}:
+    if "attention" in parts:
+        section("attention", lambda: bench_attention(args), args)
+    if not parts & {"eager", "compiled", "decode", "memory"}:
         return 0
     model = build_bf16(args)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator(device="cuda").manual_seed(2)
     calib = [torch.randint(0, args.vocab, (4, 512), device="cuda", generator=g) for _ in range(2)]
     t0 = time.perf_counter()
-    fp8, n_fp8, n_groups = to_fp8(model, calib)
+    fp8, n_fp8, n_groups = to_fp8(model, calib, attention_mode=args.attention,
+                                  p_fp8=not args.p_bf16)
     models = {"bf16": model, "fp8": fp8}
+    if args.linears_only:
+        models["fp8_linears"] = to_fp8(model, calib, attention_mode="off")[0]
     if args.unfused:
         models["fp8_unfused"] = to_fp8(model, calib, fuse=False)[0]
     if args.eager_m_alt:
         models[f"fp8_eagerM{args.eager_m_alt}"] = WithEagerM(fp8, args.eager_m_alt)
+    RESULT["fp8_attention"] = {"mode": args.attention, "p": "bf16" if args.p_bf16 else "e4m3"}
     RESULT["model"] = {"params": params, "hidden": args.hidden, "intermediate": args.intermediate,
                        "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                        "vocab": args.vocab, "fp8_linears": n_fp8, "fused_groups": n_groups,
@@ -616,6 +925,34 @@ def main() -> int:
                                  / 2**30, 3)}
     print(f"model: {params / 1e9:.3f} B params on {torch.cuda.get_device_name()}; "
           f"{RESULT['model']}; {RESULT['memory']}", flush=True)
+    if args.logits_check and not args.warm_only:
+        logits_check(model, fp8, models, calib)
+    if "memory" in parts and not args.warm_only:
+        section("kv_memory", lambda: bench_memory(model, fp8, args), args)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
+    if "eager" in parts and shapes and not args.warm_only:
+        RESULT["prefill_eager"] = rows = []
+        section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab, rows=rows,
+                                                       on_row=lambda: save(args)), args)
+    if "compiled" in parts and cshapes:
+        def graphs():
+            reset_dynamo()
+            gm = {"bf16g": torch.compile(model, mode="reduce-overhead", dynamic=False),
+                  "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
+            RESULT["prefill_cudagraphs"] = rows = []
+            bench_prefill(gm, cshapes, args.vocab, rows=rows, mask=args.compile_mask,
+                          warm_only=args.warm_only, on_row=lambda: save(args))
+        section("prefill_cudagraphs", graphs, args)
+    if "decode" in parts:
+        section("decode", lambda: decode_section(model, fp8, args), args)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def logits_check(model, fp8, models, calib) -> None:
+    """Logits of a 1x256 batch: FP8 (GPU kernels) against bf16 and against the same FP8 model
+    emulated (FP8 linears and attention in torch), cosine."""
     with torch.no_grad():
         ids = calib[0][:1, :256]
         ref = model(input_ids=ids, use_cache=False).logits.float()
@@ -624,7 +961,8 @@ def main() -> int:
         for m in emu.values():
             m.mode = "emulate"
             m._refresh()
-        outs["fp8_emulated"] = fp8(input_ids=ids, use_cache=False).logits.float()
+        with emulated():  # the FP8 attention's torch emulation too
+            outs["fp8_emulated"] = fp8(input_ids=ids, use_cache=False).logits.float()
         for m in emu.values():
             m.mode = "scaled_mm"
             m._refresh()
@@ -634,50 +972,38 @@ def main() -> int:
         k: round(torch.nn.functional.cosine_similarity(ref.flatten(), v.flatten(), dim=0).item(),
                  6) for k, v in outs.items() if k != "bf16"}
     print(f"logits cosine vs bf16: {RESULT['logits_cosine_random_weights']}", flush=True)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
-    if "prefill" in parts:
-        section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab), args)
-        models = {"bf16": model, "fp8": fp8}
-        if cshapes:
-            def graphs():
+
+
+def decode_section(model, fp8, args) -> list[dict]:
+    """Eager steps at ``--decode-eager`` batches, compiled + CUDA graphs at
+    ``--decode-compiled``; each row saved as soon as it is measured."""
+    RESULT["decode"] = rows = []
+    eager, compiled = _batches(args.decode_eager), _batches(args.decode_compiled)
+    for batch in dict.fromkeys(eager + compiled):
+        row = {"batch": batch, "prompt": args.prompt}
+        rows.append(row)
+        if batch in eager and not args.warm_only:
+            for label, m in (("bf16", model), ("fp8", fp8)):
+                row.update(bench_decode(m, f"{label}_eager", batch, args, False))
+            row["speedup_eager"] = round(row["bf16_eager_ms"] / row["fp8_eager_ms"], 3)
+            save(args)
+        if batch in compiled:
+            for label, m in (("bf16", model), ("fp8", fp8)):
                 reset_dynamo()
-                gm = {"bf16g": torch.compile(model, mode="reduce-overhead", dynamic=False),
-                      "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
-                return bench_prefill(gm, cshapes, args.vocab)
-            section("prefill_cudagraphs", graphs, args)
-    if "decode" in parts:
-        def decode():
-            rows = []
-            cb = {int(b) for b in args.decode_compiled.split(",") if b}
-            for batch in (int(b) for b in args.decode_batches.split(",")):
-                row = {"batch": batch, "prompt": args.prompt}
-                for label, m in (("bf16", model), ("fp8", fp8)):
-                    row.update(bench_decode(m, f"{label}_eager", batch, args, False))
-                row["speedup_eager"] = round(row["bf16_eager_ms"] / row["fp8_eager_ms"], 3)
-                if batch in cb:
-                    for label, m in (("bf16", model), ("fp8", fp8)):
-                        reset_dynamo()
-                        row.update(bench_decode(m, f"{label}_graphs", batch, args, True))
-                        stats = dynamo_stats()
-                        stats["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"].get(
-                            "cudagraph_skips", 0)
-                        row[f"{label}_graphs_dynamo"] = stats
-                    for kind in ("ms", "synced_ms", "device_ms"):
-                        row[f"speedup_graphs_{kind}"] = round(
-                            row[f"bf16_graphs_{kind}"] / row[f"fp8_graphs_{kind}"], 3)
-                    # device time if only the GEMMs changed (everything else as in bf16)
-                    bf_dev, bf_g = row["bf16_graphs_device_ms"], row["bf16_graphs_gemm_ms"]
-                    row["gemm_only_bound"] = round(
-                        bf_dev / (bf_dev - bf_g + row["fp8_graphs_gemm_ms"]), 3)
-                rows.append(row)
-                log_row(row)
-                RESULT["decode"] = rows
+                row.update(bench_decode(m, f"{label}_graphs", batch, args, True))
+                row[f"{label}_graphs_dynamo"] = dynamo_stats()
                 save(args)
-            return rows
-        section("decode", decode, args)
-    print(f"wrote {args.out}")
-    return 0
+            if not args.warm_only:
+                for kind in ("ms", "synced_ms", "device_ms"):
+                    row[f"speedup_graphs_{kind}"] = round(
+                        row[f"bf16_graphs_{kind}"] / row[f"fp8_graphs_{kind}"], 3)
+                # device time if only the GEMMs changed (everything else as in bf16)
+                bf_dev, bf_g = row["bf16_graphs_device_ms"], row["bf16_graphs_gemm_ms"]
+                row["gemm_only_bound"] = round(
+                    bf_dev / (bf_dev - bf_g + row["fp8_graphs_gemm_ms"]), 3)
+        log_row(row)
+        save(args)
+    return rows
 
 
 if __name__ == "__main__":

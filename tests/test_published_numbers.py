@@ -201,6 +201,16 @@ def test_gpu_fp8_report_is_rendered_from_the_h100_json(tmp_path):
     assert md.read_text() == (RESULTS / "gpu_fp8.md").read_text()
 
 
+def test_gpu_fp8_attention_report_is_rendered_from_the_h200_json(tmp_path):
+    """Tables from the two H200 runs' JSON (bench/gpu_fp8_report.py), the notes after them."""
+    report = _bench("gpu_fp8_report")
+    md = tmp_path / "gpu_fp8_attention_h200.md"
+    report.main([str(RESULTS / "gpu_fp8_h200_attention_run1.json"),
+                 str(RESULTS / "gpu_fp8_h200_attention_run2.json"), "--targets", "--md",
+                 str(md), "--notes", str(RESULTS / "gpu_fp8_attention_h200_notes.md")])
+    assert md.read_text() == (RESULTS / "gpu_fp8_attention_h200.md").read_text()
+
+
 def test_multi_gpu_report_is_rendered_from_its_json():
     """The tables are the JSON's; hand-written notes about the run follow them."""
     assert (RESULTS / "multi_gpu.md").read_text().startswith(
@@ -237,7 +247,8 @@ def _numbers(value) -> list[float]:
 
 
 @pytest.mark.parametrize(("start", "end", "sources", "not_results"), [
-    ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**", ["gpu_fp8.md"], []),
+    ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**",
+     ["gpu_fp8.md", "gpu_fp8_attention_h200.md"], []),
     ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **Multi-GPU calibrate / verify**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15"]),  # model size, target

@@ -57,9 +57,19 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                                  "(ORT_DISABLE_ALL .. ORT_ENABLE_ALL). Default: onnxruntime's "
                                  "own default (ORT_ENABLE_ALL), as InferenceSession(path) runs "
                                  "it; the report says which level ran.")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["auto", "fp8", "none"]),
+              default="auto", show_default=True,
+              help="FP8-folder candidates: fp8 judges the folder with its FP8 KV cache (E4M3 "
+                   "keys and values with its k_scale/v_scale) and reports the FP8-linears-only "
+                   "result next to it; none: 16-bit keys and values; auto: the cache the "
+                   "folder declares.")
+@click.option("--attention", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True,
+              help="fp8: judge the FP8-folder candidate with FP8 attention on its FP8 KV cache "
+                   "and report the FP8-linears-only and KV-cache-only results next to it.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
-            timeout, force, fp8_mode, ort_opt_level):
+            timeout, force, fp8_mode, ort_opt_level, kv_cache, attention):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     REFERENCE is the model the candidate was converted from: a Hugging Face folder, or a Keras
@@ -79,6 +89,7 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
                        seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
                        device=device, max_memory=max_memory, fp8_mode=fp8_mode,
                        ort_opt_level=ort_opt_level, timeout=timeout, force=force,
+                       kv_cache=kv_cache, attention=attention,
                        command_line=_command_line(click.get_current_context()))
     try:
         result = api.verify(cfg)
@@ -122,6 +133,11 @@ def _summary(result) -> None:
     echo(f"{'PASSED' if result.passed else 'FAILED'}: {result.samples} samples, "
                f"backend {result.backend}{runs_at}, judged by {result.family}; "
                + ", ".join(parts))
+    for row in (result.attention_cost or {}).get("rows") or []:
+        kl, top1 = row.get("kl_mean"), row.get("top1_agreement")
+        span = row.get("kl_mean_interval") or [float("nan")] * 2
+        echo(f"  {row['configuration']}: kl_mean {kl:.3g} [{span[0]:.3g}, {span[1]:.3g}], "
+             f"top1 {top1:.4f}")
     floor = result.noise_floor
     if floor:
         f = floor["metrics"]

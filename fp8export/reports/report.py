@@ -228,6 +228,29 @@ def layer_check_text(result: dict[str, Any]) -> tuple[str, bool]:
     return text, False
 
 
+def attention_cost_lines(result: dict[str, Any]) -> list[str]:
+    """The "FP8 KV cache and attention" table of report.md (``--kv-cache``/``--attention
+    fp8``): each configuration against the reference, with 95% intervals."""
+    cost = result.get("attention_cost") or {}
+    rows = cost.get("rows") or []
+    if not rows:
+        return []
+    out = ["", "## What the FP8 KV cache and attention cost", "",
+           "Each configuration against the reference on the same samples (95% bootstrap "
+           "intervals over samples); the verdict judges the last.", "",
+           "| configuration | kl_mean | top1_agreement | kl_p99 |", "|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for k in ("kl_mean", "top1_agreement", "kl_p99"):
+            span = r.get(f"{k}_interval")
+            text = format_value(r.get(k))
+            if span:
+                text += f" [{format_value(span[0])}, {format_value(span[1])}]"
+            cells.append(text)
+        out.append(f"| {md_escape(r['configuration'])} | " + " | ".join(cells) + " |")
+    return out
+
+
 def noise_floor_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """``(metric, candidate, floor, candidate vs fp32, loss ratio)`` texts for the report."""
     floor = result.get("noise_floor") or {}
@@ -319,6 +342,7 @@ def markdown(result: dict[str, Any], max_layers: int = 10, max_samples: int = 5)
                   NOISE_FLOOR_TEXT.format(dtype=dtype), "",
                   "| " + " | ".join(NOISE_FLOOR_HEAD) + " |", "|---|---|---|---|---|"]
         lines += [f"| `{m}` | {c} | {f} | {v} | {r} |" for m, c, f, v, r in floor_rows]
+    lines += attention_cost_lines(result)
     lines += ["", "<details><summary>All metrics</summary>", "",
               "| family | metric | value |", "|---|---|---|"]
     for group, k, v in metric_rows(result["metrics"]):

@@ -108,6 +108,26 @@ class Runner(ABC):
         """One line: which FP8 GEMM path runs (None: the runner does not run FP8 weights)."""
         return None
 
+    # what the FP8 KV cache and FP8 attention cost (verify --kv-cache / --attention fp8) -----
+    def attention_variants(self) -> list[tuple[str, str]]:
+        """``(label, mode)`` of the cheaper configurations verify measures beside the judged
+        one (empty: nothing to compare; the runner has no FP8 KV cache or attention)."""
+        return []
+
+    def judged_variant(self) -> str:
+        """Label of the configuration the verdict judges, in the cost table."""
+        return "judged"
+
+    def attention_setup(self) -> dict[str, Any]:
+        """What the judged configuration runs (``kv_cache``, ``attention``), for the report."""
+        return {}
+
+    def set_attention(self, mode: str) -> None:
+        """Run the next batches in ``mode``: one of :meth:`attention_variants`' modes, or
+        "judged" (back to the configuration the verdict judges)."""
+        if mode != "judged":
+            raise Fp8ExportError(f"runner {self.name} has no attention mode {mode!r}")
+
     # implementation ------------------------------------------------------------------------
     @abstractmethod
     def _activate(self) -> None: ...

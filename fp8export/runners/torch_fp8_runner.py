@@ -17,7 +17,8 @@ AUTO_EAGER_REASON = ("eager: verify feeds a few batches of varying shapes; torch
 
 
 class TorchFp8Runner(TorchModelRunner):
-    """Runs an FP8 folder. ``mode``: "auto" | "emulate" | "scaled_mm" (see fp8_linear.py).
+    """Runs an FP8 folder. ``mode``: "auto" | "emulate" | "scaled_mm" (see fp8_linear.py);
+    ``kv_cache``/``attention``: as ``load_fp8_model`` takes them (runtime/attention.py).
 
     ``compile``: "auto" (eager; see ``AUTO_EAGER_REASON``), False, True (``torch.compile``
     default mode: Inductor fuses each activation quantize into its producer) or a
@@ -30,7 +31,8 @@ class TorchFp8Runner(TorchModelRunner):
 
     def __init__(self, path, *, dtype: str = "bf16", device: str = "auto", mode: str = "auto",
                  compile: bool | str = "auto", name: str | None = None,
-                 max_memory: dict[int | str, int] | None = None):
+                 max_memory: dict[int | str, int] | None = None, kv_cache: str = "auto",
+                 attention: str = "bf16"):
         super().__init__(path, dtype=dtype, device=device, name=name, max_memory=max_memory)
         if compile not in COMPILE_MODES:
             from fp8export.errors import Fp8ExportError
@@ -38,6 +40,7 @@ class TorchFp8Runner(TorchModelRunner):
             raise Fp8ExportError(f"compile={compile!r} is unknown; use one of "
                                  f"{', '.join(map(str, COMPILE_MODES))}.")
         self.mode = mode
+        self.kv_cache, self.attention = kv_cache, attention
         self.compile = compile
         self.info: dict[str, Any] = {}
         self.execution: dict[str, str] = {}
@@ -54,7 +57,8 @@ class TorchFp8Runner(TorchModelRunner):
             gpus = [k for k in spread if isinstance(k, int)]
             device = f"cuda:{gpus[0]}" if gpus else "cpu"
         model, config, self.manifest, self.info = load_fp8_model(
-            self.path, device=device, dtype=self.dtype, mode=self.mode, budgets=spread)
+            self.path, device=device, dtype=self.dtype, mode=self.mode, budgets=spread,
+            kv_cache=self.kv_cache, attention=self.attention)
         self.placement = self.info.pop("placement", None)
         if self.compile in (False, "auto"):
             why = AUTO_EAGER_REASON if self.compile == "auto" else "eager: compile=False"
@@ -68,6 +72,37 @@ class TorchFp8Runner(TorchModelRunner):
             self.execution = {"execution": "torch.compile" + (" + CUDA graphs" if graphs else ""),
                               "execution_reason": f"compile={self.compile!r}"}
         return model, config
+
+    def attention_variants(self) -> list[tuple[str, str]]:
+        """What runs beside the judged model for the KV/attention cost: ``(label, mode)`` of
+        the FP8-linears-only model, and with FP8 attention also the KV-cache-only one; empty
+        unless ``--kv-cache fp8`` or ``--attention fp8`` was asked for."""
+        if self.kv_cache != "fp8" and self.attention != "fp8":
+            return []
+        variants = [("FP8 linears only (bf16 KV cache and attention)", "off")]
+        if self.attention == "fp8":
+            variants.append(("+ FP8 KV cache (bf16 attention)", "kv"))
+        return variants
+
+    def judged_variant(self) -> str:
+        """Label of the configuration the verdict judges."""
+        if self.attention == "fp8":
+            return "+ FP8 KV cache + FP8 attention (judged)"
+        if self.info.get("kv_cache"):
+            return "+ FP8 KV cache (judged)"
+        return "FP8 linears only (judged)"
+
+    def attention_setup(self) -> dict[str, Any]:
+        return {"kv_cache": self.info.get("kv_cache"), "attention": self.attention}
+
+    def set_attention(self, mode: str) -> None:
+        """Run the next batches with attention mode "off", "kv" or "fp8" (attention.set_mode),
+        or "judged": the mode the runner was opened with."""
+        from fp8export.runtime.attention import set_mode
+
+        if mode == "judged":
+            mode = "fp8" if self.attention == "fp8" else "kv"
+        set_mode(self.model, mode)
 
     def fp8_path(self) -> str:
         """One line: which FP8 GEMM path runs, and what is fused."""

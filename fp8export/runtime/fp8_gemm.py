@@ -45,7 +45,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
     ``input_scale``/``weight_scale`` are float32 0-d tensors on the same device; ``bias`` is
     ``[N]`` in ``out_dtype`` or None; ``weight_t``: ``weight.t()`` if the caller keeps one.
     """
-    if (x.shape[0] <= EAGER_M and not torch.compiler.is_compiling()
+    if (x.is_cuda and x.shape[0] <= EAGER_M and not torch.compiler.is_compiling()
             and not torch.cuda.is_current_stream_capturing()):
         return small_m_matmul(x, weight, input_scale, weight_scale, bias, out_dtype)
     a = quantize_input(x, input_scale)

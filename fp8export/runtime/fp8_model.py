@@ -69,9 +69,14 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
                      block=tuple(block) if block else None, group_size=entry.get("group_size"))
 
 
+KV_CACHE = ("auto", "fp8", "none")
+ATTENTION = ("bf16", "fp8")
+
+
 def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.bfloat16, mode: str = "auto", fuse: bool = True,
-                   budgets: dict[int | str, int] | None = None):
+                   budgets: dict[int | str, int] | None = None, kv_cache: str = "auto",
+                   attention: str = "bf16"):
     """Build the FP8 folder's model with quantized linears as :class:`Fp8Linear`.
 
     Args:
@@ -83,6 +88,10 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         fuse: run each fused group (q/k/v, gate/up) whose members share scales as one GEMM.
         budgets: spread the model over these devices (``fp8export.placement``); ``device`` is
             then only where the FP8 path is decided (the first GPU).
+        kv_cache: "auto" (the FP8 KV cache where the folder has k/v scales), "fp8" (required:
+            an error without them) or "none" (16-bit keys and values).
+        attention: "bf16", or "fp8" (FP8 attention on the FP8 KV cache; needs its scales):
+            ``runtime/attention.py``.
 
     Returns:
         ``(model, config, manifest, info)``; ``info`` says which path ran and which layers fell
@@ -156,7 +165,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     model.eval()
     groups = fused_groups(quantized, config, names) if fuse else {}
     unfused = fuse_projections(model, groups)
-    kv = _emulate_kv_cache(model, manifest, tensors, where)
+    kv = _kv_attention(model, manifest, tensors, where, kv_cache, attention)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "weight_granularity": fmt.granularity, "block_size": fmt.to_dict()["block_size"],
@@ -172,14 +181,24 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     return model, config, manifest, info
 
 
-def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
-                      where: Path) -> str | None:
-    """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3-quantized
-    by its own ``k_scale``/``v_scale`` tensors (what vLLM / TensorRT-LLM run)."""
+def _kv_attention(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  where: Path, kv_cache: str, attention: str) -> str | None:
+    """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3 with its own
+    ``k_scale``/``v_scale`` tensors (per tensor, or one per KV head), as vLLM runs it with
+    ``kv_cache_dtype="fp8"``; ``attention="fp8"`` runs FP8 attention on them. Returns the
+    line ``info["kv_cache"]`` says, or None (16-bit cache)."""
+    if kv_cache not in KV_CACHE or attention not in ATTENTION:
+        raise Fp8ExportError(f"kv_cache must be one of {KV_CACHE} and attention one of "
+                             f"{ATTENTION}; got {kv_cache!r}, {attention!r}.")
     entry = manifest.get("kv_cache")
-    if not isinstance(entry, dict) or not isinstance(entry.get("layers"), dict):
+    has = isinstance(entry, dict) and isinstance(entry.get("layers"), dict)
+    if not has and (kv_cache == "fp8" or attention == "fp8"):
+        raise Fp8ExportError(f"{where} has no k_scale/v_scale: an FP8 KV cache and FP8 "
+                             "attention need them. Convert with `fp8export convert --kv-cache "
+                             "fp8 --calib-data ...`.")
+    if not has or (kv_cache == "none" and attention != "fp8"):
         return None
-    from fp8export.runtime.kv_cache import emulate_fp8_kv
+    from fp8export.runtime import attention as fp8_attention
 
     scales = {}
     for attn, layer in entry["layers"].items():
@@ -190,9 +209,15 @@ def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.
             raise Fp8ExportError(f"{where}: fp8export.json declares an FP8 KV cache for {attn} "
                                  "but its k_scale/v_scale tensor is missing. Re-run `fp8export "
                                  "convert --kv-cache fp8`.") from None
-        scales[attn] = (float(k.float().reshape(-1)[0]), float(v.float().reshape(-1)[0]))
-    emulate_fp8_kv(model, scales)
-    return "fp8 (keys after RoPE and values quantized with k_scale/v_scale, emulated)"
+        scales[attn] = (k.float().reshape(-1), v.float().reshape(-1))
+    per_head = any(k.numel() > 1 for k, _ in scales.values())
+    fp8_attention.install(model, scales, mode="fp8" if attention == "fp8" else "kv")
+    what = "per KV head" if per_head else "per tensor"
+    if attention == "fp8":
+        return (f"fp8 (E4M3 keys after RoPE and values, k_scale/v_scale {what}); FP8 attention "
+                "(E4M3 Q·Kᵀ, fp32 softmax, P in bf16 · E4M3 V)")
+    return (f"fp8 (E4M3 keys after RoPE and values, k_scale/v_scale {what}); attention in 16 "
+            "bits on the dequantized cache")
 
 
 def _fused_experts(names: list[str]) -> dict[str, Any] | None:

@@ -1,15 +1,14 @@
-"""FP8 KV cache: the attention hook that sees the keys and values the attention reads, and the
-same attention run with them E4M3-quantized (what a server with an FP8 KV cache computes).
-Calibration observes them through the same hook (``fp8export.calibration.kv_cache``).
+"""The attention hook that sees the keys and values the attention reads: calibration observes
+them through it (``fp8export.calibration.kv_cache``). Running with them in E4M3 (the FP8 KV
+cache, FP8 attention) is ``attention.py``.
 
 vLLM and TensorRT-LLM quantize the *cached* tensors: keys after the rotary embedding, values as
 projected (reference/fp8_checkpoint_formats.md: ``k_scale``/``v_scale`` per attention layer,
 per tensor). Hugging Face attention modules write that cache and then call the attention
 function named by ``config._attn_implementation`` with exactly those keys and values, so this
 module registers one more attention function, ``fp8export_kv``: it hands the keys and values to
-the active observer (calibration) or fake-quantizes them with the layer's scales (emulation),
-then calls the function the model used before. Models whose attention modules have no
-``k_proj``/``v_proj`` (fused ``c_attn``/``qkv``) are refused.
+the active observer (calibration), then calls the function the model used before. Models
+whose attention modules have no ``k_proj``/``v_proj`` (fused ``c_attn``/``qkv``) are refused.
 """
 
 from __future__ import annotations
@@ -76,20 +75,3 @@ def kv_hook(model: torch.nn.Module, fn: Callable) -> Iterator[None]:
         model.config._attn_implementation = base
         for m in attention_modules(model).values():
             m.__dict__.pop("_fp8export_kv", None)
-
-
-def emulate_fp8_kv(model: torch.nn.Module, scales: dict[str, tuple[float, float]]) -> None:
-    """From now on ``model``'s attention reads keys and values E4M3-quantized with the
-    per-layer dequantization ``scales`` (module -> (k_scale, v_scale))."""
-    from fp8export.numerics.fp8 import fake_quantize_e4m3
-
-    def fn(name, key, value):
-        ks, vs = scales[name]
-        return (fake_quantize_e4m3(key, ks).to(key.dtype),
-                fake_quantize_e4m3(value, vs).to(value.dtype))
-
-    missing = set(attention_modules(model)) - set(scales)
-    if missing:
-        raise Fp8ExportError(f"no k_scale/v_scale for {', '.join(sorted(missing)[:3])}; "
-                             "re-run `fp8export convert --kv-cache fp8`.")
-    install(model, fn)

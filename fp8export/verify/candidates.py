@@ -54,7 +54,8 @@ _BACKEND_OF = {"fp8-folder": "torch", "hf-folder": "torch", "onnx": "onnxruntime
 def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
                    dtype: str = "bf16", fp8_mode: str = "auto",
                    max_memory: dict[int | str, int] | None = None,
-                   ort_opt_level: str | None = None) -> Runner:
+                   ort_opt_level: str | None = None, kv_cache: str = "auto",
+                   attention: str = "bf16") -> Runner:
     """The runner for ``path`` (not yet activated); ``backend`` must fit the kind when given.
     ``max_memory``: spread a torch candidate over these devices (``fp8export.placement``).
     ``ort_opt_level``: an ONNX candidate's onnxruntime level (None: onnxruntime's default)."""
@@ -64,6 +65,9 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
     if backend not in ("auto", natural):
         raise Fp8ExportError(f"{path}: --backend {backend} cannot run a {kind} candidate; it "
                              f"runs with --backend {natural} (or auto).")
+    if (kv_cache != "auto" or attention != "bf16") and kind != "fp8-folder":
+        raise UsageError(f"--kv-cache / --attention choose how an FP8 folder's torch runtime "
+                         f"runs its attention; {path} is a {kind}. Drop the options.")
     if ort_opt_level is not None and kind != "onnx":
         raise UsageError(f"--ort-opt-level sets onnxruntime's optimization level of an .onnx "
                          f"candidate; {path} is a {kind}. Drop the option.")
@@ -71,7 +75,7 @@ def open_candidate(path: Path, *, backend: str = "auto", device: str = "auto",
         from fp8export.runners.torch_fp8_runner import TorchFp8Runner
 
         return TorchFp8Runner(path, dtype=dtype, device=device, mode=fp8_mode, name="candidate",
-                              max_memory=max_memory)
+                              max_memory=max_memory, kv_cache=kv_cache, attention=attention)
     if kind == "hf-folder":
         from fp8export.runners.torch_runner import TorchRunner
 

@@ -29,6 +29,7 @@ class Compared:
     seconds: dict[str, float]
     layers: list[dict[str, Any]] | None = None
     layer_tokens: int = 0
+    attention_cost: dict[str, Any] | None = None  # --kv-cache / --attention fp8: the ladder
 
 
 def first_output(out: dict, who: str):
@@ -54,6 +55,8 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
     samples, head = inputs.samples, inputs.head
     probe = _per_layer_probe(session, layer_check)
     rows = None
+    variants = session.candidate.attention_variants()
+    ladder: dict[str, Any] = {}
     cmp = floor_cmp = vs_fp32 = family = None
     t_ref = t_cand = t_floor = 0.0
     try:
@@ -80,6 +83,14 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
             like = {"attention_mask": feed["attention_mask"], "input_ids": feed["input_ids"],
                     "labels": labels, "indices": batch.indices}
             cmp.add(ref_logits, cand_logits, **like)
+            for label, mode in variants:  # the same batch through the cheaper configurations
+                cand.set_attention(mode)
+                try:
+                    out = class_logits(first_output(cand.infer(feed), label), head)
+                finally:
+                    cand.set_attention("judged")
+                ladder.setdefault(label, new_comparison(family, inputs.task, cfg.reference)
+                                  ).add(ref_logits, out, **like)
             if floor_runner is not None:
                 fp32 = class_logits(first_output(floor_runner.infer(feed),
                                                  f"the {FLOOR_DTYPE} reference"), head)
@@ -95,9 +106,31 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
                              "with at least one non-empty sample.")
     compared = cmp.result()
     floor = None if floor_cmp is None else _floor(cfg, compared, floor_cmp, vs_fp32)
+    cost = _attention_cost(cand, ladder, cmp, compared) if variants else None
     return Compared(compared, cmp, family, floor, rows if session.cfg.per_layer else None,
                     {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor},
-                    layers=rows, layer_tokens=probe.tokens if probe is not None else 0)
+                    layers=rows, layer_tokens=probe.tokens if probe is not None else 0,
+                    attention_cost=cost)
+
+
+COST_METRICS = ("kl_mean", "top1_agreement", "kl_p99", "top5_overlap", "ppl_ratio")
+
+
+def _attention_cost(cand, ladder: dict[str, Any], judged, judged_result: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Rows ``{configuration, <metric>, <metric>_interval}``: each configuration against the
+    reference on the same batches, the FP8-linears-only one first, the judged one last (95%
+    bootstrap intervals over samples, as the checks have)."""
+    from fp8export.analysis.confidence import intervals
+
+    rows = []
+    for label, comparison in [*ladder.items(), (cand.judged_variant(), judged)]:
+        result = judged_result if comparison is judged else comparison.result()
+        metrics = {k: result["metrics"][k] for k in COST_METRICS if k in result["metrics"]}
+        spans = intervals(comparison.sample_stats(), list(metrics))
+        rows.append({"configuration": label, **metrics,
+                     **{f"{k}_interval": v for k, v in spans.items()}})
+    return {"rows": rows, **cand.attention_setup()}
 
 
 def _per_layer_probe(session: Session, layer_check: bool):

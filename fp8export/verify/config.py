@@ -58,6 +58,10 @@ class VerifyConfig:
     max_memory: str | None = None
     fp8_mode: str = "auto"
     ort_opt_level: str | None = None  # None: onnxruntime's default (what users run)
+    # FP8-folder candidates: their KV cache ("auto": as the folder declares it, "fp8", "none")
+    # and attention ("bf16", "fp8"); "fp8" also measures the FP8-linears-only model beside it
+    kv_cache: str = "auto"
+    attention: str = "bf16"
     # Wall-clock limit of the whole run, every stage (_time_limit.py); None or 0: none, the
     # default: how long a model takes depends on its size, the data and the machine's load
     # (SmolLM2-135M: 909 s for 32 samples on a busy 2-core machine), so no fixed default fits,
@@ -95,6 +99,11 @@ class VerifyConfig:
         if self.fp8_mode == "scaled_mm" and self.device is Device.CPU:
             raise UsageError("--fp8-mode scaled_mm runs torch._scaled_mm on a CUDA GPU; with "
                              "--device cpu use --fp8-mode emulate (or auto).")
+        if self.kv_cache not in ("auto", "fp8", "none") or self.attention not in ("bf16", "fp8"):
+            raise UsageError(f"--kv-cache {self.kv_cache!r} / --attention {self.attention!r}: "
+                             "use --kv-cache auto|fp8|none and --attention bf16|fp8.")
+        if self.attention == "fp8" and self.kv_cache == "none":
+            raise UsageError("--attention fp8 reads an FP8 KV cache; drop --kv-cache none.")
         if not isinstance(self.thresholds, dict):
             check_spec(str(self.thresholds))  # a usage error before any model is loaded
 

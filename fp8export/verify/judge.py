@@ -69,6 +69,7 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
         noise_floor=floor, confidence=confidence,
         layer_check=layer_check.summary(measured.layers, measured.layer_tokens,
                                         (thresholds.get(layer_check.METRIC) or {}).get("value")),
+        attention_cost=measured.attention_cost,
     )
 
 

@@ -59,7 +59,8 @@ def open_session(cfg: VerifyConfig, kind: str, measure_floor: bool) -> Session:
     candidate = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
                                dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
                                fp8_mode=cfg.fp8_mode, max_memory=max_memory,
-                               ort_opt_level=cfg.ort_opt_level)
+                               ort_opt_level=cfg.ort_opt_level, kv_cache=cfg.kv_cache,
+                               attention=cfg.attention)
     session = Session(cfg, kind, reference, candidate, floor)
     if cfg.noise_floor and cfg.max_memory:
         session.notes.append("No noise floor: --max-memory spreads the model over devices, "

@@ -34,6 +34,8 @@ class VerifyResult:
     noise_floor: dict[str, Any] | None = None  # the reference against fp32 (noise_floor.py)
     confidence: dict[str, Any] | None = None  # bootstrap intervals of the checks (confidence.py)
     layer_check: dict[str, Any] | None = None  # each quantized layer's own SQNR (layer_check.py)
+    # --kv-cache / --attention fp8: each configuration's metrics, FP8-linears-only first
+    attention_cost: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
