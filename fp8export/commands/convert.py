@@ -182,10 +182,11 @@ def render(result) -> None:
     sqnr = sorted(r["weight_sqnr_db"] for r in result.layers if r["weight_sqnr_db"] is not None)
     stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
              if sqnr else "")
-    loaders = " and ".join(result.loaded_by)
+    from fp8export.fp8dir.engines import Loaders
+
     # "only" wherever transformers, the most common loader, would not load it right
-    only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
-    echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
+    label = Loaders(tuple(result.loaded_by), {}).label()
+    echo(f"wrote {result.output}  [{result.format}: {label}]")
     echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     echo(_activation_line(result))
     if result.kv_cache:

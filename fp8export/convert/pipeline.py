@@ -65,7 +65,6 @@ from fp8export.fp8dir.formats import (
     extra_files,
     format_notes,
     kv_scale_names,
-    loaded_by,
     quantization_config,
     scale_shape,
     weight_scale_name,
@@ -585,6 +584,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             shard_bytes = sum((tmp / p.file_name).stat().st_size for p in plans)
             run.lap("write shards", shard_bytes)
             written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
+            engines = _loaders(ckpt, qconfig, plans)
             _copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
@@ -600,8 +600,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             run.lap("read-back", shard_bytes)
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans, scales.rounding)
-            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
-                                 notes)
+            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, engines,
+                                 layers, notes)
             manifest["files"] = _written_files(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
@@ -635,8 +635,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, block=_block(cfg) is not None,
-                                                 keras=is_keras_config(ckpt.config)),
+        bytes_out=bytes_out, loaded_by=list(engines.ok),
         accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
 
 
@@ -718,8 +717,21 @@ def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
                                                                hashes)}
 
 
+def _loaders(ckpt: Checkpoint, qconfig: dict[str, Any], plans: list[ShardPlan]):
+    """Which engines load the folder being written (fp8dir.engines: the folder as they read
+    it, so partial blocks, lm_head or expert input scales are said, not promised away)."""
+    from fp8export.fp8dir.engines import planned_loaders
+
+    tensors = {e.tensor.name: (e.tensor.dtype, tuple(e.tensor.shape))
+               for p in plans for e in p.entries}
+    layouts = {e.tensor.name.removesuffix(".weight"): e.layout
+               for p in plans for e in p.entries if e.kind == "weight"}
+    return planned_loaders(ckpt.config, qconfig, tensors, layouts,
+                           keras=is_keras_config(ckpt.config))
+
+
 def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
-              qconfig: dict[str, Any], layers: list[dict[str, Any]], notes: list[str]
+              qconfig: dict[str, Any], engines, layers: list[dict[str, Any]], notes: list[str]
               ) -> dict[str, Any]:
     sel = scales.sel
     manifest = {
@@ -729,8 +741,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
-        "loaded_by": loaded_by(cfg.format, block=_block(cfg) is not None,
-                               keras=is_keras_config(ckpt.config)),
+        "loaded_by": list(engines.ok),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
         "weight_granularity": str(cfg.weight_granularity),
         "dynamic_activations": str(cfg.dynamic_activations),

@@ -42,8 +42,10 @@ def _bad(folder: Path, what: str) -> Fp8ExportError:
 
 
 def check_layers(folder: Path, quantized: Mapping[str, Any],
-                 tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """The manifest's layers against the stored tensors (``name -> (dtype, shape)``)."""
+                 tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                 scale_suffix: str = "weight_scale") -> None:
+    """The manifest's layers against the stored tensors (``name -> (dtype, shape)``);
+    ``scale_suffix``: the weight scale's name in the folder's format (:func:`scale_suffix`)."""
     owner: dict[str, str] = {}
     for layer, entry in quantized.items():
         entry = entry or {}
@@ -61,9 +63,14 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
         if dtype != "F8_E4M3" or len(shape) != 2:
             raise _bad(folder, f"layer {layer}: {weight} is {dtype} {list(shape)}, not a 2-D "
                                "F8_E4M3 tensor")
-        if weight_scale_name(layer, tensors) is None:
-            raise _bad(folder, f"layer {layer}: {layer}.weight_scale is missing, so its FP8 "
+        if f"{layer}.{scale_suffix}" not in tensors:
+            raise _bad(folder, f"layer {layer}: {layer}.{scale_suffix} is missing, so its FP8 "
                                "values cannot be scaled")
+        other = "weight_scale" if scale_suffix == "weight_scale_inv" else "weight_scale_inv"
+        if f"{layer}.{other}" in tensors:
+            raise _bad(folder, f"layer {layer}: {layer}.{other} is stored beside "
+                               f"{layer}.{scale_suffix}, which is the one this format's engines "
+                               "read; a tool reading the other would compute another model")
         if entry.get("input_scale") is not None and f"{layer}.input_scale" not in tensors:
             raise _bad(folder, f"layer {layer}: {layer}.input_scale is missing, so its FP8 "
                                "values cannot be scaled")
@@ -79,13 +86,12 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
                            "unscaled")
 
 
-def weight_scale_name(layer: str, tensors: Mapping[str, Any]) -> str | None:
-    """The layer's weight scale tensor: ``weight_scale``, or the fine-grained dialect's
-    ``weight_scale_inv`` (block scales written with ``--format vllm``); None if neither."""
-    for name in (f"{layer}.weight_scale", f"{layer}.weight_scale_inv"):
-        if name in tensors:
-            return name
-    return None
+def scale_suffix(manifest: Mapping[str, Any]) -> str:
+    """The weight scale's tensor suffix in a folder convert wrote: ``weight_scale``, or the
+    fine-grained dialect's ``weight_scale_inv`` (block scales written with ``--format vllm``)."""
+    block = manifest.get("weight_granularity") == "block"
+    return "weight_scale_inv" if block and manifest.get("output_format") == "vllm" \
+        else "weight_scale"
 
 
 def check_scale(folder: Path, name: str, dtype: str, values: Any,
@@ -135,10 +141,11 @@ def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[s
                     values: Callable[[str], Any]) -> None:
     """Every check above; ``values(name)`` gives a (scale) tensor's numbers."""
     quantized = manifest.get("quantized") or {}
-    check_layers(folder, quantized, tensors)
+    suffix = scale_suffix(manifest)
+    check_layers(folder, quantized, tensors, suffix)
     for layer, entry in quantized.items():
         entry = entry or {}
-        for key, name in (("weight_scale", weight_scale_name(layer, tensors)),
+        for key, name in (("weight_scale", f"{layer}.{suffix}"),
                           ("input_scale", f"{layer}.input_scale")):
             if name in tensors:
                 # per-channel and block: the manifest records the largest scale, compared as

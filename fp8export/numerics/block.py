@@ -98,10 +98,15 @@ def block_scales(amax: np.ndarray, name: str) -> np.ndarray:
 
 def expand_blocks(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]
                   ) -> torch.Tensor:
-    """The grid ``[gr, gc]`` repeated over its tiles and cropped to ``shape`` ``[out, in]``."""
+    """The grid ``[gr, gc]`` repeated over its tiles and cropped to ``shape`` ``[out, in]``.
+    Indexed, not repeated then cropped: what it allocates is ``shape``, whatever the block size
+    (a block far larger than the weight must not cost its own size)."""
+    import torch
+
     bn, bk = block
-    full = grid.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
-    return full[:shape[0], :shape[1]]
+    rows = torch.arange(shape[0], device=grid.device) // bn
+    cols = torch.arange(shape[1], device=grid.device) // bk
+    return grid[rows][:, cols]
 
 
 def quantize_blocks_sqnr(w: torch.Tensor, scales: np.ndarray, block: tuple[int, int],
@@ -170,6 +175,7 @@ def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
     import torch
 
     k = x.shape[-1]
+    group = min(group, k)  # one group longer than the row is the row: the same scale
     pad = -k % group
     a = x.detach().to(torch.float32).abs()
     if pad:
@@ -183,7 +189,7 @@ def quantize_groups(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.
     import torch
 
     k = x.shape[-1]
-    s = scales.repeat_interleave(group, dim=-1)[..., :k]
+    s = scales.repeat_interleave(min(group, k), dim=-1)[..., :k]
     return (x.to(torch.float32) / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -192,6 +198,7 @@ def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     dynamic group activations multiplies its weight with."""
     import torch
 
+    group = min(group, x.shape[-1])
     s = group_scales(x, group)
     q = quantize_groups(x, s, group)
     return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., :x.shape[-1]]

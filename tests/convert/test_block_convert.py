@@ -97,8 +97,10 @@ def test_vllm_dialect_is_the_fine_grained_format(block_folders):
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": [128, 128],
                   "ignored_layers": ["lm_head", "model.embed_tokens"]}
-    assert result.loaded_by == ["vllm", "sglang", "transformers (FineGrainedFP8)"]
-    assert not any("vLLM only" in n for n in result.notes)  # transformers reads this one right
+    # the dialect is what all three read; these ragged blocks none does (vLLM: gate/up rows
+    # not whole blocks; transformers: partial edge blocks), and the label says so
+    assert result.loaded_by == []
+    assert not any("vLLM only" in n for n in result.notes)  # transformers reads the dialect
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
     parsed = FineGrainedFP8Config.from_dict(dict(qc))
@@ -181,8 +183,11 @@ def test_cli_prints_the_activations(ragged_llama, tmp_path, run_cli):
     r = run_cli("convert", ragged_llama, "-o", tmp_path / "o", "--weight-granularity", "block",
                 "--block-size", "128x128", "--format", "vllm")
     assert r.exit_code == 0, r.output
-    assert "[vllm: loads in vllm and sglang and transformers (FineGrainedFP8)]" in r.stdout
+    assert "[vllm: no engine loads it as written]" in r.stdout  # 320 = 2.5 blocks of 128
     assert "activations: dynamic per token group of 128" in r.stdout
+    r = run_cli("convert", ragged_llama, "-o", tmp_path / "w", "--weight-granularity", "block",
+                "--block-size", "64x64", "--format", "vllm")  # whole blocks everywhere
+    assert "[vllm: loads in vllm and sglang and transformers (FineGrainedFP8)]" in r.stdout
     r = run_cli("convert", ragged_llama, "-o", tmp_path / "p", "--block-size", "64")
     assert r.exit_code == 2 and "--weight-granularity block" in r.output
 
