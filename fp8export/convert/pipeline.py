@@ -62,9 +62,11 @@ from fp8export.convert.source_scan import (
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.formats import (
     activation_scheme,
+    as_loaded,
     extra_files,
     format_notes,
     kv_scale_names,
+    loaded_scale_dtype,
     quantization_config,
     scale_shape,
     weight_scale_name,
@@ -423,6 +425,10 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
 
         check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
+    # the scales every engine holds (transformers' compressed-tensors loader: the model dtype),
+    # before anything is quantized with them
+    held = loaded_scale_dtype(cfg.format, ckpt.config, keras=is_keras_config(ckpt.config))
+    weight_scales, input_scales = as_loaded(weight_scales, held), as_loaded(input_scales, held)
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
         from fp8export.convert.rounding import rounding_step

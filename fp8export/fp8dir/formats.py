@@ -283,3 +283,38 @@ def declared_dynamic(quantization_config: Any) -> str | None:
                 and args.get("strategy") in ("token", "tensor"):
             return str(args["strategy"])
     return None
+
+
+def loaded_scale_dtype(fmt: OutputFormat, config: dict[str, Any] | None,
+                       keras: bool = False) -> str | None:
+    """The dtype an engine holds this folder's weight and input scales in, where it is not
+    float32: transformers' compressed-tensors loader allocates them in the model's dtype
+    (``weight_scale``/``input_scale`` parameters of the weight's dtype, BF16 or F16), so an F32
+    scale is rounded to it when it loads. vLLM keeps float32, as do transformers' fine-grained
+    and the ModelOpt loaders: None for those dialects (and for Keras sources, which no
+    transformers loader reads)."""
+    if fmt is not OutputFormat.COMPRESSED_TENSORS or keras or not config:
+        return None
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "").lower()
+    return {"bfloat16": "BF16", "float16": "F16"}.get(dtype)
+
+
+def as_loaded(scales: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """``scales`` (float32 numbers or arrays) rounded to the nearest value of ``dtype`` (round
+    to nearest even, as the engine's cast does) and kept as float32: the scale a folder stores
+    is then exactly the one every engine holds, and the codes are quantized with it. A value
+    that would round to zero or overflow keeps its float32 value (no real scale does)."""
+    if dtype is None:
+        return scales
+    import ml_dtypes
+    import numpy as np
+
+    cast = ml_dtypes.bfloat16 if dtype == "BF16" else np.float16
+    out = {}
+    for name, value in scales.items():
+        v = np.asarray(value, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            r = v.astype(cast).astype(np.float32)
+        r = np.where((r > 0) & np.isfinite(r), r, v).astype(np.float32)
+        out[name] = r if np.ndim(value) else np.float32(r)
+    return out

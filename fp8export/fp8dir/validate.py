@@ -30,7 +30,7 @@ from typing import Any
 from fp8export.errors import Fp8ExportError
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-SCALE_DTYPES = ("F32", "F16", "BF16")
+SCALE_DTYPES = ("F32", "F16", "BF16", "F8_E8M0")  # E8M0: UE8M0 power-of-two block scales
 MIN_SCALE = 1e-12  # amax 4.5e-10
 MAX_SCALE = 1e12  # amax 4.5e14
 REL_TOLERANCE = 1e-6  # a scale stored as F32 against the manifest's float64 value
@@ -101,7 +101,8 @@ def check_scale(folder: Path, name: str, dtype: str, values: Any,
     import numpy as np
 
     if dtype not in SCALE_DTYPES:
-        raise _bad(folder, f"{name} is {dtype}; a scale is a float (F32, F16 or BF16)")
+        raise _bad(folder, f"{name} is {dtype}; a scale is a float (F32, F16, BF16, or "
+                           "F8_E8M0 power-of-two block scales)")
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     if v.size == 0:
         raise _bad(folder, f"{name} is empty")

@@ -389,3 +389,39 @@ def test_transformers_loads_what_the_reader_says_it_loads(transformers_error):
     assert errors["fine-grained"] < 0.05 and errors["ct"] < 0.05, errors
     assert errors["ct fp8 lm_head"] < 0.05, errors
     assert errors["fine-grained renamed"] > 10 and errors["ct fp8 embedding"] > 10, errors
+
+
+_HELD_SCALES = """
+import sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+folder = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(folder)
+stored = load_file(folder + "/model.safetensors")
+held = {n + ".weight_scale": m.weight_scale.detach() for n, m in model.named_modules()
+        if isinstance(getattr(m, "weight_scale", None), torch.Tensor)}
+assert held, "no weight_scale parameters"
+bad = [n for n, v in held.items() if not torch.equal(v.float().reshape(-1),
+                                                      stored[n].float().reshape(-1))]
+print(len(held), len(bad))
+"""
+
+
+@pytest.mark.slow
+def test_transformers_holds_exactly_the_scales_convert_wrote(src, tmp_path):
+    """compressed-tensors' loader allocates the scales in the model's BF16: convert's scales are
+    BF16 values, so the parameter it loads equals the tensor on disk (and the codes were
+    quantized with it)."""
+    import subprocess
+    import sys
+
+    from fp8export.api import convert
+    from fp8export.convert.config import ConvertConfig
+
+    out = tmp_path / "ct"
+    convert(ConvertConfig(checkpoint=src, output=out, weight_granularity="channel"))
+    run = subprocess.run([sys.executable, "-c", _HELD_SCALES, str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    held, bad = map(int, run.stdout.split()[-2:])
+    assert held == 14 and bad == 0

@@ -134,7 +134,7 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
 
 
 # ------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize("change,match", [
     (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_scale_inv", torch.ones(2, 2)),
      r"down_proj.weight_scale_inv has shape \[2, 2\], but the vllm config declares block "
      r"weight scales .* allocate as the \[2, 3\] grid of 32x32 blocks"),
@@ -153,8 +153,8 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
      r"up_proj.input_scale is stored but .* do not read it \(the config declares dynamic "
      r"inputs\)"),
 ])
-def test_edits_that_break_the_format_are_refused(src, tmp_path, edit, match):
-    folder = edit(deepseek_folder(src, tmp_path / "ds"), edit)
+def test_edits_that_break_the_format_are_refused(src, tmp_path, change, match):
+    folder = edit(deepseek_folder(src, tmp_path / "ds"), change)
     with pytest.raises(Fp8ExportError, match=match):
         read_fp8_folder(folder)
 
