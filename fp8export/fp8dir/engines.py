@@ -54,6 +54,7 @@ TRANSFORMERS_FG = "transformers (FineGrainedFP8)"
 FP8EXPORT_ONLY = "fp8export (verify, export-onnx)"
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "activation_scale")
+SCALE_DTYPES = ("F32", "F16", "BF16", "F8_E8M0")
 MAX_PATTERNS = 1024  # regular expressions / wildcards in one config's targets and ignore lists
 _MATCH_SECONDS = 0.05  # one pattern against one name
 _TOTAL_SECONDS = 10.0  # every pattern against every name of one folder
@@ -459,6 +460,11 @@ def judge_layers(folder: Path, reading: Reading, infos: Mapping[str, Any],
             raise _bad(folder, f"layer {name} has no {reading.input_scale}, but the "
                                f"{reading.dialect} config declares static activations for it. "
                                "The folder is incomplete.")
+        for t in (wscale, iscale):
+            if t is not None and str(infos[t].dtype) not in SCALE_DTYPES:
+                raise _bad(folder, f"{t} is {infos[t].dtype}; engines read a scale as a float "
+                                   "(F32, F16, BF16) or as UE8M0 powers of two (F8_E8M0), so "
+                                   "this one would be misread. Store it as F32.")
         layout = (layouts or {}).get(name, "out_in")
         out_in = (shape[1], shape[0]) if layout == "in_out" else shape
         sshape = tuple(int(d) for d in infos[wscale].shape)

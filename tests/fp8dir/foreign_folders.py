@@ -149,3 +149,24 @@ def ct_folder(src: Path, out: Path, *, strategy: str = "tensor", block=(32, 32),
                                         "input_activations": inputs}},
           **(config or {})}
     return write(src, out, tensors, qc)
+
+
+def transformers_fp8_folder(src: Path, out: Path, block=(32, 32), scale_fmt: str = "float"
+                            ) -> Path:
+    """What transformers' own fine-grained quantize op writes (``Fp8Quantize``, the op its
+    ``FineGrainedFP8Config`` runs when it quantizes a model): E4M3 weights and
+    ``weight_scale_inv`` grids, F32 or, with ``scale_fmt="ue8m0"``, power-of-two F8_E8M0."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    qc = FineGrainedFP8Config(weight_block_size=tuple(block), scale_fmt=scale_fmt)
+    op = Fp8Quantize(SimpleNamespace(quantization_config=qc))
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        tensors.update(op.convert({name: t}) if is_linear(name) else {name: t})
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+              "weight_block_size": list(block), "scale_fmt": scale_fmt,
+              "modules_to_not_convert": ["lm_head"]}
+    return write(src, out, tensors, config)

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from foreign_folders import autofp8_folder, deepseek_folder, edit, is_linear, modelopt_folder, write
+from foreign_folders import (
+    autofp8_folder,
+    deepseek_folder,
+    edit,
+    is_linear,
+    modelopt_folder,
+    transformers_fp8_folder,
+    write,
+)
 from safetensors.torch import load_file
 
 from fp8export.errors import Fp8ExportError
@@ -149,6 +157,9 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
     (lambda t: t.__setitem__("model.layers.0.mlp.experts",
                              torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fn)),
      r"model.layers.0.mlp.experts is F8_E4M3 \[2, 4, 4\]"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_scale_inv",
+                             torch.full((2, 3), 3, dtype=torch.uint8)),
+     r"down_proj.weight_scale_inv is U8; engines read a scale as a float"),
     (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.ones(())),
      r"up_proj.input_scale is stored but .* do not read it \(the config declares dynamic "
      r"inputs\)"),
@@ -239,3 +250,40 @@ def test_verify_runs_a_fine_grained_folder_written_elsewhere(tmp_path, run_cli):
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["metrics"]["top1_agreement"] > 0.97 and rep["metrics"]["kl_mean"] < 1e-3
     assert any("block 16x16 weights, dynamic per-token-group(16)" in n for n in rep["notes"])
+
+
+_TRANSFORMERS_WEIGHTS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+torch.save({n: p.detach() for n, p in model.named_parameters() if n.endswith("proj.weight")},
+           sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_transformers_own_quantizer_folders_dequantize_as_transformers_does(src, tmp_path,
+                                                                           scale_fmt):
+    """Folders written by transformers' own FineGrainedFP8 quantize op, F32 and UE8M0 (F8_E8M0
+    power-of-two) scales: the reader's dequantized weights are the ones transformers'
+    default from_pretrained builds from them, bit for bit in BF16."""
+    import subprocess
+    import sys
+
+    folder = transformers_fp8_folder(src, tmp_path / scale_fmt, block=(32, 32),
+                                     scale_fmt=scale_fmt)
+    theirs = tmp_path / "theirs.pt"
+    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_WEIGHTS, str(folder), str(theirs)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    weights = torch.load(theirs, weights_only=True)
+    with read_fp8_folder(folder) as f:
+        assert f.format.block_size == (32, 32) and len(f.layers) == 14
+        if scale_fmt == "ue8m0":
+            scale = f.tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]
+            assert scale.dtype == torch.float8_e8m0fnu
+            assert f.loaders.ok == ("transformers (FineGrainedFP8)",)
+        for name, layer in f.layers.items():
+            assert torch.equal(layer.dequantized(torch.bfloat16), weights[f"{name}.weight"]), name
+    _logits_close_to_bf16(folder, src, 0.1)
