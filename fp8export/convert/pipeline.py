@@ -50,6 +50,7 @@ from fp8export.convert.config import (
     ConvertConfig,
     DynamicActivations,
     KvCache,
+    ScaleFormat,
     WeightGranularity,
     WeightRounding,
 )
@@ -429,6 +430,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     # before anything is quantized with them
     held = loaded_scale_dtype(cfg.format, ckpt.config, keras=is_keras_config(ckpt.config))
     weight_scales, input_scales = as_loaded(weight_scales, held), as_loaded(input_scales, held)
+    if cfg.scale_format is ScaleFormat.UE8M0:  # powers of two, rounded up
+        weight_scales = as_loaded(weight_scales, "F8_E8M0")
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
         from fp8export.convert.rounding import rounding_step
@@ -454,7 +457,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format), kv_after=kv_after,
-                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None))
+                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None),
+                        weight_scale_dtype="F8_E8M0" if cfg.scale_format is ScaleFormat.UE8M0
+                        else "F32")
     run.lap("scales + plan")
     return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
@@ -542,7 +547,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                                   ignore=scales.sel.ignore, tool_version=__version__,
                                   per_channel=_per_channel(cfg),
                                   kv_cache=scales.kv_entry is not None, block=_block(cfg),
-                                  dynamic_strategy=str(cfg.dynamic_activations))
+                                  dynamic_strategy=str(cfg.dynamic_activations),
+                                  scale_fmt=str(cfg.scale_format))
     if dynamic:
         which = "this folder has no static input scales" if not static else \
             f"{len(dynamic)} layer(s) have no static input scale"

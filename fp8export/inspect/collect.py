@@ -198,8 +198,9 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo], manifest: dict[str, Any
         notes.append(f"{MANIFEST} has format_version {manifest.get('format_version')!r}; "
                      "this inspect reads version 1, fields may be missing")
     names = {i.name for i in infos}
-    scales = {i.name: ck.load(i.name).float() for i in infos
-              if i.name.endswith(_WEIGHT_SCALES + _INPUT_SCALES) and i.dtype in FLOAT}
+    scales = {i.name: ck.load(i.name).float() for i in infos  # F8_E8M0: UE8M0 block scales
+              if i.name.endswith(_WEIGHT_SCALES + _INPUT_SCALES)
+              and (i.dtype in FLOAT or i.dtype == "F8_E8M0")}
 
     for info in infos:
         module = info.name.rsplit(".", 1)[0]

@@ -287,3 +287,39 @@ def test_transformers_own_quantizer_folders_dequantize_as_transformers_does(src,
         for name, layer in f.layers.items():
             assert torch.equal(layer.dequantized(torch.bfloat16), weights[f"{name}.weight"]), name
     _logits_close_to_bf16(folder, src, 0.1)
+
+
+def test_ue8m0_scales_are_written_as_transformers_writes_them(src, tmp_path, run_cli):
+    """convert --scale-format ue8m0: F8_E8M0 power-of-two block scales, each rounded up from
+    amax/448 (no weight clips), and the very tensors transformers' own quantizer writes for
+    the same weights (a power of two divides exactly, so its multiply by the reciprocal and our
+    divide give the same codes)."""
+    from fp8export.api import convert
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.errors import UsageError
+
+    ours = tmp_path / "ours"
+    convert(ConvertConfig(checkpoint=src, output=ours, weight_granularity="block",
+                          block_size=(32, 32), format="vllm", scale_format="ue8m0"))
+    theirs = transformers_fp8_folder(src, tmp_path / "theirs", block=(32, 32),
+                                     scale_fmt="ue8m0")
+    qc = json.loads((ours / "config.json").read_text())["quantization_config"]
+    assert qc["scale_fmt"] == "ue8m0" and qc["weight_block_size"] == [32, 32]
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
+    source = load_file(str(src / "model.safetensors"))
+    scales = [k for k in a if k.endswith("weight_scale_inv")]
+    assert len(scales) == 14
+    for k in scales:
+        assert a[k].dtype == torch.float8_e8m0fnu and torch.equal(a[k], b[k]), k
+        w = k.removesuffix("_scale_inv")
+        assert torch.equal(a[w].view(torch.uint8), b[w].view(torch.uint8)), w
+        from fp8export.numerics.block import block_amax
+
+        amax = torch.from_numpy(block_amax(source[w], (32, 32)))
+        assert bool((a[k].double() * 448 >= amax).all())  # rounded up: nothing clips
+    with read_fp8_folder(ours) as f:
+        assert f.loaders.ok == ("transformers (FineGrainedFP8)",)
+    r = run_cli("inspect", ours)
+    assert "block scales, 32x32 blocks" in r.stdout
+    with pytest.raises(UsageError, match="--scale-format ue8m0 stores block weight scales"):
+        ConvertConfig(checkpoint=src, scale_format="ue8m0", weight_granularity="block")
