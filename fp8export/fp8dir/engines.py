@@ -589,8 +589,11 @@ def planned_loaders(config: Mapping[str, Any] | None, qc: dict[str, Any],
     """:func:`loaders` of a folder convert is about to write (``tensors``: every planned
     tensor's dtype and shape; ``layouts``: the quantized layers' stored layouts), judged by
     :func:`judge_layers` first, so convert never writes what its engines would misread."""
-    if keras or not config:
+    if keras:
         return Loaders((FP8EXPORT_ONLY,), {})
+    if not config:
+        return Loaders((), {"any engine": "the source has no config.json, so the folder names "
+                                          "no architecture to load"})
     infos = {n: _Info(d, tuple(s)) for n, (d, s) in tensors.items()}
     fp8 = [n[: -len(".weight")] for n, i in infos.items() if i.dtype == "F8_E4M3"]
     suffixes = {s for m in fp8 for s in ("weight_scale", "weight_scale_inv")

@@ -6,7 +6,12 @@ consumer that needs a few tensors does not load the whole model. Opening checks 
 consumer relies on, before any tracing or model building starts, so a bad folder fails in a
 second with a message naming the layer: a missing manifest, a quantized layer whose weight or
 ``weight_scale`` tensor is absent or of the wrong type, a manifest that says a layer has a
-static input scale while the tensor is missing, scales that are not positive finite numbers.
+static input scale while the tensor is missing, scales that are not positive finite numbers,
+and anything the engines the folder's config names would read differently than its tensors
+say (``fp8dir/engines.py``: every folder, ours and other tools', is read as they read it;
+``Fp8Folder.loaders`` names the engines that load it as what it is). No size from a header is
+believed before it is checked against the weight it describes: a scale's shape must fit its
+weight before the scale is read, and a block side longer than the weight's is the weight's.
 """
 
 from __future__ import annotations
@@ -418,11 +423,12 @@ def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any]
     """fp8export.json with every quantized entry completed (see :class:`Fp8Folder`), and the
     engines that load the folder: its config.json is read as they read it, and must say what
     the manifest says (fp8dir.engines)."""
+    from fp8export.checkpoint.model_config import is_keras_config
     from fp8export.fp8dir.engines import FP8EXPORT_ONLY, Loaders, judge_layers, loaders
     from fp8export.fp8dir.foreign import folder_reading
-    from fp8export.keras_model.config import is_keras_config
 
     quantized = manifest.get("quantized") or {}  # none: every layer kept in high precision
+    # a Keras model's config no serving engine reads: fp8export's own runtimes run it
     if is_keras_config(config) or not isinstance(config.get("quantization_config"), dict):
         read_as, found = {}, Loaders((FP8EXPORT_ONLY,), {})
     else:

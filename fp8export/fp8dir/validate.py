@@ -8,8 +8,11 @@ fp8export by the manifest). Every consumer must refuse such a folder the same wa
 checks live here, on plain data, for the one reader to run (:func:`validate_folder`):
 
 * **every FP8 tensor is a listed layer's weight**, of E4M3, 2-D, named ``<layer>.weight``, used
-  by one layer only; every listed layer has its weight and a ``weight_scale``;
-* **scales**: a float dtype (F32/F16/BF16), finite, > 0 and within :data:`MIN_SCALE` ..
+  by one layer only; every listed layer has its weight and its weight scale under the one name
+  its format's engines read (``weight_scale``, or ``weight_scale_inv`` for block scales of the
+  vllm dialect), and no second one under the other name;
+* **scales**: a float dtype (F32/F16/BF16, or F8_E8M0 for UE8M0 block scales), finite, > 0
+  and within :data:`MIN_SCALE` ..
   :data:`MAX_SCALE` (a scale is amax/448; no real tensor is that small or large), equal to the
   manifest's value where it records one; an ``input_scale`` exactly where the manifest says the
   layer's activations are static;
