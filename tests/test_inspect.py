@@ -144,9 +144,14 @@ def make_fp8_folder(root: Path, *, manifest_scale_factor: float = 1.0, manifest:
         "model.norm.weight": torch.ones(16, dtype=torch.bfloat16),
     }
     save_file(tensors, d / "model.safetensors")
+    fp8_args = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                "dynamic": False}
     (d / "config.json").write_text(json.dumps({
-        "model_type": "llama", "quantization_config": {"quant_method": "compressed-tensors",
-                                                       "format": "float-quantized"}}))
+        "model_type": "llama", "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp8_args,
+                                          "input_activations": fp8_args}},
+            "ignore": ["model.embed_tokens"]}}))
     if manifest:
         (d / "fp8export.json").write_text(json.dumps({
             "format_version": 1, "tool": {"name": "fp8export", "version": "0.1.0"},

@@ -72,6 +72,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_keras_config(config: Any) -> bool:
+    """A Keras model config (``class_name`` + ``config``) rather than a transformers one."""
+    return (isinstance(config, dict) and "class_name" in config and "config" in config
+            and "model_type" not in config)
+
+
 def validate_config(config: Any, path: Path, *, where: str = "") -> dict[str, Any]:
     """Check the types and ranges of the keys listed in this module; return ``config``.
 

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 # safetensors dtype → bytes per element, for the dtypes fp8export reads: float sources, FP8
-# (an FP8 folder), integer/bool buffers (passed through).
+# (an FP8 folder; F8_E8M0: UE8M0 power-of-two block scales), integer/bool buffers (passed
+# through).
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})

@@ -79,6 +79,12 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--block-size", metavar="NxK",
               help="Block of --weight-granularity block: N output rows x K input columns, or N "
                    "for NxN. Default: 128x128 (what DeepSeek-V3, Qwen3-FP8 and vLLM use).")
+@click.option("--scale-format", type=_choice("float", "ue8m0"), default="float",
+              show_default=True,
+              help="Block weight scales as float32, or ue8m0: powers of two in one byte "
+                   "(F8_E8M0, scale_fmt ue8m0 in config.json; what transformers writes with "
+                   "scale_fmt='ue8m0' and recent DeepSeek releases ship; each scale rounded up "
+                   "so no weight clips). --format vllm --weight-granularity block only.")
 @click.option("--dynamic-activations", type=_choice("tensor", "token", "group"),
               help="Layers without a static input scale quantize their input at run time with "
                    "one scale per token (default: what vLLM runs for dynamic inputs), one per "
@@ -127,7 +133,7 @@ def _choice(*values: str) -> click.Choice:
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
-            dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
+            scale_format, dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
             accuracy_budget, workers, read_back, force):
     """Convert CHECKPOINT to an FP8 (E4M3) safetensors folder, weight scales per tensor, channel
     or block.
@@ -157,6 +163,7 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
         weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
+        scale_format=scale_format,
         device=device, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
         read_back=read_back,
@@ -193,10 +200,11 @@ def render(result) -> None:
     sqnr = sorted(r["weight_sqnr_db"] for r in result.layers if r["weight_sqnr_db"] is not None)
     stats = (f" (weight SQNR min {sqnr[0]:.1f} dB, median {sqnr[len(sqnr) // 2]:.1f} dB)"
              if sqnr else "")
-    loaders = " and ".join(result.loaded_by)
+    from fp8export.fp8dir.engines import Loaders
+
     # "only" wherever transformers, the most common loader, would not load it right
-    only = "" if any(name.startswith("transformers") for name in result.loaded_by) else " only"
-    echo(f"wrote {result.output}  [{result.format}: loads in {loaders}{only}]")
+    label = Loaders(tuple(result.loaded_by), {}).label()
+    echo(f"wrote {result.output}  [{result.format}: {label}]")
     echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     echo(_activation_line(result))
     if result.kv_cache:

@@ -92,6 +92,15 @@ class WeightRounding(StrEnum):
     GPTQ = "gptq"
 
 
+class ScaleFormat(StrEnum):
+    """How block weight scales are stored (``convert --scale-format``): float32, or UE8M0
+    (powers of two, one byte: F8_E8M0, what transformers writes with ``scale_fmt="ue8m0"`` and
+    recent DeepSeek releases ship)."""
+
+    FLOAT = "float"
+    UE8M0 = "ue8m0"
+
+
 class KvCache(StrEnum):
     """KV-cache precision the folder declares (``convert --kv-cache``)."""
 
@@ -126,6 +135,7 @@ class ConvertConfig:
     weight_rounding: WeightRounding = WeightRounding.NEAREST
     block_size: tuple[int, int] | None = None  # (bn, bk) of block granularity; (128, 128)
     kv_cache: KvCache = KvCache.NONE
+    scale_format: ScaleFormat = ScaleFormat.FLOAT
     device: Device = Device.AUTO
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (analysis/fallback.py)
@@ -142,7 +152,8 @@ class ConvertConfig:
                            ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
                            ("weight_granularity", WeightGranularity),
                            ("dynamic_activations", DynamicActivations),
-                           ("weight_rounding", WeightRounding), ("kv_cache", KvCache)):
+                           ("weight_rounding", WeightRounding), ("kv_cache", KvCache),
+                           ("scale_format", ScaleFormat)):
             option = f"--{name.replace('_', '-')}"
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, enum.parse(getattr(self, name), option))
@@ -236,6 +247,11 @@ class ConvertConfig:
                                  f"{MAX_BLOCK}, the largest block an FP8 folder can record "
                                  "(DeepSeek-V3 and Qwen3-FP8 use 128x128).")
         object.__setattr__(self, "block_size", (size or DEFAULT_BLOCK) if block else None)
+        if self.scale_format is ScaleFormat.UE8M0 and (
+                not block or self.format is not OutputFormat.VLLM):
+            raise UsageError("--scale-format ue8m0 stores block weight scales as powers of two "
+                             "(F8_E8M0), the fine-grained dialect's scale_fmt: give "
+                             "--weight-granularity block --format vllm, or drop it.")
         if not block:
             if self.dynamic_activations is DynamicActivations.GROUP:
                 raise UsageError("--dynamic-activations group goes with --weight-granularity "

@@ -55,6 +55,7 @@ from fp8export.convert.config import (
     ConvertConfig,
     DynamicActivations,
     KvCache,
+    ScaleFormat,
     WeightGranularity,
     WeightRounding,
 )
@@ -67,10 +68,11 @@ from fp8export.convert.source_scan import (
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.fp8dir.formats import (
     activation_scheme,
+    as_loaded,
     extra_files,
     format_notes,
     kv_scale_names,
-    loaded_by,
+    loaded_scale_dtype,
     quantization_config,
     scale_shape,
     weight_scale_name,
@@ -500,6 +502,12 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
         calib_cfg, split = _budget_split(cfg, ckpt, notes)
     ranges, input_scales = activation_step(calib_cfg, ckpt, sel, notes)
     check_scale_range("input", input_scales)
+    # the scales every engine holds (transformers' compressed-tensors loader: the model dtype),
+    # before anything is quantized with them
+    held = loaded_scale_dtype(cfg.format, ckpt.config, keras=is_keras_config(ckpt.config))
+    weight_scales, input_scales = as_loaded(weight_scales, held), as_loaded(input_scales, held)
+    if cfg.scale_format is ScaleFormat.UE8M0:  # powers of two, rounded up
+        weight_scales = as_loaded(weight_scales, "F8_E8M0")
     rounding, rounding_entry = {}, None
     if cfg.weight_rounding is WeightRounding.GPTQ:
         from fp8export.convert.rounding import rounding_step
@@ -529,7 +537,9 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     qconfig = config_step(cfg, ckpt, scales, notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format), kv_after=kv_after,
-                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None))
+                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None),
+                        weight_scale_dtype="F8_E8M0" if cfg.scale_format is ScaleFormat.UE8M0
+                        else "F32")
     run.lap("scales + plan")
     return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
@@ -633,7 +643,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
                                   ignore=_with(scales.sel.ignore, also), tool_version=__version__,
                                   per_channel=_per_channel(cfg),
                                   kv_cache=scales.kv_entry is not None, block=_block(cfg),
-                                  dynamic_strategy=str(cfg.dynamic_activations))
+                                  dynamic_strategy=str(cfg.dynamic_activations),
+                                  scale_fmt=str(cfg.scale_format))
     if dynamic:
         which = "this folder has no static input scales" if not static else \
             f"{len(dynamic)} layer(s) have no static input scale"
@@ -693,6 +704,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             shard_bytes = sum((tmp / p.file_name).stat().st_size for p in plans)
             run.lap("write shards", shard_bytes)
             written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
+            engines = _loaders(ckpt, qconfig, plans)
             _copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
@@ -708,8 +720,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             run.lap("read-back", shard_bytes)
             layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
                              scales.ranges, scales.input, sqnr, plans, scales.rounding)
-            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, layers,
-                                 notes)
+            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, engines,
+                                 layers, notes)
             manifest["files"] = _written_files(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
@@ -747,8 +759,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
-        bytes_out=bytes_out, loaded_by=loaded_by(cfg.format, block=_block(cfg) is not None,
-                                                 keras=is_keras_config(ckpt.config)),
+        bytes_out=bytes_out, loaded_by=list(engines.ok),
         accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
 
 
@@ -830,8 +841,21 @@ def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
                                                                hashes)}
 
 
+def _loaders(ckpt: Checkpoint, qconfig: dict[str, Any], plans: list[ShardPlan]):
+    """Which engines load the folder being written (fp8dir.engines: the folder as they read
+    it, so partial blocks, lm_head or expert input scales are said, not promised away)."""
+    from fp8export.fp8dir.engines import planned_loaders
+
+    tensors = {e.tensor.name: (e.tensor.dtype, tuple(e.tensor.shape))
+               for p in plans for e in p.entries}
+    layouts = {e.tensor.name.removesuffix(".weight"): e.layout
+               for p in plans for e in p.entries if e.kind == "weight"}
+    return planned_loaders(ckpt.config, qconfig, tensors, layouts,
+                           keras=is_keras_config(ckpt.config))
+
+
 def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _Scales,
-              qconfig: dict[str, Any], layers: list[dict[str, Any]], notes: list[str]
+              qconfig: dict[str, Any], engines, layers: list[dict[str, Any]], notes: list[str]
               ) -> dict[str, Any]:
     sel = scales.sel
     manifest = {
@@ -841,8 +865,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
         "output_format": str(cfg.format),
-        "loaded_by": loaded_by(cfg.format, block=_block(cfg) is not None,
-                               keras=is_keras_config(ckpt.config)),
+        "loaded_by": list(engines.ok),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
         "weight_granularity": str(cfg.weight_granularity),
         "dynamic_activations": str(cfg.dynamic_activations),

@@ -196,7 +196,8 @@ def check_supported(fmt: OutputFormat, static: list[str], dynamic: list[str],
 def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[str],
                         ignore: list[str], tool_version: str, per_channel: bool = False,
                         kv_cache: bool = False, block: tuple[int, int] | None = None,
-                        dynamic_strategy: str = "token") -> dict[str, Any]:
+                        dynamic_strategy: str = "token", scale_fmt: str = "float"
+                        ) -> dict[str, Any]:
     """The ``quantization_config`` object for config.json (sorted lists, no timestamps).
     ``dynamic_strategy``: how compressed-tensors' dynamic inputs are declared ("token" or
     "tensor"; block weights declare their own per-group inputs)."""
@@ -205,7 +206,7 @@ def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[s
     dynamic_input = dict(_CT_DYNAMIC_INPUT, strategy=dynamic_strategy)
     ignore = sorted(ignore)
     if block is not None:
-        return _block_config(fmt, block, ignore, kv_cache)
+        return _block_config(fmt, block, ignore, kv_cache, scale_fmt)
     if fmt is OutputFormat.VLLM:
         return {"quant_method": "fp8", "activation_scheme": activation_scheme(static, dynamic),
                 "ignored_layers": ignore, **({"kv_cache_scheme": "static"} if kv_cache else {})}
@@ -232,13 +233,14 @@ def quantization_config(fmt: OutputFormat, *, static: list[str], dynamic: list[s
 
 
 def _block_config(fmt: OutputFormat, block: tuple[int, int], ignore: list[str],
-                  kv_cache: bool) -> dict[str, Any]:
+                  kv_cache: bool, scale_fmt: str = "float") -> dict[str, Any]:
     bn, bk = block
     if fmt is OutputFormat.VLLM:
         # DeepSeek-V3's config plus the ignore list (vLLM reads ignored_layers; transformers
-        # takes it as modules_to_not_convert)
+        # takes it as modules_to_not_convert); scale_fmt ue8m0: F8_E8M0 scales
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [bn, bk], "ignored_layers": ignore,
+                **({"scale_fmt": scale_fmt} if scale_fmt != "float" else {}),
                 **({"kv_cache_scheme": "static"} if kv_cache else {})}
     weights = dict(_CT_WEIGHTS, strategy="block", block_structure=[bn, bk])
     inputs = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": bk,
@@ -283,3 +285,45 @@ def declared_dynamic(quantization_config: Any) -> str | None:
                 and args.get("strategy") in ("token", "tensor"):
             return str(args["strategy"])
     return None
+
+
+def loaded_scale_dtype(fmt: OutputFormat, config: dict[str, Any] | None,
+                       keras: bool = False) -> str | None:
+    """The dtype an engine holds this folder's weight and input scales in, where it is not
+    float32: transformers' compressed-tensors loader allocates them in the model's dtype
+    (``weight_scale``/``input_scale`` parameters of the weight's dtype, BF16 or F16), so an F32
+    scale is rounded to it when it loads. vLLM keeps float32, as do transformers' fine-grained
+    and the ModelOpt loaders: None for those dialects (and for Keras sources, which no
+    transformers loader reads)."""
+    if fmt is not OutputFormat.COMPRESSED_TENSORS or keras or not config:
+        return None
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "").lower()
+    return {"bfloat16": "BF16", "float16": "F16"}.get(dtype)
+
+
+def as_loaded(scales: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """``scales`` (float32 numbers or arrays) rounded to the nearest value of ``dtype`` (round
+    to nearest even, as the engine's cast does) and kept as float32: the scale a folder stores
+    is then exactly the one every engine holds, and the codes are quantized with it. A value
+    that would round to zero or overflow keeps its float32 value (no real scale does).
+    ``"F8_E8M0"`` (UE8M0) rounds *up* to a power of two instead, as transformers' quantizer
+    does (``2 ** ceil(log2(amax / 448))``): a smaller scale would clip the block's largest
+    weights."""
+    if dtype is None:
+        return scales
+    import ml_dtypes
+    import numpy as np
+
+    if dtype == "F8_E8M0":
+        return {name: (np.exp2(np.ceil(np.log2(np.asarray(v, dtype=np.float32))))
+                       .astype(np.float32)) for name, v in scales.items()}
+
+    cast = ml_dtypes.bfloat16 if dtype == "BF16" else np.float16
+    out = {}
+    for name, value in scales.items():
+        v = np.asarray(value, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            r = v.astype(cast).astype(np.float32)
+        r = np.where((r > 0) & np.isfinite(r), r, v).astype(np.float32)
+        out[name] = r if np.ndim(value) else np.float32(r)
+    return out

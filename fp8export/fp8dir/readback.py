@@ -175,7 +175,8 @@ def _verify_shard(path: Path, plan: ShardPlan, ckpt: Checkpoint,
                 problems.append(f"{fname}: the bytes of {name} on disk differ from those "
                                 "written (digest mismatch)")
             if entry.kind in ("weight_scale", "input_scale", "kv_scale"):
-                values = raw.view(torch.float32).numpy().copy()
+                values = (raw.view(torch.float8_e8m0fnu).float() if dtype == "F8_E8M0"
+                          else raw.view(torch.float32)).numpy().copy()
                 want = np.asarray(scale_of(entry, weight_scales, input_scales, kv_scales),
                                   dtype=np.float32).reshape(-1)
                 value = float(values[0]) if values.size == 1 else values

@@ -6,7 +6,12 @@ consumer that needs a few tensors does not load the whole model. Opening checks 
 consumer relies on, before any tracing or model building starts, so a bad folder fails in a
 second with a message naming the layer: a missing manifest, a quantized layer whose weight or
 ``weight_scale`` tensor is absent or of the wrong type, a manifest that says a layer has a
-static input scale while the tensor is missing, scales that are not positive finite numbers.
+static input scale while the tensor is missing, scales that are not positive finite numbers,
+and anything the engines the folder's config names would read differently than its tensors
+say (``fp8dir/engines.py``: every folder, ours and other tools', is read as they read it;
+``Fp8Folder.loaders`` names the engines that load it as what it is). No size from a header is
+believed before it is checked against the weight it describes: a scale's shape must fit its
+weight before the scale is read, and a block side longer than the weight's is the weight's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from fp8export.fp8dir.manifest import MANIFEST_NAME, read_manifest
 
 if TYPE_CHECKING:  # torch loads only when a tensor is read
     import torch
+
+    from fp8export.fp8dir.engines import Loaders
 
 _CONVERT_FIRST = "Convert the checkpoint first: `fp8export convert CKPT -o FP8DIR`."
 
@@ -237,6 +244,7 @@ class Fp8Folder:
     tensors: FolderTensors  # every stored tensor, as stored, read on lookup
     layers: FolderLayers  # manifest order
     format: FolderFormat | None = None
+    loaders: Loaders | None = None  # which engines load it as what it is (fp8dir.engines)
 
     def model_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """State dict for the transformers model: quantized weights dequantized, scales dropped."""
@@ -330,18 +338,20 @@ def read_fp8_folder(path: str | Path) -> Fp8Folder:
         if kind == "fp8export":
             raw = read_manifest(folder)
             _validate(folder, raw, config, tensors)
-            manifest = _our_manifest(folder, raw, config, tensors)
+            manifest, found = _our_manifest(folder, raw, config, tensors)
         else:
+            from fp8export.fp8dir.engines import Loaders
             from fp8export.fp8dir.foreign import foreign_manifest
 
             manifest = foreign_manifest(folder, config, tensors)
+            found = Loaders(tuple(manifest["loaded_by"]), dict(manifest["not_loaded_by"]))
         entries = {name: _layer_entry(folder, name, entry, tensors)
                    for name, entry in manifest["quantized"].items()}
     except BaseException:
         tensors.close()
         raise
     return Fp8Folder(folder, config, manifest, tensors, FolderLayers(entries, tensors),
-                     folder_format(manifest, config))
+                     folder_format(manifest, config), found)
 
 
 def validate_written_folder(path: str | Path) -> None:
@@ -409,9 +419,30 @@ def folder_format(manifest: dict[str, Any], config: dict[str, Any]) -> FolderFor
 
 
 def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any],
-                  tensors: FolderTensors) -> dict[str, Any]:
-    """fp8export.json with every quantized entry completed (see :class:`Fp8Folder`)."""
+                  tensors: FolderTensors) -> tuple[dict[str, Any], Loaders]:
+    """fp8export.json with every quantized entry completed (see :class:`Fp8Folder`), and the
+    engines that load the folder: its config.json is read as they read it, and must say what
+    the manifest says (fp8dir.engines)."""
+    from fp8export.checkpoint.model_config import is_keras_config
+    from fp8export.fp8dir.engines import FP8EXPORT_ONLY, Loaders, judge_layers, loaders
+    from fp8export.fp8dir.foreign import folder_reading
+
     quantized = manifest.get("quantized") or {}  # none: every layer kept in high precision
+    # a Keras model's config no serving engine reads: fp8export's own runtimes run it
+    if is_keras_config(config) or not isinstance(config.get("quantization_config"), dict):
+        read_as, found = {}, Loaders((FP8EXPORT_ONLY,), {})
+    else:
+        reading = folder_reading(folder, config, tensors.infos)
+        layouts = {m: (e or {}).get("layout", "out_in") for m, e in quantized.items()}
+        read_as = judge_layers(folder, reading, tensors.infos, config, layouts)
+        if set(read_as) != set(quantized):
+            odd = sorted(set(read_as) ^ set(quantized))
+            raise Fp8ExportError(
+                f"{folder}: config.json and {MANIFEST_NAME} disagree on which layers are FP8 "
+                f"(e.g. {odd[0]}). Re-run `fp8export convert`; the folder was edited.")
+        scale_dtypes = {r.weight_scale_tensor: tensors.infos[r.weight_scale_tensor].dtype
+                        for r in read_as.values()}
+        found = loaders(reading, read_as, config, scale_dtypes)
     granularity = manifest.get("weight_granularity", "tensor")
     block = None
     if granularity == "block":
@@ -428,6 +459,8 @@ def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any]
         entry = dict(entry or {})
         wscale = [n for n in (f"{name}.weight_scale", f"{name}.weight_scale_inv") if n in tensors]
         iname = f"{name}.input_scale"
+        if name in read_as:
+            wscale = [read_as[name].weight_scale_tensor]
         entry.update(
             weight_scale_tensor=wscale[0] if len(wscale) == 1 else f"{name}.weight_scale",
             input_scale_tensor=iname if iname in tensors else None,
@@ -436,7 +469,8 @@ def _our_manifest(folder: Path, manifest: dict[str, Any], config: dict[str, Any]
         entry.setdefault("granularity", granularity if granularity in ("block", "channel")
                          else "tensor")
         out[name] = entry
-    return {**manifest, "quantized": out}
+    return {**manifest, "quantized": out, "loaded_by": list(found.ok),
+            "not_loaded_by": dict(found.not_ok)}, found
 
 
 def _manifest_block(folder: Path, value: Any) -> tuple[int, int]:
@@ -472,8 +506,33 @@ def _layer_entry(folder: Path, name: str, entry: dict[str, Any], tensors: Folder
     block = tuple(entry["block_size"]) if entry.get("block_size") else None
     if block is not None and layout != "out_in":
         raise Fp8ExportError(f"{folder}: layer {name}: block scales need an [out, in] weight.")
+    if not _scale_fits(tensors.infos[sname].shape, tuple(info.shape), layout, block):
+        raise Fp8ExportError(
+            f"{folder}: {sname} has shape {list(tensors.infos[sname].shape)}, which is no scale "
+            f"of the {list(info.shape)} weight {wname} (one value, one per output channel, or "
+            "its block grid). The folder is corrupt or was edited; re-convert it.")
     wscale = _weight_scale(tensors[sname], sname, folder, tuple(info.shape), layout, block)
     iname = entry.get("input_scale_tensor")
     iscale = _scalar_scale(tensors[iname], iname, folder) if iname else None
-    return _LayerEntry(name, wname, layout, wscale, iscale, block, entry["dynamic"],
-                       entry.get("group_size"))
+    group = entry.get("group_size")
+    if block is not None:  # a side longer than the weight's is one tile: the same numbers
+        block = (min(block[0], info.shape[0]), min(block[1], info.shape[1]))
+        group = min(group, info.shape[1]) if group else group
+    return _LayerEntry(name, wname, layout, wscale, iscale, block, entry["dynamic"], group)
+
+
+def _scale_fits(sshape: Any, shape: tuple[int, int], layout: str,
+                block: tuple[int, int] | None) -> bool:
+    """Whether a scale of ``sshape`` (a header's, not yet read) can belong to the weight: the
+    reader reads a scale only after this, so a forged header cannot make it allocate more than
+    the weight's own size."""
+    from fp8export.numerics.block import grid_shape
+
+    sshape = tuple(int(d) for d in sshape)
+    numel = 1
+    for d in sshape:
+        numel *= d
+    out_features = shape[1] if layout == "in_out" else shape[0]
+    if block is not None:
+        return sshape == grid_shape(shape, block)
+    return numel == 1 or sshape in ((out_features,), (out_features, 1))

@@ -8,8 +8,11 @@ fp8export by the manifest). Every consumer must refuse such a folder the same wa
 checks live here, on plain data, for the one reader to run (:func:`validate_folder`):
 
 * **every FP8 tensor is a listed layer's weight**, of E4M3, 2-D, named ``<layer>.weight``, used
-  by one layer only; every listed layer has its weight and a ``weight_scale``;
-* **scales**: a float dtype (F32/F16/BF16), finite, > 0 and within :data:`MIN_SCALE` ..
+  by one layer only; every listed layer has its weight and its weight scale under the one name
+  its format's engines read (``weight_scale``, or ``weight_scale_inv`` for block scales of the
+  vllm dialect), and no second one under the other name;
+* **scales**: a float dtype (F32/F16/BF16, or F8_E8M0 for UE8M0 block scales), finite, > 0
+  and within :data:`MIN_SCALE` ..
   :data:`MAX_SCALE` (a scale is amax/448; no real tensor is that small or large), equal to the
   manifest's value where it records one; an ``input_scale`` exactly where the manifest says the
   layer's activations are static;
@@ -30,7 +33,7 @@ from typing import Any
 from fp8export.errors import Fp8ExportError
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-SCALE_DTYPES = ("F32", "F16", "BF16")
+SCALE_DTYPES = ("F32", "F16", "BF16", "F8_E8M0")  # E8M0: UE8M0 power-of-two block scales
 MIN_SCALE = 1e-12  # amax 4.5e-10
 MAX_SCALE = 1e12  # amax 4.5e14
 REL_TOLERANCE = 1e-6  # a scale stored as F32 against the manifest's float64 value
@@ -42,8 +45,10 @@ def _bad(folder: Path, what: str) -> Fp8ExportError:
 
 
 def check_layers(folder: Path, quantized: Mapping[str, Any],
-                 tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """The manifest's layers against the stored tensors (``name -> (dtype, shape)``)."""
+                 tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                 scale_suffix: str = "weight_scale") -> None:
+    """The manifest's layers against the stored tensors (``name -> (dtype, shape)``);
+    ``scale_suffix``: the weight scale's name in the folder's format (:func:`scale_suffix`)."""
     owner: dict[str, str] = {}
     for layer, entry in quantized.items():
         entry = entry or {}
@@ -61,9 +66,14 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
         if dtype != "F8_E4M3" or len(shape) != 2:
             raise _bad(folder, f"layer {layer}: {weight} is {dtype} {list(shape)}, not a 2-D "
                                "F8_E4M3 tensor")
-        if weight_scale_name(layer, tensors) is None:
-            raise _bad(folder, f"layer {layer}: {layer}.weight_scale is missing, so its FP8 "
+        if f"{layer}.{scale_suffix}" not in tensors:
+            raise _bad(folder, f"layer {layer}: {layer}.{scale_suffix} is missing, so its FP8 "
                                "values cannot be scaled")
+        other = "weight_scale" if scale_suffix == "weight_scale_inv" else "weight_scale_inv"
+        if f"{layer}.{other}" in tensors:
+            raise _bad(folder, f"layer {layer}: {layer}.{other} is stored beside "
+                               f"{layer}.{scale_suffix}, which is the one this format's engines "
+                               "read; a tool reading the other would compute another model")
         if entry.get("input_scale") is not None and f"{layer}.input_scale" not in tensors:
             raise _bad(folder, f"layer {layer}: {layer}.input_scale is missing, so its FP8 "
                                "values cannot be scaled")
@@ -79,13 +89,12 @@ def check_layers(folder: Path, quantized: Mapping[str, Any],
                            "unscaled")
 
 
-def weight_scale_name(layer: str, tensors: Mapping[str, Any]) -> str | None:
-    """The layer's weight scale tensor: ``weight_scale``, or the fine-grained dialect's
-    ``weight_scale_inv`` (block scales written with ``--format vllm``); None if neither."""
-    for name in (f"{layer}.weight_scale", f"{layer}.weight_scale_inv"):
-        if name in tensors:
-            return name
-    return None
+def scale_suffix(manifest: Mapping[str, Any]) -> str:
+    """The weight scale's tensor suffix in a folder convert wrote: ``weight_scale``, or the
+    fine-grained dialect's ``weight_scale_inv`` (block scales written with ``--format vllm``)."""
+    block = manifest.get("weight_granularity") == "block"
+    return "weight_scale_inv" if block and manifest.get("output_format") == "vllm" \
+        else "weight_scale"
 
 
 def check_scale(folder: Path, name: str, dtype: str, values: Any,
@@ -95,7 +104,8 @@ def check_scale(folder: Path, name: str, dtype: str, values: Any,
     import numpy as np
 
     if dtype not in SCALE_DTYPES:
-        raise _bad(folder, f"{name} is {dtype}; a scale is a float (F32, F16 or BF16)")
+        raise _bad(folder, f"{name} is {dtype}; a scale is a float (F32, F16, BF16, or "
+                           "F8_E8M0 power-of-two block scales)")
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     if v.size == 0:
         raise _bad(folder, f"{name} is empty")
@@ -137,10 +147,11 @@ def validate_folder(folder: Path, manifest: Mapping[str, Any], config: Mapping[s
                     values: Callable[[str], Any]) -> None:
     """Every check above; ``values(name)`` gives a (scale) tensor's numbers."""
     quantized = manifest.get("quantized") or {}
-    check_layers(folder, quantized, tensors)
+    suffix = scale_suffix(manifest)
+    check_layers(folder, quantized, tensors, suffix)
     for layer, entry in quantized.items():
         entry = entry or {}
-        for key, name in (("weight_scale", weight_scale_name(layer, tensors)),
+        for key, name in (("weight_scale", f"{layer}.{suffix}"),
                           ("input_scale", f"{layer}.input_scale")):
             if name in tensors:
                 # per-channel and block: the manifest records the largest scale, compared as

@@ -62,10 +62,12 @@ def shard_names(n: int) -> list[str]:
 def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dict[str, np.float32],
                 input_scales: dict[str, np.float32], scale_shape: tuple[int, ...],
                 kv_after: dict[str, list[str]] | None = None,
-                weight_scale_name: str = "weight_scale") -> list[ShardPlan]:
+                weight_scale_name: str = "weight_scale",
+                weight_scale_dtype: str = "F32") -> list[ShardPlan]:
     """The output files and their tensors, in order. ``targets`` is keyed by weight name.
     ``kv_after``: KV-cache scale tensors to write right after a source tensor (by its name).
-    ``weight_scale_name``: the suffix of the weight scale tensors (``formats.weight_scale_name``).
+    ``weight_scale_name``: the suffix of the weight scale tensors (``formats.weight_scale_name``);
+    ``weight_scale_dtype``: their dtype (F32, or F8_E8M0 for power-of-two UE8M0 scales).
     """
     infos = {i.name: i for i in ckpt.tensors()}
     groups = ckpt.shard_groups()
@@ -96,7 +98,8 @@ def plan_shards(ckpt: Checkpoint, targets: dict[str, Target], weight_scales: dic
                     shape = (np.size(weight_scales[t.module]), 1)  # per channel: [out, 1]
                 elif kind == "weight_scale" and ndim == 2:
                     shape = tuple(np.shape(weight_scales[t.module]))  # per block: the grid
-                plan.entries.append(Planned(PlannedTensor(scale_name, "F32", shape),
+                dtype = weight_scale_dtype if kind == "weight_scale" else "F32"
+                plan.entries.append(Planned(PlannedTensor(scale_name, dtype, shape),
                                             kind, t.module))
             plan.entries.extend(kv)
     if clashes:
@@ -150,10 +153,14 @@ class WriteRecord:
     files: dict[str, str] = field(default_factory=dict)  # file -> sha256 of all its bytes
 
 
-def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+def scale_tensor(value: np.float32 | np.ndarray, shape: tuple[int, ...], dtype: str = "F32"
+                 ) -> torch.Tensor:
+    """A scale as the tensor to write: float32, or F8_E8M0 (its values are powers of two, so
+    the cast is exact)."""
     import torch
 
-    return torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
+    t = torch.from_numpy(np.array(value, dtype=np.float32).reshape(shape))
+    return t.to(torch.float8_e8m0fnu) if dtype == "F8_E8M0" else t
 
 
 def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
@@ -201,7 +208,7 @@ def write_shards(out_dir: Path, plans: list[ShardPlan], ckpt: Checkpoint,
             del w
             return q
         return scale_tensor(scale_of(entry, weight_scales, input_scales, kv_scales),
-                            entry.tensor.shape)
+                            entry.tensor.shape, entry.tensor.dtype)
 
     load_scratch = getattr(ckpt, "load_scratch", ckpt.load)
     pool = _BufferPool()

@@ -7,6 +7,7 @@ one tensor (plus its float32 copy for the round trip), not the model.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +58,9 @@ def inspect(path: str | Path, plot: str | Path | None = None, as_json: bool = Fa
     with open_checkpoint(p) as ck:
         infos = ck.tensors()
         if manifest is not None or any(i.dtype in FP8 for i in infos):
-            result = _fp8_folder(ck, infos, manifest)
-            _folder_format(result, p, ours=manifest is not None)
+            read = _read_folder(p, ours=manifest is not None)
+            result = _fp8_folder(ck, infos, manifest, read.blocks)
+            _folder_format(result, read)
         else:
             result = _checkpoint(ck, infos)
         result.notes[:0] = list(getattr(ck, "notes", []))
@@ -181,8 +183,8 @@ def _history_input_scales(ck: Checkpoint, result: InspectResult,
 
 # ------------------------------------------------------------------------------ FP8 folder
 
-def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
-                manifest: dict[str, Any] | None) -> InspectResult:
+def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo], manifest: dict[str, Any] | None,
+                blocks: dict[str, tuple[int, int]]) -> InspectResult:
     from fp8export.numerics.fp8 import tensor_amax
 
     result = InspectResult(path=str(ck.path), kind="fp8-folder", reader=ck.kind)
@@ -196,8 +198,9 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
         notes.append(f"{MANIFEST} has format_version {manifest.get('format_version')!r}; "
                      "this inspect reads version 1, fields may be missing")
     names = {i.name for i in infos}
-    scales = {i.name: ck.load(i.name).float() for i in infos
-              if i.name.endswith(_WEIGHT_SCALES + _INPUT_SCALES) and i.dtype in FLOAT}
+    scales = {i.name: ck.load(i.name).float() for i in infos  # F8_E8M0: UE8M0 block scales
+              if i.name.endswith(_WEIGHT_SCALES + _INPUT_SCALES)
+              and (i.dtype in FLOAT or i.dtype == "F8_E8M0")}
 
     for info in infos:
         module = info.name.rsplit(".", 1)[0]
@@ -225,13 +228,7 @@ def _fp8_folder(ck: Checkpoint, infos: list[TensorInfo],
                 notes.append(f"{info.name}: FP8 weight without {module}.weight_scale")
             else:
                 row.scale = float(ws.max())
-                row.amax = _dequantized_amax(q, ws)
-                if ws.dim() == 2 and ws.shape[1] > 1 or ws.dim() == 2 and q.dim() == 2 \
-                        and ws.shape[0] < q.shape[0]:
-                    row.note = (f"block scales, grid {ws.shape[0]}x{ws.shape[1]}; the largest "
-                                "is shown")
-                elif ws.numel() > 1:
-                    row.note = f"{ws.numel()} per-channel scales; the largest is shown"
+                row.amax, row.note = _dequantized_amax(q, ws, blocks.get(module))
             del q
             ins = next((scales[n] for n in (f"{module}{s}" for s in _INPUT_SCALES)
                         if n in scales), None)
@@ -318,17 +315,31 @@ def _dialect(result: InspectResult, config: dict[str, Any] | None) -> None:
             result.notes.insert(0, note)
 
 
-def _folder_format(result: InspectResult, path: Path, ours: bool) -> None:
-    """What the one reader makes of the folder: producer, dialect, granularity, activations.
-    A folder convert wrote (``ours``) that the reader refuses (edited or damaged) is an error,
-    as it is for every other command; one another tool wrote in a form fp8export cannot run is
-    still shown, with the reason in a note."""
+@dataclass
+class _Read:
+    """What the one reader made of an FP8 folder (or why it refused it)."""
+
+    fmt: Any = None  # FolderFormat
+    notes: list[str] = field(default_factory=list)  # a foreign folder's notes
+    loaders: Any = None  # fp8dir.engines.Loaders
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # module -> block size
+    refused: str | None = None
+
+
+def _read_folder(path: Path, ours: bool) -> _Read:
+    """The folder through the one reader. A folder convert wrote (``ours``) that the reader
+    refuses (edited or damaged) is an error, as it is for every other command; one another tool
+    wrote that fp8export cannot run, or that its engines would misread, is still shown, with
+    the reason."""
     from fp8export.fp8dir.reader import read_fp8_folder
 
     try:
         with read_fp8_folder(path) as folder:
-            fmt = folder.format
-            extra = [str(n) for n in folder.manifest.get("notes") or []] if not fmt.ours else []
+            blocks = {n: tuple(e["block_size"]) for n, e in folder.manifest["quantized"].items()
+                      if e.get("block_size")}
+            notes = [str(n) for n in folder.manifest.get("notes") or []] \
+                if not folder.format.ours else []
+            return _Read(folder.format, notes, folder.loaders, blocks)
     except Fp8ExportError as exc:
         if ours and not (path / "config.json").is_file():
             from fp8export.fp8dir.reader import validate_written_folder
@@ -336,43 +347,64 @@ def _folder_format(result: InspectResult, path: Path, ours: bool) -> None:
             validate_written_folder(path)  # its layers and scales are still checked
         elif ours:
             raise
-        result.notes.append(f"fp8export cannot run this folder: {exc}")
-        return
-    from fp8export.config import OutputFormat
-    from fp8export.fp8dir.formats import VLLM_ONLY, loaded_by
+        return _Read(refused=str(exc))
 
+
+def _folder_format(result: InspectResult, read: _Read) -> None:
+    """What the one reader made of the folder: producer, dialect, granularity, activations,
+    and which engines load it (``loaded_by``: none when the reader refused it)."""
     s = result.summary
+    if read.refused is not None:
+        s["loaded_by"] = []
+        result.notes.append(f"fp8export cannot run this folder: {read.refused}")
+        return
+    if read.fmt is None:  # convert's folder without config.json: its layers were validated
+        return
+    fmt = read.fmt
     s.update(format=fmt.describe(), producer=fmt.producer, weight_granularity=fmt.granularity,
              block_size=fmt.to_dict()["block_size"], activations=fmt.activations,
              dynamic_activations=fmt.dynamic, group_size=fmt.group_size,
              written_by_fp8export=fmt.ours)
     s["activation_scheme"] = s.get("activation_scheme") or fmt.activations
     s["output_format"] = s.get("output_format") or fmt.dialect
-    if fmt.granularity == "block" and fmt.dialect == str(OutputFormat.VLLM):
-        # the fine-grained dialect: transformers reads it as what it is
-        s["loaded_by"] = loaded_by(OutputFormat.VLLM, block=True)
-        result.notes[:] = [n for n in result.notes if n != VLLM_ONLY]
-    result.notes.extend(n for n in extra if n not in result.notes)
+    if read.loaders is not None:
+        s["loaded_by"] = list(read.loaders.ok)
+        s["not_loaded_by"] = dict(read.loaders.not_ok)
+        if any(e.startswith("transformers") for e in read.loaders.ok):
+            from fp8export.fp8dir.formats import VLLM_ONLY
+
+            result.notes[:] = [n for n in result.notes if n != VLLM_ONLY]
+        result.notes.extend(n for n in read.loaders.notes() if n not in result.notes)
+    result.notes.extend(n for n in read.notes if n not in result.notes)
 
 
 _WEIGHT_SCALES = (".weight_scale", ".weight_scale_inv")
 _INPUT_SCALES = (".input_scale", ".activation_scale")
 
 
-def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor) -> float:
+def _dequantized_amax(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+                      ) -> tuple[float, str | None]:
+    """max |q * scale| of a stored weight and a note on its scales; ``block``: the block size
+    the reader found for the layer (None: a scalar or one scale per output row, or a folder
+    the reader refused, whose scales are then not interpreted)."""
     from fp8export.numerics.fp8 import tensor_amax
 
     codes = q.float().abs()
     if scale.numel() == 1:
-        return tensor_amax(codes) * float(scale.reshape(()))
-    if scale.dim() == 2 and codes.dim() == 2 and scale.shape[1] > 1:  # a block grid
+        return tensor_amax(codes) * float(scale.reshape(())), None
+    if block is not None and codes.dim() == 2:
         from fp8export.numerics.block import expand_blocks
 
-        bn = -(-codes.shape[0] // scale.shape[0])
-        bk = -(-codes.shape[1] // scale.shape[1])
-        return tensor_amax(codes * expand_blocks(scale, tuple(codes.shape), (bn, bk)))
-    # per-channel: one scale per output row ([out], [out, 1])
-    return tensor_amax(codes * scale.reshape(-1, *([1] * (codes.dim() - 1))))
+        shape = tuple(codes.shape)
+        block = (min(block[0], shape[0]), min(block[1], shape[1]))
+        note = f"block scales, grid {scale.shape[0]}x{scale.shape[1]}; the largest is shown"
+        return tensor_amax(codes * expand_blocks(scale.reshape(scale.shape[0], -1), shape,
+                                                 block)), note
+    if codes.dim() == 2 and scale.numel() == codes.shape[0]:
+        return (tensor_amax(codes * scale.reshape(-1, 1)),
+                f"{scale.numel()} per-channel scales; the largest is shown")
+    return tensor_amax(codes), (f"scale of shape {list(scale.shape)} not read (see the notes): "
+                                "amax is of the raw FP8 codes")
 
 
 # ------------------------------------------------------------------------------------ ONNX

@@ -80,6 +80,8 @@ def render_text(result: InspectResult) -> str:
             loaders = s.get("loaded_by")
             only = "" if any(n.startswith("transformers") for n in loaders or ()) else " only"
             where = f" (loads in {' and '.join(loaders)}{only})" if loaders else ""
+            if loaders is not None and not loaders:
+                where = " (no engine loads it as written: see the notes)"
             lines.append(f"  format        {s['output_format']}{where}")
         if s.get("producer"):
             lines.append(f"  written by    {s['producer']}")

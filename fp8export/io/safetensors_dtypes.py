@@ -6,7 +6,8 @@ import functools
 
 _TORCH_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
     "uint32": "U32", "uint64": "U64",
 }
@@ -16,7 +17,7 @@ _TORCH_NAMES = {
 def _maps() -> tuple[dict, dict]:
     import torch
 
-    to_st = {getattr(torch, n): st for n, st in _TORCH_NAMES.items()}
+    to_st = {getattr(torch, n): st for n, st in _TORCH_NAMES.items() if hasattr(torch, n)}
     return to_st, {v: k for k, v in to_st.items()}
 
 
@@ -28,5 +29,6 @@ def __getattr__(name: str):
     if name == "ST_TO_TORCH":
         return _maps()[1]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
-            "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4,
+            "U64": 8}

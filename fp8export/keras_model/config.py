@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fp8export.checkpoint.model_config import is_keras_config  # noqa: F401  (re-exported)
 from fp8export.errors import Fp8ExportError
 
 MAX_LAYERS = 4096
@@ -95,10 +96,6 @@ class KerasGraph:
         return next(spec for spec in self.layers if spec.name == name)
 
 
-def is_keras_config(config: Any) -> bool:
-    """A Keras model config (``class_name`` + ``config``) rather than a transformers one."""
-    return (isinstance(config, dict) and "class_name" in config and "config" in config
-            and "model_type" not in config)
 
 
 def supported_list() -> str:

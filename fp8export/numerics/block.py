@@ -210,6 +210,7 @@ def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     dynamic group activations multiplies its weight with."""
     import torch
 
+    group = min(group, x.shape[-1])
     s = group_scales(x, group)
     q = quantize_groups(x, s, group)
     return q.to(torch.float32) * s.index_select(-1, _group_index(x.shape[-1], group, s.device))

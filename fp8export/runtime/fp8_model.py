@@ -63,10 +63,13 @@ def make_fp8_linear(name: str, entry: dict[str, Any], tensors: dict[str, torch.T
         w = w.t().contiguous()
     bias = tensors.get(f"{name}.bias") if bias is None else bias
     iname = entry.get("input_scale_tensor", f"{name}.input_scale")
-    block = entry.get("block_size")
+    block, group = entry.get("block_size"), entry.get("group_size")
+    if block:  # a side longer than the weight's is one tile (the reader's rule)
+        block = (min(block[0], w.shape[0]), min(block[1], w.shape[1]))
+        group = min(group, w.shape[1]) if group else group
     return Fp8Linear(w, ws, tensors.get(iname) if iname else None, bias, mode=mode,
                      out_dtype=dtype, dynamic=entry.get("dynamic") or dynamic,
-                     block=tuple(block) if block else None, group_size=entry.get("group_size"))
+                     block=tuple(block) if block else None, group_size=group)
 
 
 KV_CACHE = ("auto", "fp8", "none")

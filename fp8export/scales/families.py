@@ -137,39 +137,50 @@ def family_of(config: dict[str, Any] | None) -> Family | None:
 # Lower-cased; the first match names the reason.
 _ROUTER = r"(^|\.)(gate|router|shared_expert_gate)(\.|$)"
 _COMPONENT_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(p), reason) for p, reason in (
+    (re.compile(p), kind) for p, kind in (
         (r"(^|\.)(lm_head|output_layer|classifier|score|qa_outputs|pooler|cls|head)(\.|$)"
-         r"|^output$", "output head (kept in high precision by default)"),
-        (_ROUTER, "MoE router/gate (kept in high precision by default)"),
+         r"|^output$", "head"),
+        (_ROUTER, "router"),
         # what llm-compressor's and ModelOpt's VLM recipes leave in bf16 (ModelOpt's
         # default_disabled_quantizers: *visual*, *vision_tower*, *vision_model*,
         # *multi_modal_projector*, *embed_vision*); Idefics3's projector is ``connector``
         (r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|embed_vision|"
-         r"connector)(\.|$)",
-         "vision tower or multimodal projector (kept in high precision by default, as "
-         "llm-compressor and ModelOpt do; --include GLOB puts it in FP8)"),
+         r"connector)(\.|$)", "vision"),
     ))
 _LEAF_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(p), reason) for p, reason in (
-        (r"embed|^(wte|wpe|shared|relative_attention_bias)$",
-         "embedding (kept in high precision by default)"),
+    (re.compile(p), kind) for p, kind in (
+        (r"embed|^(wte|wpe|shared|relative_attention_bias)$", "embedding"),
         # whole-leaf match: TE's ``layernorm_qkv`` / ``layernorm_mlp`` are linears, not norms
-        (r"^(.*_)?(layer_?norm|rms_?norm|norm|ln(_?f|_\d+)?)$",
-         "normalization (kept in high precision)"),
+        (r"^(.*_)?(layer_?norm|rms_?norm|norm|ln(_?f|_\d+)?)$", "norm"),
     ))
+_KIND_REASONS = {"head": "output head (kept in high precision by default)",
+                 "router": "MoE router/gate (kept in high precision by default)",
+                 "embedding": "embedding (kept in high precision by default)",
+                 "norm": "normalization (kept in high precision)",
+                 "vision": "vision tower or multimodal projector (kept in high precision by "
+                           "default, as llm-compressor and ModelOpt do; --include GLOB puts it in "
+                           "FP8)"}
+
+
+def module_kind(module: str) -> str | None:
+    """What ``module`` is when its name says it is not a plain linear layer: ``"head"``,
+    ``"router"``, ``"embedding"``, ``"norm"`` or ``"vision"`` (a vision tower's or multimodal
+    projector's linear); None otherwise."""
+    low = module.lower()
+    for pattern, kind in _COMPONENT_RULES:
+        if pattern.search(low):
+            return kind
+    low_leaf = leaf(low)
+    for pattern, kind in _LEAF_RULES:
+        if pattern.search(low_leaf):
+            return kind
+    return None
 
 
 def default_exclusion(module: str) -> str | None:
     """The reason ``module`` is left in high precision by default, or None."""
-    low = module.lower()
-    for pattern, reason in _COMPONENT_RULES:
-        if pattern.search(low):
-            return reason
-    low_leaf = leaf(low)
-    for pattern, reason in _LEAF_RULES:
-        if pattern.search(low_leaf):
-            return reason
-    return None
+    kind = module_kind(module)
+    return _KIND_REASONS[kind] if kind else None
 
 
 def moe_routers(modules: Iterable[str], names: Iterable[str]) -> list[str]:

@@ -160,7 +160,12 @@ def fp8_folder_format(folder, notes: list[str]):
     from fp8export.keras_model.config import is_keras_config
 
     with read_fp8_folder(folder) as opened:
-        fmt, keras = opened.format, is_keras_config(opened.config)
+        fmt, keras, found = opened.format, is_keras_config(opened.config), opened.loaders
+    if found is not None and not keras:  # which engines run what verify runs, and which not
+        notes.extend(found.notes())
+        if not found.ok:
+            notes.append("no engine loads this folder as written: the verdict is of what its "
+                         "config declares, as fp8export's FP8 runtime runs it")
     known = {str(f): f for f in OutputFormat}
     if fmt.ours and fmt.dialect in known and not keras:
         notes.extend(f"{note} verify ran it with fp8export's torch FP8 runtime, which applies "

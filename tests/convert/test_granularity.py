@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,8 @@ def test_llama_channel_scales_written_and_declared(tiny_llama, tmp_path):
             q, s = f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")
             assert s.dtype == torch.float32 and tuple(s.shape) == (w.shape[0], 1)
             want = [amax_to_scale(float(a)) for a in w.abs().amax(dim=1)]
-            assert np.array_equal(s.reshape(-1).numpy(), np.array(want, dtype=np.float32))
+            want = np.array(want, dtype=np.float32).astype(ml_dtypes.bfloat16)  # the model's
+            assert np.array_equal(s.reshape(-1).numpy(), want.astype(np.float32))
             for o in range(w.shape[0]):  # every row is close to its source row
                 assert cosine(w[o], q[o].float() * s[o]) > 0.999
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -61,6 +63,7 @@ def test_gpt2_in_out_channels_are_columns(tiny_gpt2, tmp_path):
     w = src[name].float()  # Conv1D: [in, out]
     assert tuple(s.shape) == (w.shape[1], 1)
     want = np.array([amax_to_scale(float(a)) for a in w.abs().amax(dim=0)], dtype=np.float32)
+    want = want.astype(ml_dtypes.bfloat16).astype(np.float32)  # the model's dtype
     assert np.array_equal(s.reshape(-1).numpy(), want)
 
 

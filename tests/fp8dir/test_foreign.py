@@ -14,97 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from foreign_folders import (
+    autofp8_folder,
+    deepseek_folder,
+    edit,
+    is_linear,
+    modelopt_folder,
+    transformers_fp8_folder,
+    write,
+)
+from safetensors.torch import load_file
 
 from fp8export.errors import Fp8ExportError
 from fp8export.fp8dir.reader import fp8_folder_kind, read_fp8_folder
 from fp8export.numerics.metrics import rel_l2
 from fp8export.runtime.fp8_model import fp8_modules, load_fp8_model
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _linear(name: str) -> bool:
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS
-
-
-def _tile_scales(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """amax / 448 of each bn x bk tile, written out with reshape (no fp8export code)."""
-    out, inp = w.shape
-    pad = torch.nn.functional.pad(w.float().abs(), (0, -inp % bk, 0, -out % bn))
-    return pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).amax(dim=(1, 3)) / 448
-
-
-def _write(src: Path, out: Path, tensors: dict, quantization_config: dict | None,
-           extra: dict | None = None) -> Path:
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(config))
-    for name, content in (extra or {}).items():
-        (out / name).write_text(json.dumps(content))
-    return out
-
-
-def modelopt_folder(src: Path, out: Path, in_config: bool = False) -> Path:
-    """ModelOpt's HF export: 0-dim F32 weight_scale/input_scale, weights cast without clamp
-    after dividing by the scale, k/v scales on k_proj/v_proj, hf_quant_config.json."""
-    tensors = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not _linear(name):
-            tensors[name] = t
-            continue
-        m = name[: -len(".weight")]
-        s = t.float().abs().max() / 448
-        tensors[name] = (t.float() / s).to(torch.float8_e4m3fn)
-        tensors[f"{m}.weight_scale"] = s.reshape(())
-        tensors[f"{m}.input_scale"] = torch.tensor(4.0 / 448)
-        if m.endswith("self_attn.k_proj"):
-            tensors[f"{m}.k_scale"] = torch.tensor(2.0 / 448)
-        if m.endswith("self_attn.v_proj"):
-            tensors[f"{m}.v_scale"] = torch.tensor(3.0 / 448)
-    hf = {"producer": {"name": "modelopt", "version": "0.47.0"},
-          "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
-                           "exclude_modules": ["lm_head"]}}
-    qc = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
-          "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}
-    return _write(src, out, tensors, qc if in_config else None,
-                  None if in_config else {"hf_quant_config.json": hf})
-
-
-def deepseek_folder(src: Path, out: Path, block=(32, 32)) -> Path:
-    """DeepSeek-V3's format: weight_scale_inv [ceil(out/bn), ceil(in/bk)] F32 dequantization
-    factors, quant_method fp8 with weight_block_size, dynamic activations."""
-    tensors = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not _linear(name):
-            tensors[name] = t
-            continue
-        s = _tile_scales(t, *block)
-        full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        full = full[: t.shape[0], : t.shape[1]]
-        tensors[name] = (t.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        tensors[name[: -len(".weight")] + ".weight_scale_inv"] = s
-    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-          "weight_block_size": list(block)}
-    return _write(src, out, tensors, qc)
-
-
-def autofp8_folder(src: Path, out: Path) -> Path:
-    tensors = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not _linear(name):
-            tensors[name] = t
-            continue
-        m = name[: -len(".weight")]
-        s = t.float().abs().max() / 448
-        tensors[name] = (t.float() / s).to(torch.float8_e4m3fn)
-        tensors[f"{m}.weight_scale"] = s.reshape(())
-        tensors[f"{m}.input_scale"] = torch.tensor(5.0 / 448)
-    qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
-    return _write(src, out, tensors, qc)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +106,7 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
     dynamic inputs for attention, weight-only FP8 (no input quantization) for the MLP."""
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if not _linear(name):
+        if not is_linear(name):
             tensors[name] = t
             continue
         s = t.float().abs().amax(dim=1, keepdim=True) / 448
@@ -204,7 +128,7 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
               "group_1": {"targets": mlp, "weights": w, "input_activations": None}},
           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
                               "dynamic": False}, "ignore": ["lm_head"]}
-    folder = _write(src, tmp_path / "ct", tensors, qc)
+    folder = write(src, tmp_path / "ct", tensors, qc)
     with read_fp8_folder(folder) as f:
         assert f.format.producer == "compressed-tensors 0.9.9"
         assert f.format.granularity == "channel" and f.format.dynamic == "mixed"
@@ -218,44 +142,44 @@ def test_compressed_tensors_with_a_kv_cache_scheme_and_weight_only_layers(src, t
 
 
 # ------------------------------------------------------------------------------ refusals
-def _edit(folder: Path, change) -> Path:
-    tensors = load_file(str(folder / "model.safetensors"))
-    change(tensors)
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
-
-
-@pytest.mark.parametrize("edit,match", [
+@pytest.mark.parametrize("change,match", [
     (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_scale_inv", torch.ones(2, 2)),
-     r"weight_scale_inv is \[2, 2\]: not a scale grid of the \[64, 96\] weight"),
+     r"down_proj.weight_scale_inv has shape \[2, 2\], but the vllm config declares block "
+     r"weight scales .* allocate as the \[2, 3\] grid of 32x32 blocks"),
     (lambda t: t["model.layers.0.mlp.down_proj.weight_scale_inv"].__setitem__((0, 0), -1.0),
      "down_proj.weight_scale_inv holds a scale that is not a positive finite number"),
     (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight_scale", torch.ones(())),
-     r"layer model.layers.0.mlp.up_proj: 2 of \('weight_scale', 'weight_scale_inv'\)"),
+     r"up_proj.weight_scale is stored but vllm and sglang and transformers \(FineGrainedFP8\) "
+     r"do not read it \(they read model.layers.0.mlp.up_proj.weight_scale_inv\)"),
     (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight",
                              t["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e5m2)),
      "up_proj.weight is F8_E5M2"),
     (lambda t: t.__setitem__("model.layers.0.mlp.experts",
                              torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fn)),
      r"model.layers.0.mlp.experts is F8_E4M3 \[2, 4, 4\]"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight_scale_inv",
+                             torch.full((2, 3), 3, dtype=torch.uint8)),
+     r"down_proj.weight_scale_inv is U8; engines read a scale as a float"),
     (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.input_scale", torch.ones(())),
-     "declares dynamic activations only"),
+     r"up_proj.input_scale is stored but .* do not read it \(the config declares dynamic "
+     r"inputs\)"),
 ])
-def test_edits_that_break_the_format_are_refused(src, tmp_path, edit, match):
-    folder = _edit(deepseek_folder(src, tmp_path / "ds"), edit)
+def test_edits_that_break_the_format_are_refused(src, tmp_path, change, match):
+    folder = edit(deepseek_folder(src, tmp_path / "ds"), change)
     with pytest.raises(Fp8ExportError, match=match):
         read_fp8_folder(folder)
 
 
 def test_static_without_input_scales_and_undecidable_groups(src, tmp_path):
-    folder = _edit(autofp8_folder(src, tmp_path / "af"),
+    folder = edit(autofp8_folder(src, tmp_path / "af"),
                    lambda t: t.pop("model.layers.1.self_attn.o_proj.input_scale"))
-    with pytest.raises(Fp8ExportError, match="o_proj has no input scale, but the vllm config "
+    with pytest.raises(Fp8ExportError, match="o_proj has no input_scale, but the vllm config "
                                              "declares static activations"):
         read_fp8_folder(folder)
-    # compressed-tensors groups targeted by regular expressions only: never evaluated, so two
-    # dynamic schemes cannot be told apart
-    ds = deepseek_folder(src, tmp_path / "ds")
+    # compressed-tensors groups targeted by regular expressions: matched from the start as
+    # compressed-tensors matches them, each layer read with its own group's inputs
+    ds = edit(deepseek_folder(src, tmp_path / "ds"), lambda t: t.update(
+        {k.replace("_inv", ""): t.pop(k) for k in list(t) if k.endswith("weight_scale_inv")}))
     w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [32, 32]}
     inputs = {"num_bits": 8, "type": "float", "dynamic": True}
     cfg = json.loads((ds / "config.json").read_text())
@@ -266,7 +190,13 @@ def test_static_without_input_scales_and_undecidable_groups(src, tmp_path):
             "b": {"targets": ["re:.*mlp.*"], "weights": w,
                   "input_activations": {**inputs, "strategy": "group", "group_size": 32}}}}
     (ds / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Fp8ExportError, match="several dynamic input schemes"):
+    with read_fp8_folder(ds) as f:
+        assert f.layers["model.layers.0.self_attn.q_proj"].dynamic == "token"
+        assert f.layers["model.layers.0.mlp.up_proj"].dynamic == "group"
+    # two groups matching one layer equally specifically with different schemes: undefined
+    cfg["quantization_config"]["config_groups"]["b"]["targets"] = ["re:.*layers.*"]
+    (ds / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Fp8ExportError, match=r"config groups \['a', 'b'\] target it equally"):
         read_fp8_folder(ds)
 
 
@@ -320,3 +250,76 @@ def test_verify_runs_a_fine_grained_folder_written_elsewhere(tmp_path, run_cli):
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["metrics"]["top1_agreement"] > 0.97 and rep["metrics"]["kl_mean"] < 1e-3
     assert any("block 16x16 weights, dynamic per-token-group(16)" in n for n in rep["notes"])
+
+
+_TRANSFORMERS_WEIGHTS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+torch.save({n: p.detach() for n, p in model.named_parameters() if n.endswith("proj.weight")},
+           sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_transformers_own_quantizer_folders_dequantize_as_transformers_does(src, tmp_path,
+                                                                           scale_fmt):
+    """Folders written by transformers' own FineGrainedFP8 quantize op, F32 and UE8M0 (F8_E8M0
+    power-of-two) scales: the reader's dequantized weights are the ones transformers'
+    default from_pretrained builds from them, bit for bit in BF16."""
+    import subprocess
+    import sys
+
+    folder = transformers_fp8_folder(src, tmp_path / scale_fmt, block=(32, 32),
+                                     scale_fmt=scale_fmt)
+    theirs = tmp_path / "theirs.pt"
+    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_WEIGHTS, str(folder), str(theirs)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    weights = torch.load(theirs, weights_only=True)
+    with read_fp8_folder(folder) as f:
+        assert f.format.block_size == (32, 32) and len(f.layers) == 14
+        if scale_fmt == "ue8m0":
+            scale = f.tensors["model.layers.0.mlp.up_proj.weight_scale_inv"]
+            assert scale.dtype == torch.float8_e8m0fnu
+            assert f.loaders.ok == ("transformers (FineGrainedFP8)",)
+        for name, layer in f.layers.items():
+            assert torch.equal(layer.dequantized(torch.bfloat16), weights[f"{name}.weight"]), name
+    _logits_close_to_bf16(folder, src, 0.1)
+
+
+def test_ue8m0_scales_are_written_as_transformers_writes_them(src, tmp_path, run_cli):
+    """convert --scale-format ue8m0: F8_E8M0 power-of-two block scales, each rounded up from
+    amax/448 (no weight clips), and the very tensors transformers' own quantizer writes for
+    the same weights (a power of two divides exactly, so its multiply by the reciprocal and our
+    divide give the same codes)."""
+    from fp8export.api import convert
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.errors import UsageError
+
+    ours = tmp_path / "ours"
+    convert(ConvertConfig(checkpoint=src, output=ours, weight_granularity="block",
+                          block_size=(32, 32), format="vllm", scale_format="ue8m0"))
+    theirs = transformers_fp8_folder(src, tmp_path / "theirs", block=(32, 32),
+                                     scale_fmt="ue8m0")
+    qc = json.loads((ours / "config.json").read_text())["quantization_config"]
+    assert qc["scale_fmt"] == "ue8m0" and qc["weight_block_size"] == [32, 32]
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
+    source = load_file(str(src / "model.safetensors"))
+    scales = [k for k in a if k.endswith("weight_scale_inv")]
+    assert len(scales) == 14
+    for k in scales:
+        assert a[k].dtype == torch.float8_e8m0fnu and torch.equal(a[k], b[k]), k
+        w = k.removesuffix("_scale_inv")
+        assert torch.equal(a[w].view(torch.uint8), b[w].view(torch.uint8)), w
+        from fp8export.numerics.block import block_amax
+
+        amax = torch.from_numpy(block_amax(source[w], (32, 32)))
+        assert bool((a[k].double() * 448 >= amax).all())  # rounded up: nothing clips
+    with read_fp8_folder(ours) as f:
+        assert f.loaders.ok == ("transformers (FineGrainedFP8)",)
+    r = run_cli("inspect", ours)
+    assert "block scales, 32x32 blocks" in r.stdout
+    with pytest.raises(UsageError, match="--scale-format ue8m0 stores block weight scales"):
+        ConvertConfig(checkpoint=src, scale_format="ue8m0", weight_granularity="block")

@@ -6,8 +6,13 @@ so it runs in a venv of its own (``scripts/peer_venv.sh`` -> ``.venv-peers``) as
 (``llmcompressor_run.py``). Without that venv these tests skip, naming the script.
 
 Measured differences from our compressed-tensors block output, asserted as such:
-* scale dtype: ours F32 (DESIGN.md), llm-compressor's the weight dtype (BF16); the values agree
-  to BF16 rounding, ragged edge blocks included (each from its own elements);
+* scale dtype: ours F32 (DESIGN.md), llm-compressor's the weight dtype (BF16); the values are
+  equal, ragged edge blocks included (each from its own elements): ours are rounded to the
+  model's BF16, the dtype transformers holds them in;
+* codes: about 3% differ, because llm-compressor divides the BF16 weight by the BF16 scale in
+  BF16 (the quotient rounded to 8 mantissa bits before the E4M3 cast); that division reproduces
+  every one of its codes, and ours (float32 division, one rounding) are the nearest codes to
+  ``w / scale``, with the higher weight SQNR;
 * ``ignore``: ours also lists ``model.embed_tokens`` (every 2-D weight left in high precision);
 * config keys llm-compressor adds that we leave to compressed-tensors' defaults: ``version``,
   ``sparsity_config``, ``transform_config``, per group ``format``, and per args ``observer``,
@@ -87,14 +92,36 @@ def test_names_dtypes_shapes_and_scales(block_pair):
         assert shape == peer_shape, name
         if name in scales:
             assert (dtype, peer_dtype) == ("F32", "BF16"), name
-            # the same block amaxes, edge blocks included, to BF16 rounding of the scale
-            rel = (value.to(torch.bfloat16).float() - peer_value.float()).abs() / value
-            assert float(rel.max()) <= 2 ** -8, name
+            # the same block amaxes, edge blocks included, rounded to BF16 alike
+            assert torch.equal(value, peer_value.float()), name
         else:
             assert dtype == peer_dtype, name
     grids = {k: a[k][1] for k in scales if ".layers.0." in k}
     assert grids["model.layers.0.mlp.gate_proj.weight_scale"] == (3, 2)
     assert grids["model.layers.0.mlp.down_proj.weight_scale"] == (2, 3)
+
+
+def test_codes_differ_by_the_peers_bf16_division(block_pair):
+    from fp8export.numerics.block import expand_blocks
+    from fp8export.numerics.metrics import sqnr_db
+
+    src, ours, theirs = block_pair
+    a, b = _tensors(ours), _tensors(theirs)
+    source = {k: (d, s, v) for k, (d, s, v) in _tensors(src).items()}
+    differ = total = 0
+    err = {"ours": [], "theirs": []}
+    for name in (k for k in a if a[k][0] == "F8_E4M3"):
+        w = source[name][2]  # bf16
+        scale = b[name.replace(".weight", ".weight_scale")][2]  # bf16, equal to ours
+        grid = expand_blocks(scale, tuple(w.shape), (128, 128))
+        bf16_division = (w / grid).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(bf16_division.view(torch.uint8), b[name][2].view(torch.uint8)), name
+        differ += int((a[name][2].view(torch.uint8) != b[name][2].view(torch.uint8)).sum())
+        total += w.numel()
+        for who, q in (("ours", a[name][2]), ("theirs", b[name][2])):
+            err[who].append(sqnr_db(w.float(), q.float() * grid.float()))
+    assert 0.01 < differ / total < 0.06, differ / total
+    assert all(o >= t for o, t in zip(err["ours"], err["theirs"])), err
 
 
 def test_config_fields(block_pair):
