@@ -2,7 +2,7 @@
 """The FP8-folder matrix: folders made by every maker fp8export meets, through every command
 that reads them and through transformers.
 
-    python bench/fp8_matrix.py                       # every row (~30 min on 2 busy cores)
+    python bench/fp8_matrix.py                       # every row (~40 min on 2 busy cores)
     python bench/fp8_matrix.py --rows ours-ct-tensor,hand-deepseek   # a few rows
     python bench/fp8_matrix.py --render              # rewrite the .md and the docs table
 
@@ -12,15 +12,16 @@ FP8 / FP8_DYNAMIC / FP8_BLOCK, ``model_free_ptq`` FP8_DYNAMIC / FP8_BLOCK; in it
 fine-grained quantize op (``Fp8Quantize``, F32 and UE8M0 scales); and folders written by hand
 from each format's documented key names (``tests/fp8dir/foreign_folders.py``: DeepSeek-V3
 fine-grained, AutoFP8, ModelOpt's HF export, and a fine-grained folder whose
-``weight_scale_inv`` tensors were renamed ``weight_scale``). Dense rows use the sample
-(``samples/tiny-llama``, a trained 5.4 M-parameter Llama whose MLP of 688 is not a multiple of
-128); MoE rows tiny random Mixtral / Qwen3-MoE models (``tests/families``).
+``weight_scale_inv`` tensors were renamed ``weight_scale``). Dense rows use a tiny Llama over
+the sample tokenizer (hidden 64, MLP 128, 2 layers; trained for 80 steps on a Markov chain so
+its predictions are peaked): 128x128 blocks are partial on it, 8x8 blocks whole. MoE rows use
+tiny random Mixtral / Qwen3-MoE models (``tests/families``).
 
-Per folder: ``inspect`` (the loader label), ``verify`` against the bf16 model (8 evaluation
-lines, no noise floor: exit code, KL, top-1, or its ``Error:`` line), ``export-onnx`` (fp32;
-exit code), and
-transformers 5's default ``from_pretrained`` on CPU in a process of its own (KL of its logits
-against the bf16 model's on the same 8 lines, or the exception). Writes
+Per folder, in this process through ``fp8export.api`` (what the commands call): ``inspect``
+(the loader label), ``verify`` against the bf16 model (8 evaluation lines, no noise floor:
+exit code, KL, top-1, or its ``Error:`` line) and ``export-onnx`` (fp32; exit code); then
+transformers 5's default ``from_pretrained`` on CPU, every folder in one process of its own
+(KL of its logits against the bf16 model's on the same 8 lines, or the exception). Writes
 ``bench/results/fp8_matrix.json`` and ``.md``; the table in docs/fp8-folder.md is rendered from
 the JSON (``tests/bench/test_fp8_matrix.py`` pins it).
 """
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "tests" / "families", REPO / "tests" / "fp8dir"):
+for p in (REPO, REPO / "tests", REPO / "tests" / "families", REPO / "tests" / "fp8dir"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -54,84 +55,86 @@ SAMPLES = 8
 
 # id: (maker, format, model, how)
 ROWS: dict[str, tuple[str, str, str, tuple]] = {
-    "ours-ct-tensor": ("fp8export convert", "compressed-tensors, tensor, static", "sample",
+    "ours-ct-tensor": ("fp8export convert", "compressed-tensors, tensor, static", "tiny",
                        ("ours", "--scales", "calibrate", "--calib-data", CALIB)),
-    "ours-ct-channel": ("fp8export convert", "compressed-tensors, channel, dynamic", "sample",
+    "ours-ct-channel": ("fp8export convert", "compressed-tensors, channel, dynamic", "tiny",
                         ("ours", "--weight-granularity", "channel")),
-    "ours-ct-block": ("fp8export convert", "compressed-tensors, block 128, dynamic", "sample",
+    "ours-ct-block": ("fp8export convert", "compressed-tensors, block 128, dynamic", "tiny",
                       ("ours", "--weight-granularity", "block")),
     "ours-vllm-tensor": ("fp8export convert", "vllm (quant_method fp8), tensor, static",
-                         "sample", ("ours", "--format", "vllm", "--scales", "calibrate",
+                         "tiny", ("ours", "--format", "vllm", "--scales", "calibrate",
                                     "--calib-data", CALIB)),
-    "ours-vllm-block-8": ("fp8export convert", "vllm fine-grained, block 8x8", "sample",
+    "ours-vllm-block-8": ("fp8export convert", "vllm fine-grained, block 8x8", "tiny",
                           ("ours", "--format", "vllm", "--weight-granularity", "block",
                            "--block-size", "8x8")),
     "ours-vllm-ue8m0": ("fp8export convert", "vllm fine-grained, block 8x8, UE8M0 scales",
-                        "sample", ("ours", "--format", "vllm", "--weight-granularity", "block",
+                        "tiny", ("ours", "--format", "vllm", "--weight-granularity", "block",
                                    "--block-size", "8x8", "--scale-format", "ue8m0")),
-    "ours-modelopt": ("fp8export convert", "modelopt, tensor, static", "sample",
+    "ours-modelopt": ("fp8export convert", "modelopt, tensor, static", "tiny",
                       ("ours", "--format", "modelopt", "--scales", "calibrate", "--calib-data",
                        CALIB)),
     "ours-mixtral": ("fp8export convert", "compressed-tensors, tensor, static (Mixtral)",
                      "mixtral", ("ours", "--scales", "calibrate", "--calib-data", CALIB)),
     "ours-qwen3-moe": ("fp8export convert", "compressed-tensors, tensor, static (Qwen3-MoE)",
                        "qwen3-moe", ("ours", "--scales", "calibrate", "--calib-data", CALIB)),
-    "lc-fp8": ("llm-compressor oneshot", "FP8 (tensor, static)", "sample",
+    "lc-fp8": ("llm-compressor oneshot", "FP8 (tensor, static)", "tiny",
                ("peer", "peers/llmcompressor_run.py", "FP8", "{model}", "{out}", CALIB, "16")),
-    "lc-fp8-dynamic": ("llm-compressor oneshot", "FP8_DYNAMIC (channel, token)", "sample",
+    "lc-fp8-dynamic": ("llm-compressor oneshot", "FP8_DYNAMIC (channel, token)", "tiny",
                        ("peer", "peers/llmcompressor_run.py", "FP8_DYNAMIC", "{model}",
                         "{out}")),
-    "lc-fp8-block": ("llm-compressor oneshot", "FP8_BLOCK (block 128, group)", "sample",
+    "lc-fp8-block": ("llm-compressor oneshot", "FP8_BLOCK (block 128, group)", "tiny",
                      ("peer", "peers/llmcompressor_run.py", "FP8_BLOCK", "{model}", "{out}")),
     "lc-mixtral": ("llm-compressor oneshot", "FP8 (tensor, static; Mixtral)", "mixtral",
                    ("peer", "families/llmcompressor_fp8.py", "{model}", CALIB, "{out}", "16")),
     "mfp-fp8-dynamic": ("llm-compressor model_free_ptq", "FP8_DYNAMIC, ignore lm_head",
-                        "sample", ("peer", "peers/llmcompressor_model_free.py", "FP8_DYNAMIC",
+                        "tiny", ("peer", "peers/llmcompressor_model_free.py", "FP8_DYNAMIC",
                                    "{model}", "{out}", "lm_head")),
     "mfp-fp8-dynamic-noemb": ("llm-compressor model_free_ptq",
-                              "FP8_DYNAMIC, ignore lm_head and embed_tokens", "sample",
+                              "FP8_DYNAMIC, ignore lm_head and embed_tokens", "tiny",
                               ("peer", "peers/llmcompressor_model_free.py", "FP8_DYNAMIC",
                                "{model}", "{out}", "lm_head,model.embed_tokens")),
-    "mfp-fp8-block": ("llm-compressor model_free_ptq", "FP8_BLOCK, ignore lm_head", "sample",
+    "mfp-fp8-block": ("llm-compressor model_free_ptq", "FP8_BLOCK, ignore lm_head", "tiny",
                       ("peer", "peers/llmcompressor_model_free.py", "FP8_BLOCK", "{model}",
                        "{out}", "lm_head")),
-    "tf-block-ue8m0": ("transformers Fp8Quantize", "fine-grained 8x8, UE8M0 scales", "sample",
+    "tf-block-ue8m0": ("transformers Fp8Quantize", "fine-grained 8x8, UE8M0 scales", "tiny",
                        ("hand", "transformers_fp8_folder", {"block": (8, 8),
                                                            "scale_fmt": "ue8m0"})),
-    "hand-deepseek": ("by hand (key names)", "fine-grained 8x8 (DeepSeek-V3)", "sample",
+    "hand-deepseek": ("by hand (key names)", "fine-grained 8x8 (DeepSeek-V3)", "tiny",
                       ("hand", "deepseek_folder", {"block": (8, 8)})),
     "hand-renamed": ("by hand (key names)", "fine-grained 8x8, weight_scale_inv named "
-                                            "weight_scale", "sample",
+                                            "weight_scale", "tiny",
                      ("hand", "renamed_folder", {"block": (8, 8)})),
-    "hand-autofp8": ("by hand (key names)", "AutoFP8 (quant_method fp8, static)", "sample",
+    "hand-autofp8": ("by hand (key names)", "AutoFP8 (quant_method fp8, static)", "tiny",
                      ("hand", "autofp8_folder", {})),
     "hand-modelopt": ("by hand (key names)", "ModelOpt HF export (hf_quant_config.json)",
-                      "sample", ("hand", "modelopt_folder", {})),
+                      "tiny", ("hand", "modelopt_folder", {})),
 }
 
 _TRANSFORMERS_KL = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-ref, cand, data, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+pairs, data, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 lines = [s for s in open(data, encoding="utf-8").read().splitlines() if s.strip()][:n]
-tok = AutoTokenizer.from_pretrained(ref)
-out = {}
-try:
-    a = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    b = AutoModelForCausalLM.from_pretrained(cand).eval()
-    kl, agree, count = 0.0, 0, 0
-    with torch.no_grad():
-        for line in lines:
-            ids = tok(line, return_tensors="pt").input_ids[:, :64]
-            p = torch.log_softmax(a(ids).logits.float(), -1)
-            q = torch.log_softmax(b(ids).logits.float(), -1)
-            kl += float((p.exp() * (p - q)).sum(-1).sum())
-            agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-            count += ids.shape[1]
-    out = {"ok": True, "kl": kl / count, "top1": agree / count}
-except Exception as exc:
-    out = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-print(json.dumps(out))
+results = []
+for ref, cand in pairs:
+    try:
+        tok = AutoTokenizer.from_pretrained(ref)
+        a = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+        b = AutoModelForCausalLM.from_pretrained(cand).eval()
+        kl, agree, count = 0.0, 0, 0
+        with torch.no_grad():
+            for line in lines:
+                ids = tok(line, return_tensors="pt").input_ids[:, :64]
+                p = torch.log_softmax(a(ids).logits.float(), -1)
+                q = torch.log_softmax(b(ids).logits.float(), -1)
+                kl += float((p.exp() * (p - q)).sum(-1).sum())
+                agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+                count += ids.shape[1]
+        results.append({"ok": True, "kl": kl / count, "top1": agree / count})
+    except Exception as exc:
+        msg = (str(exc).splitlines() or [""])[0][:160]
+        results.append({"ok": False, "error": f"{type(exc).__name__}: {msg}"})
+print(json.dumps(results))
 """
 
 
@@ -142,10 +145,37 @@ def _peer_python(venv: Path) -> Path | None:
     return py if ok else None
 
 
+def _dense_model(path: Path) -> Path:
+    """A tiny Llama (hidden 64, MLP 128, 2 layers) over the sample tokenizer's vocabulary,
+    trained briefly on a Markov chain so its next-token distributions are peaked (on a random
+    model's flat logits a misread folder and a right one look alike)."""
+    import torch
+    from fp8_folders import markov_tokens
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1962, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(80):
+        ids = markov_tokens(1962, 16, 32, seed=step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.to(torch.bfloat16).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(SAMPLE / "model" / name, path / name)
+    return path
+
+
 def _models(work: Path) -> dict[str, Path]:
     from model_families import save_family
 
-    return {"sample": SAMPLE / "model", "mixtral": save_family("mixtral", work / "mixtral"),
+    return {"tiny": _dense_model(work / "tiny"),
+            "mixtral": save_family("mixtral", work / "mixtral"),
             "qwen3-moe": save_family("qwen3-moe", work / "qwen3-moe")}
 
 
@@ -188,53 +218,74 @@ def _error_line(run: subprocess.CompletedProcess) -> str:
     return (lines[0] if lines else (run.stderr.strip().splitlines() or ["?"])[-1])[:400]
 
 
+def _exit(exc: BaseException) -> int:
+    from fp8export.errors import UsageError, VerificationFailed
+
+    return 3 if isinstance(exc, VerificationFailed) else 2 if isinstance(exc, UsageError) else 1
+
+
 def _inspect(folder: Path) -> dict:
-    run = subprocess.run([*fp8export_argv(), "inspect", str(folder), "--json"],
-                         capture_output=True, text=True)
-    if run.returncode != 0:
-        return {"exit": run.returncode, "error": _error_line(run)}
-    s = json.loads(run.stdout)["summary"]
-    loaders = s.get("loaded_by")
-    return {"exit": 0, "loaded_by": loaders, "not_loaded_by": s.get("not_loaded_by") or {}}
+    from fp8export.api import inspect
+    from fp8export.errors import Fp8ExportError
+
+    try:
+        s = inspect(folder).summary
+    except Fp8ExportError as exc:
+        return {"exit": _exit(exc), "error": f"Error: {exc}"[:400]}
+    return {"exit": 0, "loaded_by": s.get("loaded_by"),
+            "not_loaded_by": s.get("not_loaded_by") or {}}
 
 
 def _verify(model: Path, folder: Path, work: Path) -> dict:
-    report = work / "report"
-    run = subprocess.run([*fp8export_argv(), "verify", str(model), str(folder), "--data",
-                          str(EVAL), "--samples", str(SAMPLES), "--report-dir", str(report),
-                          "--no-noise-floor", "--force"], capture_output=True, text=True)
-    out = {"exit": run.returncode}
-    if (report / "report.json").exists() and run.returncode in (0, 3):
-        m = json.loads((report / "report.json").read_text())["metrics"]
-        out.update(kl=m.get("kl_mean"), top1=m.get("top1_agreement"))
-    else:
-        out["error"] = _error_line(run)
-    shutil.rmtree(report, ignore_errors=True)
-    return out
+    from fp8export.api import verify
+    from fp8export.errors import Fp8ExportError, VerificationFailed
+    from fp8export.verify.config import VerifyConfig
+
+    cfg = VerifyConfig(reference=model, candidate=folder, data=EVAL, samples=SAMPLES,
+                       noise_floor=False, report_dir=work / "report")
+    try:
+        result = verify(cfg)
+        code = 0
+    except VerificationFailed as exc:
+        result, code = exc.result, 3
+    except Fp8ExportError as exc:
+        return {"exit": _exit(exc), "error": f"Error: {exc}"[:400]}
+    m = result.metrics
+    return {"exit": code, "kl": m.get("kl_mean"), "top1": m.get("top1_agreement")}
 
 
 def _export(folder: Path, work: Path) -> dict:
+    from fp8export.api import export_onnx
+    from fp8export.errors import Fp8ExportError
+    from fp8export.onnx.export import ExportOnnxConfig
+
     t0 = time.perf_counter()
-    run = subprocess.run([*fp8export_argv(), "export-onnx", str(folder), "-o",
-                          str(work / "m.onnx"), "--dtype", "fp32"], capture_output=True,
-                         text=True)
-    out = {"exit": run.returncode, "seconds": round(time.perf_counter() - t0, 1)}
-    if run.returncode != 0:
-        out["error"] = _error_line(run)
+    out = {}
+    try:
+        export_onnx(ExportOnnxConfig(fp8_dir=folder, output=work / "m.onnx", dtype="fp32"))
+        out["exit"] = 0
+    except Fp8ExportError as exc:
+        out.update(exit=_exit(exc), error=f"Error: {exc}"[:400])
+    out["seconds"] = round(time.perf_counter() - t0, 1)
     for p in work.glob("m.onnx*"):
         p.unlink()
     return out
 
 
-def _transformers(model: Path, folder: Path) -> dict:
-    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_KL, str(model), str(folder),
-                          str(EVAL), str(SAMPLES)], capture_output=True, text=True, timeout=900)
+def _transformers(pairs: list[tuple[Path, Path]]) -> list[dict]:
+    """transformers' default from_pretrained of each (reference, folder), one process for all
+    (its import costs more than these models)."""
+    run = subprocess.run([sys.executable, "-c", _TRANSFORMERS_KL, json.dumps(
+        [[str(a), str(b)] for a, b in pairs]), str(EVAL), str(SAMPLES)],
+        capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
-        return {"ok": False, "error": (run.stderr.strip().splitlines() or ["?"])[-1][:160]}
+        raise SystemExit(run.stderr[-3000:])
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def run_row(row: str, models: dict[str, Path], work: Path, peer: Path | None) -> dict:
+    """Make one row's folder and run fp8export's commands on it; the folder stays for the
+    transformers pass (``result["folder"]``)."""
     maker, fmt, model_name, how = ROWS[row]
     model = models[model_name]
     out = work / row
@@ -252,14 +303,12 @@ def run_row(row: str, models: dict[str, Path], work: Path, peer: Path | None) ->
     seconds = {}
     for key, step in (("inspect", lambda: _inspect(out)),
                       ("verify", lambda: _verify(model, out, scratch)),
-                      ("export_onnx", lambda: _export(out, scratch)),
-                      ("transformers", lambda: _transformers(model, out))):
-        t0 = time.perf_counter()
+                      ("export_onnx", lambda: _export(out, scratch))):
+        t1 = time.perf_counter()
         result[key] = step()
-        seconds[key] = round(time.perf_counter() - t0, 1)
+        seconds[key] = round(time.perf_counter() - t1, 1)
     result["seconds"] = seconds
     shutil.rmtree(scratch, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
     return result
 
 
@@ -345,11 +394,22 @@ def main() -> None:
         work = Path(tmp)
         results["machine"] = machine_info(work)
         models = _models(work)
+        made = []
         for row in rows:
             print(f"[matrix] {row} ...", flush=True)
             results["rows"][row] = run_row(row, models, work, peer)
-            print("  " + " | ".join(cells(results["rows"][row])), flush=True)
+            if results["rows"][row]["made"] == "ok":
+                made.append(row)
             write_json(path, results)
+        print("[matrix] transformers from_pretrained on every folder ...", flush=True)
+        t0 = time.perf_counter()
+        found = _transformers([(models[ROWS[r][2]], work / r) for r in made])
+        for row, tf in zip(made, found):
+            results["rows"][row]["transformers"] = tf
+        results["transformers_seconds"] = round(time.perf_counter() - t0, 1)
+        for row in rows:
+            print("  " + " | ".join(cells(results["rows"][row])), flush=True)
+        write_json(path, results)
     write_docs(results)
     print(render(results))
 
