@@ -150,6 +150,32 @@ def test_h100_accuracy_row_is_the_gpu_report():
     assert rep["candidate"]["device"] == "cuda" and rep["candidate"]["mode"] == "scaled_mm"
 
 
+def test_sample_rows_are_what_the_demo_prints():
+    """README's CPU rows of the sample (the reference, the FP8 folder in torch emulation, its
+    fp16 ONNX graph) are the reports of scripts/demo.sh's two verify runs
+    (bench/results/demo/, written by bench/demo_accuracy.py), which the demo also prints."""
+    rows = _table(README, "| model | runtime | perplexity |")
+    demo = _json("demo/demo.json")
+    for name, label, runtime in (("report-torch-fp8", "FP8, static input scales",
+                                  "torch FP8 emulation, CPU"),
+                                 ("report-onnx", "FP8 ONNX (fp16 graph)", "onnxruntime")):
+        rep = _json(f"demo/{name}.json")
+        m = rep["metrics"]
+        row = next(r for r in rows if r[0] == label and r[1].startswith(runtime))
+        assert row[2:] == [f"{m['ppl_candidate']:.4f}", _e(m["kl_mean"], 1),
+                           f"{m['top1_agreement']:.3f}", "pass" if rep["passed"] else "fail"]
+        reference = next(r for r in rows if r[0] == "bf16 (reference)")
+        assert reference[2] == f"{m['ppl_reference']:.4f}"
+        assert rep["header"]["data"]["samples"] == 256  # all of eval.txt, as the table says
+        printed = next(ln for ln in demo["printed"] if ln.startswith("PASSED:")
+                       and f"kl_mean={m['kl_mean']:.4g}" in ln)
+        assert f"top1_agreement={m['top1_agreement']:.4g}" in printed
+    onnx = _json("demo/report-onnx.json")
+    assert onnx["candidate"]["kind"] == "onnx" and "fp16" in (onnx["candidate"].get("dtype")
+                                                             or onnx["header"]["dtype"].get(
+                                                                 "candidate") or "")
+
+
 def test_onnx_size_ratios_are_onnx_export_json():
     ratios = {r["dtype"]: r["size_ratio"] for r in _json("onnx_export.json")["rows"]}
     assert f"FP8/plain file size {ratios['fp16']:.2f} (fp16), {ratios['fp32']:.2f} (fp32)" \
