@@ -425,7 +425,7 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
         check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()))
     ranges, input_scales = activation_step(cfg, ckpt, sel, notes)
     rounding, rounding_entry = {}, None
-    if cfg.weight_rounding is WeightRounding.GPTQ:
+    if cfg.weight_rounding is not WeightRounding.NEAREST:
         from fp8export.convert.rounding import rounding_step
 
         # from here on the checkpoint serves the rounded weights: the budget search, the

@@ -155,7 +155,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     model.eval()
     groups = fused_groups(quantized, config, names) if fuse else {}
     unfused = fuse_projections(model, groups)
-    kv = _emulate_kv_cache(model, manifest, tensors, where)
+    kv = emulate_kv_cache(model, manifest, tensors, where)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "weight_granularity": fmt.granularity, "block_size": fmt.to_dict()["block_size"],
@@ -171,7 +171,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     return model, config, manifest, info
 
 
-def _emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
+def emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
                       where: Path) -> str | None:
     """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3-quantized
     by its own ``k_scale``/``v_scale`` tensors (what vLLM / TensorRT-LLM run)."""
