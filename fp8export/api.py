@@ -77,6 +77,15 @@ def verify(config: VerifyConfig) -> VerifyResult:
     return verify_and_report(config)
 
 
+def plan_verify(config: VerifyConfig) -> list[str]:
+    """``verify --plan``: the lines of the plan (``fp8export.verify.run.plan_verify``)."""
+    from fp8export._threads import prepare
+    from fp8export.verify.run import plan_verify as _plan
+
+    prepare()
+    return _plan(config)
+
+
 def inspect(path: str | Path, *, plot: str | Path | None = None, as_json: bool = False,
             force: bool = False) -> InspectResult:
     """Describe a checkpoint, FP8 folder or ONNX graph. See :mod:`fp8export.inspect`."""

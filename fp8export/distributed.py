@@ -356,24 +356,49 @@ def join(device: str) -> Comm:
         if backend != "gloo" else None
     _CURRENT = Comm(rank=rank, world=world, local_rank=local, device=comm_device, timeout=t,
                     _group=None, _control=control)
+    import atexit
+
+    atexit.register(leave)
     return _CURRENT
 
 
+FAREWELL_S = 60.0
+
+
 def leave() -> None:
-    """Wait for the other ranks (so rank 0's message is out before torchrun ends the job) and
-    leave the process group."""
+    """Wait (a bounded time) for the other ranks, so rank 0's last line is out before torchrun
+    ends the job, and leave the process group."""
     global _CURRENT
     comm, _CURRENT = _CURRENT, None
     if comm is None:
         return
+    import datetime
+
     import torch.distributed as dist
 
-    try:
-        comm.barrier()
-    except DistributedFailure:
+    if not dist.is_initialized():
+        return
+    try:  # gloo's barrier that gives up: a dead rank must not hold the others
+        dist.monitored_barrier(group=comm._control,
+                               timeout=datetime.timedelta(seconds=min(comm.timeout, FAREWELL_S)),
+                               wait_all_ranks=True)
+    except Exception:  # a rank that is gone: nothing left to wait for
         pass
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def error_line(exc: BaseException, message: str) -> str | None:
+    """What this process prints for ``exc`` (``message``) in a data-parallel run, None to stay
+    quiet: the other ranks are told first (:meth:`Comm.fail`), and rank 0 prints one line for
+    the run, naming the rank that failed; a rank prints its own line only when it lost contact
+    (rank 0 may be the one gone). Outside torchrun: ``message``."""
+    comm = _CURRENT
+    if comm is None or not comm.distributed:
+        return None if is_quiet_rank() else message
+    if isinstance(exc, DistributedFailure):
+        return message if comm.rank == 0 or exc.rank == comm.rank else None
+    comm.fail(message)
+    return f"rank {comm.rank} of {comm.world}: {message}" if comm.rank == 0 else None
 
 
 class SlotSums:

@@ -418,13 +418,18 @@ def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
         str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
     check_report_dir(cfg.report_dir, cfg.force,
                      inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
+    from fp8export.distributed import current
+
+    # data parallel (torchrun): every rank judged the same merged comparison; rank 0 writes
     try:
         result = verify(cfg)
     except VerificationFailed as exc:
         result = exc.result
+        if current().rank == 0:
+            with stage(f"writing the reports to {cfg.report_dir}"):
+                result.reports = write_reports(result.to_dict(), cfg.report_dir)
+        raise
+    if current().rank == 0:
         with stage(f"writing the reports to {cfg.report_dir}"):
             result.reports = write_reports(result.to_dict(), cfg.report_dir)
-        raise
-    with stage(f"writing the reports to {cfg.report_dir}"):
-        result.reports = write_reports(result.to_dict(), cfg.report_dir)
     return result

@@ -377,6 +377,10 @@ class Fp8FolderParts(Parts):
                 if i is not None and key not in self.loaders:
                     self.layer_keys[i].append(key)
             self.kv = self._kv_cache()
+            # what building and running the layers shows, for the runner's description
+            self.fallbacks: dict[str, str] = {}
+            self.unfused: dict[str, str] = {}
+            self.expert_gemms: dict[str, int] = {}
         except BaseException:
             self.folder.close()
             raise
@@ -415,13 +419,14 @@ class Fp8FolderParts(Parts):
         layer = self.copy_layer(i)
         view = self.named(i, layer)
         mine = self._quantized_in(i)
-        swap_fp8_linears(view, mine, stored, mode=self.mode, dtype=self.dtype,
-                         where=self.path, dynamic=self.dynamic,
-                         names={m: self.names[m] for m in mine})
+        fallbacks = swap_fp8_linears(view, mine, stored, mode=self.mode, dtype=self.dtype,
+                                     where=self.path, dynamic=self.dynamic,
+                                     names={m: self.names[m] for m in mine})
+        self.fallbacks.update(fallbacks)
         materialize(layer, values, torch.device(device), f"{self.path} (layer {i})")
         layer.to(device)
         groups = {g: ms for g, ms in self.groups.items() if g.startswith(prefix)}
-        fuse_projections(view, groups)
+        self.unfused.update(fuse_projections(view, groups))
         return layer.eval()
 
     @contextlib.contextmanager

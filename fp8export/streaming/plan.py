@@ -99,7 +99,9 @@ def decide(weights: int, device: str, max_memory: dict[int | str, int] | None,
     offload = Offload.parse(offload, "--offload")
     mm = dict(max_memory or {})
     host = mm["cpu"] if "cpu" in mm and device != "cpu" else int(host_available() * FIT_FRACTION)
-    explicit_spread = len([k for k in mm if k != "cpu" or device == "cpu"]) > 1 or "disk" in mm
+    # several GPUs, or disk: accelerate's spread as asked (one GPU and cpu: a cap and the host
+    # memory of layer streaming)
+    explicit_spread = len([k for k in mm if isinstance(k, int)]) > 1 or "disk" in mm
     if comm.distributed and explicit_spread and device != "cpu":
         explicit_spread = False  # checked by _device_budget: one GPU per rank
     budget, capped = _device_budget(device, mm, comm)
@@ -116,11 +118,9 @@ def decide(weights: int, device: str, max_memory: dict[int | str, int] | None,
             raise UsageError("--offload layers streams on one device: give --max-memory one "
                              "budget for it (and cpu=SIZE for the host), not several devices.")
         return made("layers", "--offload layers")
-    if offload is Offload.NONE or explicit_spread:
-        if explicit_spread and not comm.distributed:
-            return made("spread", "--max-memory names several devices")
-        if offload is Offload.NONE:
-            return made("whole", "--offload none")
+    if not comm.distributed and (explicit_spread or offload is Offload.NONE and mm):
+        return made("spread", "--max-memory names several devices" if explicit_spread else
+                    "--offload none with --max-memory: accelerate's device map")
     if fits:
         return made("whole", f"{format_bytes(weights)} fit the {device} budget "
                              f"{format_bytes(budget)}")
@@ -129,8 +129,10 @@ def decide(weights: int, device: str, max_memory: dict[int | str, int] | None,
 
         count = torch.cuda.device_count()
         total = sum(torch.cuda.mem_get_info(i)[0] for i in range(count))
-        if count > 1 and weights <= FIT_FRACTION * total:
+        if count > 1 and (weights <= FIT_FRACTION * total or offload is Offload.NONE):
             return made("spread", f"{format_bytes(weights)} fit {count} GPUs together")
+    if offload is Offload.NONE:
+        return made("whole", "--offload none")
     return made("layers", f"{format_bytes(weights)} do not fit the {device} budget "
                           f"{format_bytes(budget)}")
 
