@@ -470,10 +470,9 @@ class SlotSums:
         out = {}
         for key in key_order:
             like = torch.empty(shapes[key], dtype=torch.float32)
-            value = _fold(0, slots, owner, self.nodes.get(key, {}), comm, like)
+            value = _fold(0, slots, owner, self.nodes.pop(key, {}), comm, like)
             if comm.rank == 0 and value is not None:
                 out[key] = value
-        self.nodes = {}
         return out
 
 

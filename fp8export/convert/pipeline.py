@@ -430,7 +430,8 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
 
         # from here on the checkpoint serves the rounded weights: the budget search, the
         # writer and the read-back all see the codes that are written
-        ckpt, rounding, rounding_entry = rounding_step(cfg, ckpt, sel, weight_scales, notes)
+        ckpt, rounding, rounding_entry = rounding_step(cfg, ckpt, sel, weight_scales, notes,
+                                                       input_scales)
         run.lap("weight rounding")
     search = budget = None
     if cfg.accuracy_budget is not None:

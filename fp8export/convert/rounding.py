@@ -88,15 +88,109 @@ def _units(sel: Selection) -> list[list[str]]:
     return units
 
 
+class _Rounder:
+    """GPTQ of one unit (a linear, or a fused group rounded as one matrix) at a time, its
+    codes on every rank (rank 0 rounds and broadcasts them under torchrun)."""
+
+    def __init__(self, cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str, Any],
+                 dev: str, comm):
+        self.cfg, self.ckpt, self.sel, self.scales, self.dev = cfg, ckpt, sel, weight_scales, dev
+        self.comm = comm
+        self.by_module = {t.module: t for t in sel.targets}
+        self.rounded: dict[str, tuple[Any, Any, str]] = {}
+        self.fields: dict[str, dict[str, Any]] = {}
+        self.gains: list[float] = []
+        self.names: set[str] | None = None
+
+    def round(self, members: list[str], h, tokens: int) -> bool:
+        """Round ``members`` with input matrix ``h`` (None: no input reached them, or this
+        rank is not rank 0); True when they got GPTQ codes (on every rank)."""
+        import torch
+
+        from fp8export.numerics.gptq import gptq_round
+
+        comm = self.comm
+        rows = _unit_weights(self.ckpt, self.sel, members)
+        scales = [np.asarray(self.scales[m], dtype=np.float32) for m in members]
+        if scales[0].ndim:  # per channel: each member's rows keep their own scales
+            scale = torch.from_numpy(np.concatenate([s.reshape(-1) for s in scales]))
+        else:  # per tensor: the fused group's shared scale
+            scale = torch.tensor(float(scales[0]))
+        flag = torch.tensor([int(h is not None)])
+        if comm.distributed:
+            flag = comm.broadcast_tensor(flag, 0, "the rounding")
+        if not int(flag[0]):
+            return False  # no input reached it: nearest rounding (said in the notes)
+        r = None
+        if comm.rank == 0:
+            w = torch.cat(rows).to(self.dev)
+            r = gptq_round(w, h.to(self.dev), scale.to(self.dev))
+            codes = r.codes.cpu()
+            self.gains.append(r.error_nearest / r.error_rounded if r.error_rounded > 0
+                              else math.inf)
+            del w
+        else:
+            codes = torch.empty((sum(x.shape[0] for x in rows), rows[0].shape[1]),
+                                dtype=torch.float8_e4m3fn)
+        if comm.distributed:
+            codes = comm.broadcast_tensor(codes.view(torch.uint8), 0, "the GPTQ codes") \
+                .view(torch.float8_e4m3fn)
+        start = 0
+        for m, src in zip(members, rows, strict=True):
+            t = self.by_module[m]
+            c = codes[start:start + src.shape[0]]
+            q = c.to(torch.float32) * (scale[start:start + src.shape[0], None]
+                                       if scale.dim() else scale)
+            start += src.shape[0]
+            err = src - q
+            self.fields[m] = {
+                "weight_rounding": "gptq",
+                "weight_sqnr_db": _finite(sqnr_from_sums(float((src.double() ** 2).sum()),
+                                                         float((err.double() ** 2).sum()))),
+                "output_sqnr_db": None if r is None else
+                _finite(sqnr_from_sums(r.output_energy, r.error_rounded)),
+                "output_sqnr_db_nearest": None if r is None else
+                _finite(sqnr_from_sums(r.output_energy, r.error_nearest)),
+                "calibration_tokens": tokens}
+            self.rounded[t.weight] = (c.t().contiguous() if t.layout == "in_out" else c,
+                                      self.scales[m], t.layout)
+        return True
+
+    def fp8_layer(self, m: str, input_scale, dynamic: str, mode: str):
+        """Module ``m`` as the FP8 runtime will run it from the written folder."""
+        import torch
+
+        from fp8export.runtime.fp8_linear import Fp8Linear
+
+        t = self.by_module[m]
+        codes, scale, layout = self.rounded[t.weight]
+        w = codes.t().contiguous() if layout == "in_out" else codes
+        bias_name = t.weight.removesuffix(".weight") + ".bias"
+        if self.names is None:
+            self.names = {i.name for i in self.ckpt.tensors()}
+        bias = self.ckpt.load(bias_name).to(torch.bfloat16) if bias_name in self.names else None
+        return Fp8Linear(w, np.asarray(scale), input_scale, bias, mode=mode,
+                         out_dtype=torch.bfloat16, dynamic=dynamic)
+
+
 def rounding_step(cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str, Any],
-                  notes: list[str]) -> tuple[Any, dict[str, dict[str, Any]], dict[str, Any]]:
+                  notes: list[str], input_scales: dict[str, Any] | None = None
+                  ) -> tuple[Any, dict[str, dict[str, Any]], dict[str, Any]]:
     """GPTQ codes of every selected weight: ``(checkpoint serving them, per-layer manifest
-    fields, the manifest's weight_rounding entry)``."""
+    fields, the manifest's weight_rounding entry)``.
+
+    The inputs' matrices come from the whole bf16 model, or layer by layer when the plan streams
+    (the same matrices) or with ``gptq-sequential`` (each layer's from the rounded layers
+    before it, with their input scales ``input_scales``: None, dynamic)."""
     import torch
 
-    from fp8export.calibration.hessian import input_hessians
+    from fp8export.convert.config import WeightRounding
+    from fp8export.distributed import join
     from fp8export.keras_model.config import is_keras_config
-    from fp8export.numerics.gptq import DAMP, gptq_round
+    from fp8export.models import checkpoint_bytes
+    from fp8export.numerics.gptq import DAMP
+    from fp8export.placement import parse_max_memory, resolve_device
+    from fp8export.streaming.plan import decide
 
     if is_keras_config(ckpt.config):
         raise Fp8ExportError(f"{cfg.checkpoint}: --weight-rounding gptq runs the model on "
@@ -104,61 +198,121 @@ def rounding_step(cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str
                              "--weight-rounding nearest.")
     t0 = time.perf_counter()
     samples = cfg.calib_samples or DEFAULT_SAMPLES
-    hess = input_hessians(ckpt.path, cfg.calib_data, sel.modules, sel.groups, samples=samples,
-                          seq_len=cfg.seq_len, batch_size=cfg.batch_size or 8,
-                          device=str(cfg.device))
+    device = resolve_device(cfg.device)
+    comm = join(device)
     dev = "cuda" if torch.cuda.is_available() and str(cfg.device) != "cpu" else "cpu"
-    by_module = {t.module: t for t in sel.targets}
-    rounded: dict[str, tuple[Any, Any, str]] = {}
-    fields: dict[str, dict[str, Any]] = {}
-    gains = []
+    sequential = cfg.weight_rounding is WeightRounding.GPTQ_SEQUENTIAL
+    decision = decide(checkpoint_bytes(ckpt.path, 2), device, parse_max_memory(cfg.max_memory),
+                      cfg.offload, comm)
+    rounder = _Rounder(cfg, ckpt, sel, weight_scales, dev, comm)
     units = _units(sel)
-    for members in progress(units, total=len(units), desc="weight rounding: GPTQ",
-                            unit="layer"):
-        h, tokens = hess.of(members[0])
-        if h is None:
-            continue  # no input reached it: nearest rounding (said in the notes)
-        rows = _unit_weights(ckpt, sel, members)
-        scales = [np.asarray(weight_scales[m], dtype=np.float32) for m in members]
-        if scales[0].ndim:  # per channel: each member's rows keep their own scales
-            scale = torch.from_numpy(np.concatenate([s.reshape(-1) for s in scales]))
-        else:  # per tensor: the fused group's shared scale
-            scale = torch.tensor(float(scales[0]))
-        w = torch.cat(rows).to(dev)
-        r = gptq_round(w, h.to(dev), scale.to(dev))
-        codes = r.codes.cpu()
-        gains.append(r.error_nearest / r.error_rounded if r.error_rounded > 0 else math.inf)
-        start = 0
-        for m, src in zip(members, rows, strict=True):
-            t = by_module[m]
-            c = codes[start:start + src.shape[0]]
-            q = c.to(torch.float32) * (scale[start:start + src.shape[0], None]
-                                       if scale.dim() else scale)
-            start += src.shape[0]
-            err = src - q
-            fields[m] = {
-                "weight_rounding": "gptq",
-                "weight_sqnr_db": _finite(sqnr_from_sums(float((src.double() ** 2).sum()),
-                                                         float((err.double() ** 2).sum()))),
-                "output_sqnr_db": _finite(sqnr_from_sums(r.output_energy, r.error_rounded)),
-                "output_sqnr_db_nearest": _finite(sqnr_from_sums(r.output_energy,
-                                                                 r.error_nearest)),
-                "calibration_tokens": tokens}
-            rounded[t.weight] = (c.t().contiguous() if t.layout == "in_out" else c,
-                                 weight_scales[m], t.layout)
-        del w, rows
+    if decision.mode != "layers" and not sequential:
+        from fp8export.calibration.hessian import input_hessians
+
+        hess = input_hessians(ckpt.path, cfg.calib_data, sel.modules, sel.groups,
+                              samples=samples, seq_len=cfg.seq_len,
+                              batch_size=cfg.batch_size or 8, device=str(cfg.device))
+        for members in progress(units, total=len(units), desc="weight rounding: GPTQ",
+                                unit="layer"):
+            h, tokens = hess.of(members[0])
+            rounder.round(members, h, tokens)
+        facts = {"samples": hess.samples, "tokens": max(hess.tokens.values(), default=0),
+                 "passes": hess.passes, "notes": hess.notes}
+    else:
+        facts = _round_by_layer(cfg, ckpt, sel, rounder, units, decision, samples, sequential,
+                                input_scales or {}, comm)
+    fields, gains = rounder.fields, rounder.gains
     gain_db = [10 * math.log10(g) for g in gains if math.isfinite(g) and g > 0]
-    entry = {"method": "gptq", "damp": DAMP, "order": "decreasing input energy",
-             "data": cfg.calib_data.name, "samples": hess.samples,
-             "tokens": max(hess.tokens.values(), default=0), "passes": hess.passes,
+    method = "gptq-sequential" if sequential else "gptq"
+    entry = {"method": method, "damp": DAMP, "order": "decreasing input energy",
+             "data": cfg.calib_data.name, "samples": facts["samples"],
+             "tokens": facts["tokens"], "passes": facts["passes"],
              "layers": len(fields), "nearest_layers": sorted(set(sel.modules) - set(fields)),
              "output_gain_db_median": round(float(np.median(gain_db)), 2) if gain_db else None,
              "seconds": round(time.perf_counter() - t0, 2)}
-    notes.extend(hess.notes)
-    notes.append(f"--weight-rounding gptq: {len(fields)} layer(s) rounded for their output on "
-                 f"{hess.samples} samples of {cfg.calib_data.name}; median output-error gain "
+    if sequential:
+        entry["inputs"] = ("each layer's from the layers before it as written (E4M3 codes, "
+                           "weight and input scales), llm-compressor's sequential pipeline")
+    notes.extend(facts["notes"])
+    samples_used = facts["samples"]
+    notes.append(f"--weight-rounding {method}: {len(fields)} layer(s) rounded for their output "
+                 f"on {samples_used} samples of {cfg.calib_data.name}; median output-error gain "
                  f"over nearest rounding {entry['output_gain_db_median']} dB on that data")
-    return RoundedCheckpoint(ckpt, rounded), fields, entry
+    return RoundedCheckpoint(ckpt, rounder.rounded), fields, entry
+
+
+def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, units, decision,
+                    samples: int, sequential: bool, input_scales: dict[str, Any], comm
+                    ) -> dict[str, Any]:
+    """The matrices layer by layer (``calibration/hessian_streamed.py``), each layer rounded
+    before the next one loads; with ``sequential`` the next layer's inputs come through the
+    rounded layer."""
+    import torch
+
+    from fp8export._progress import info, stage
+    from fp8export.calibration.hessian_streamed import layer_hessians
+    from fp8export.inputs.samples import iter_batches, load_samples
+    from fp8export.models import max_positions, module_names, vocab_size
+    from fp8export.runtime.fp8_model import resolve_mode
+    from fp8export.streaming.parts import CheckpointParts
+    from fp8export.streaming.plan import hidden_bytes, layout, spill_parent, widths
+    from fp8export.streaming.stream import Stream
+
+    device = torch.device(decision.device)
+    with stage(f"reading the structure of {ckpt.path} for the weight rounding"):
+        parts = CheckpointParts(ckpt.path, torch.bfloat16, experts="routed")
+    with parts:
+        tok_dir = ckpt.path if ckpt.path.is_dir() else None
+        s = load_samples(cfg.calib_data, tok_dir, max_samples=samples, seq_len=cfg.seq_len,
+                         max_positions=max_positions(parts.config),
+                         vocab_size=vocab_size(parts.config))
+        batches = list(iter_batches(s, cfg.batch_size or 8))
+        share = comm.share(len(batches))
+        mine = [batches[b] for b in share]
+        hidden, width = widths(parts.config)
+        plan = layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
+                      parts.rest_bytes(), hidden_bytes(mine, hidden, 2),
+                      max((b.input_ids.numel() for b in mine), default=0), width, 2,
+                      batches=len(mine), ranks=comm.world, passes=1)
+        plan.per_block = 1 if sequential else comm.agree_min(plan.per_block)
+        for line in plan.lines():
+            info(line)
+        names = module_names(parts.skeleton, sel.modules)
+        unit_of = {u[0]: u for u in units}
+        mode = resolve_mode("auto", device)
+        dynamic = str(cfg.dynamic_activations or "token")
+
+        def on_layer(i, hessians, tokens):
+            swap = {}
+            for key in sorted(k for k in unit_of if names[k].startswith(parts.prefix[i])):
+                members = unit_of[key]
+                if rounder.round(members, hessians.get(key), tokens.get(key, 0)) \
+                        and sequential:
+                    for m in members:
+                        scale = input_scales.get(m)
+                        swap[names[m]] = rounder.fp8_layer(
+                            m, None if scale is None else np.asarray(scale), dynamic, mode)
+            return swap
+
+        stream = Stream(parts, mine, device, tier=plan.tier,
+                        spill_dir=spill_parent(cfg.resolved_output), name="gptq")
+        try:
+            with stage(f"embedding {len(mine)} batch(es)"):
+                stream.capture()
+            facts = layer_hessians(stream, sel.modules, sel.groups, names=names,
+                                   per_block=plan.per_block, comm=comm, total=len(batches),
+                                   first=share.start, on_layer=on_layer, sequential=sequential)
+        finally:
+            stream.close()
+    reached = set(facts["tokens"])
+    unreached = [k for k in unit_of if k not in reached]
+    notes = []
+    if unreached:
+        notes.append(f"{len(unreached)} layer(s) received no calibration input and are rounded "
+                     f"to nearest: {', '.join(unreached[:6])}"
+                     + (" ..." if len(unreached) > 6 else ""))
+    return {"samples": len(s), "tokens": max(facts["tokens"].values(), default=0),
+            "passes": 2 if sequential else 1, "notes": notes, "streaming": plan.to_dict()}
 
 
 def _finite(x: float) -> float | None:
