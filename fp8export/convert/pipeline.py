@@ -363,8 +363,12 @@ class _Run:
 
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
+    from fp8export.distributed import join
+    from fp8export.placement import resolve_device
+
     out = cfg.resolved_output
     check_inputs(cfg)  # fail before any heavy work (api.convert ran it before torch loaded)
+    join(resolve_device(cfg.device))  # under torchrun: the ranks share the model steps
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
@@ -448,6 +452,14 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
                      kv, kv_after, kv_entry, search, budget, _block(cfg),
                      {m: f for m, f in rounding.items() if m in weight_scales}, rounding_entry)
     qconfig = config_step(cfg, ckpt, scales, notes)
+    from fp8export.distributed import current
+
+    if current().rank != 0:  # data parallel: the ranks shared the model steps; rank 0 writes
+        return ConvertResult(output=str(out), format=str(cfg.format),
+                             activation_scheme=activation_scheme(sorted(input_scales), dynamic),
+                             quantized=len(sel.modules), excluded=dict(sorted(
+                                 sel.excluded.items())), dynamic_layers=dynamic, layers=[],
+                             notes=notes)
     plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
                         scale_shape(cfg.format), kv_after=kv_after,
                         weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None))
