@@ -349,8 +349,12 @@ def _finish(cfg: CalibrateConfig, method: str, modules, groups, names, ob, sampl
         ranks=comm.world)
     if samples.truncated:
         result.notes.append(f"{samples.truncated} samples truncated to {samples.max_len} tokens")
-    if cfg.output is not None and comm.rank == 0:
-        write_amax_file(result, cfg.output, force=cfg.force)
+    from fp8export.distributed import rank0_writes
+
+    if cfg.output is not None:
+        with rank0_writes(f"writing {cfg.output}") as writes:
+            if writes:
+                write_amax_file(result, cfg.output, force=cfg.force)
     return result
 
 

@@ -25,7 +25,9 @@ torch is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -360,6 +362,24 @@ def join(device: str) -> Comm:
 
     atexit.register(leave)
     return _CURRENT
+
+
+@contextlib.contextmanager
+def rank0_writes(what: str) -> Iterator[bool]:
+    """Rank 0 writes (the block runs when the value is True); every rank then waits for it, so
+    a rank that goes on (to read what was written) never runs ahead, and a failed write stops
+    them all with rank 0's message. One process: always True."""
+    comm = current()
+    if comm.rank != 0:
+        yield False
+        comm.check(what)
+        return
+    try:
+        yield True
+    except BaseException as exc:
+        comm.fail(f"{what}: {exc}")
+        raise
+    comm.check(what)
 
 
 FAREWELL_S = 60.0

@@ -270,14 +270,15 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
         share = comm.share(len(batches))
         mine = [batches[b] for b in share]
         hidden, width = widths(parts.config)
+        names = module_names(parts.skeleton, sel.modules)
         plan = layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
                       parts.rest_bytes(), hidden_bytes(mine, hidden, 2),
                       max((b.input_ids.numel() for b in mine), default=0), width, 2,
-                      batches=len(mine), ranks=comm.world, passes=1)
+                      batches=len(mine), ranks=comm.world, passes=1,
+                      extra_bytes=_gptq_bytes(ckpt, sel, parts, units, names))
         plan.per_block = 1 if sequential else comm.agree_min(plan.per_block)
         for line in plan.lines():
             info(line)
-        names = module_names(parts.skeleton, sel.modules)
         unit_of = {u[0]: u for u in units}
         mode = resolve_mode("auto", device)
         dynamic = str(cfg.dynamic_activations or "token")
@@ -313,6 +314,31 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
                      + (" ..." if len(unreached) > 6 else ""))
     return {"samples": len(s), "tokens": max(facts["tokens"].values(), default=0),
             "passes": 2 if sequential else 1, "notes": notes, "streaming": plan.to_dict()}
+
+
+def _gptq_bytes(ckpt: Checkpoint, sel: Selection, parts, units: list[list[str]],
+                names: dict[str, str]) -> int:
+    """Device memory the rounding of one layer holds beside its weights: each input stream's
+    float32 ``H`` while the batches run, and the largest unit's solve (``numerics/gptq.py``:
+    ``H`` and its Cholesky factors in float64, about 36 bytes per element of ``H`` at the
+    peak, and five float32 copies of the weight)."""
+    by_module = {t.module: t for t in sel.targets}
+    shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
+    per_layer: dict[int, int] = {}
+    solve = 0
+    for members in units:
+        dims = []
+        for m in members:
+            t = by_module[m]
+            out_, in_ = shapes[t.weight] if t.layout != "in_out" else shapes[t.weight][::-1]
+            dims.append((int(out_), int(in_)))
+        d = dims[0][1]
+        rows = sum(o for o, _ in dims)
+        i = next((i for i in range(parts.count)
+                  if names[members[0]].startswith(parts.prefix[i])), -1)
+        per_layer[i] = per_layer.get(i, 0) + 4 * d * d
+        solve = max(solve, 36 * d * d + 20 * rows * d)
+    return max(per_layer.values(), default=0) + solve
 
 
 def _finite(x: float) -> float | None:

@@ -418,18 +418,20 @@ def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
         str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
     check_report_dir(cfg.report_dir, cfg.force,
                      inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file))
-    from fp8export.distributed import current
+    from fp8export.distributed import rank0_writes
 
     # data parallel (torchrun): every rank judged the same merged comparison; rank 0 writes
     try:
         result = verify(cfg)
     except VerificationFailed as exc:
         result = exc.result
-        if current().rank == 0:
+        with rank0_writes(f"writing the reports to {cfg.report_dir}") as writes:
+            if writes:
+                with stage(f"writing the reports to {cfg.report_dir}"):
+                    result.reports = write_reports(result.to_dict(), cfg.report_dir)
+        raise
+    with rank0_writes(f"writing the reports to {cfg.report_dir}") as writes:
+        if writes:
             with stage(f"writing the reports to {cfg.report_dir}"):
                 result.reports = write_reports(result.to_dict(), cfg.report_dir)
-        raise
-    if current().rank == 0:
-        with stage(f"writing the reports to {cfg.report_dir}"):
-            result.reports = write_reports(result.to_dict(), cfg.report_dir)
     return result

@@ -189,6 +189,8 @@ class Parts:
         saved: list[tuple[nn.Module, str, Any]] = []
         keys = set(self.rest_keys)
         aliases = _aliases(self.skeleton)
+        for head, embedding in _tied(self.skeleton).items():  # a tied head reads the embedding
+            aliases[head] = [*aliases.get(head, [head]), embedding]
 
         def onload(name: str):
             def hook(mod, args, kwargs):
@@ -232,6 +234,21 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(n)
     return {n: names for names in by_id.values() for n in names}
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """``{head weight: input embedding weight}`` when the config ties them."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "tie_word_embeddings", False):
+        return {}
+    try:
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    if head is None or emb is None or id(head) not in names or id(emb) not in names:
+        return {}
+    return {f"{names[id(head)]}.weight": f"{names[id(emb)]}.weight"}
 
 
 def _layer_of(key: str, layers_name: str) -> int | None:

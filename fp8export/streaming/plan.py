@@ -12,10 +12,10 @@
 The device budget is ``--max-memory``'s entry for the device (the GPU's index, or ``cpu`` on a
 CPU run; under torchrun its one GPU entry applies to each rank's GPU), else the device's free
 memory times :data:`~fp8export.placement.FIT_FRACTION`. :func:`layout` then sizes a streaming
-run: layers per block (as many as the budget holds beside the hidden states and one batch's
-activations), and where the hidden states wait: the device when they fit beside the block,
-else host memory (``--max-memory cpu=SIZE``, else the available memory times the same fraction),
-else a spill file.
+run: where the hidden states wait (the device when they fit beside a layer and one batch's
+activations, else host memory: ``--max-memory cpu=SIZE``, else the available memory times the
+same fraction; else a spill file), and layers per block (one; with a spill file as many as the
+budget holds, so the file is visited fewer times).
 """
 
 from __future__ import annotations
@@ -211,12 +211,13 @@ def whole_lines(d: Decision) -> list[str]:
 
 def layout(decision: Decision, layer_bytes: list[int], rest_bytes: int,
            hidden_bytes: int, batch_tokens: int, width: int, itemsize: int, *,
-           passes: int = 1, batches: int = 1, ranks: int = 1, logits_bytes: int = 0
-           ) -> StreamPlan:
+           passes: int = 1, batches: int = 1, ranks: int = 1, logits_bytes: int = 0,
+           extra_bytes: int = 0) -> StreamPlan:
     """Size a streaming run: ``layer_bytes`` per layer (the largest model's), ``hidden_bytes``
     of every stream, ``batch_tokens`` in the largest batch and ``width`` the widest activation
-    (intermediate size) at ``itemsize`` bytes."""
-    largest = max(layer_bytes) if layer_bytes else 0
+    (intermediate size) at ``itemsize`` bytes; ``extra_bytes``: what the work on one layer
+    holds beside its weights (GPTQ's input matrices and its solve)."""
+    largest = (max(layer_bytes) if layer_bytes else 0) + extra_bytes
     act = batch_tokens * width * itemsize * ACTIVATION_FACTOR
     act = max(act, logits_bytes)
     budget = decision.device_budget
@@ -234,8 +235,12 @@ def layout(decision: Decision, layer_bytes: list[int], rest_bytes: int,
             + (f" beside the hidden states ({format_bytes(on_device)})" if on_device else "")
             + f", more than the {decision.device} budget {format_bytes(budget)} holds. Give "
             "more memory (--max-memory), or a smaller --batch-size or --seq-len.")
-    per_block = max(1, min(len(layer_bytes), int(room // max(largest, 1))))
-    block = _block_bytes(layer_bytes, per_block)
+    # One layer at a time: the hidden states are read and written once per layer either way on
+    # the device, and on the host the copies overlap the computation (Stream.run); only a spill
+    # file, read and written through the page cache, gains from several layers per visit.
+    fit = max(1, min(len(layer_bytes), int(room // max(largest, 1))))
+    per_block = fit if tier == "spill" else 1
+    block = _block_bytes(layer_bytes, per_block) + extra_bytes
     return StreamPlan(decision, len(layer_bytes), per_block, tier, largest, block, rest_bytes,
                       hidden_bytes, act, sum(layer_bytes) + rest_bytes, passes, batches, ranks)
 

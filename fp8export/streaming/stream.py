@@ -94,6 +94,16 @@ def _move(obj: Any, device: torch.device, memo: dict[int, Any], pin: bool = Fals
     return obj
 
 
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
 def first_tensor(out: Any) -> torch.Tensor:
     """A layer's hidden-state output (transformers 5 returns the tensor; older layers a tuple)."""
     if isinstance(out, torch.Tensor):
@@ -182,21 +192,80 @@ class Stream:
         observes, before the layer changes).
         """
         store = self.store
+        if store.tier == "host" and self.device.type == "cuda" and len(self.batches):
+            self._run_overlapped(block, before, after, write)
+            return
         for b in range(len(self.batches)):
             if before is not None:
                 before(b)
             memo: dict[int, Any] = {}
             h = store.get(b)
+            h = self._layers(block, b, h, memo)
+            if after is not None:
+                after(b, h)
+            if write:
+                store.put(b, h)
+
+    def _layers(self, block, b: int, h: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        with torch.inference_mode():
+            for i, layer in block:
+                args, kwargs = _move(self.args[b][i], self.device, memo)
+                out = layer(h, *args, **kwargs)
+                self.as_tuple = not isinstance(out, torch.Tensor)
+                h = first_tensor(out)
+        return h
+
+    def _run_overlapped(self, block, before, after, write: bool) -> None:
+        """Host tier on a GPU: the next batch's hidden states (and arguments) are copied in,
+        and the last batch's output copied out, on a side stream while this batch computes,
+        so the copies cost no time as long as the layer takes longer than they do. Only one
+        batch in and one out are on the device besides the one computing."""
+        store, dev = self.store, self.device
+        side = torch.cuda.Stream(dev)
+        main = torch.cuda.current_stream(dev)
+
+        def fetch(b):
+            with torch.cuda.stream(side):
+                memo: dict[int, Any] = {}
+                h = store.items[b].to(dev, non_blocking=True)
+                args = [_move(self.args[b][i], dev, memo) for i, _ in block]
+                ready = torch.cuda.Event()
+                ready.record(side)
+            return h, args, ready
+
+        pending = fetch(0)
+        out_done: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        for b in range(len(self.batches)):
+            h, args, ready = pending
+            main.wait_event(ready)
+            for t in [h, *_tensors(args)]:  # made on the side stream, used on this one
+                t.record_stream(main)
+            if b + 1 < len(self.batches):
+                pending = fetch(b + 1)
+            if before is not None:
+                before(b)
             with torch.inference_mode():
-                for i, layer in block:
-                    args, kwargs = _move(self.args[b][i], self.device, memo)
-                    out = layer(h, *args, **kwargs)
+                for (i, layer), (a, kw) in zip(block, args, strict=True):
+                    out = layer(h, *a, **kw)
                     self.as_tuple = not isinstance(out, torch.Tensor)
                     h = first_tensor(out)
             if after is not None:
                 after(b, h)
             if write:
-                store.put(b, h)
+                computed = torch.cuda.Event()
+                computed.record(main)
+                with torch.cuda.stream(side), torch.inference_mode(False):
+                    side.wait_event(computed)
+                    store.items[b].copy_(h, non_blocking=True)
+                    h.record_stream(side)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                out_done.append((h, done))
+                while len(out_done) > 1:  # at most one output waiting to be copied out
+                    out_done.pop(0)[1].synchronize()
+        for _h, done in out_done:
+            done.synchronize()
+        side.synchronize()
 
     # -- 3. tail ---------------------------------------------------------------------------------
     @contextlib.contextmanager
