@@ -339,8 +339,14 @@ def part_bc(work: Path, args, out: dict, save) -> None:
     logs = [p.communicate(timeout=1200)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("two-host calibrate failed:\n" + "\n".join(x[-3000:] for x in logs))
+    got = amax.read_bytes()
     out["c"] = {"seconds": round(time.perf_counter() - t0, 2),
-                "amax_identical_to_one_rank": amax.read_bytes() == one}
+                "amax_identical_to_one_rank": got == one}
+    if got != one:  # where they differ, for the record
+        a_lines, b_lines = one.decode().splitlines(), got.decode().splitlines()
+        out["c"]["first_difference"] = next(
+            ([x, y] for x, y in zip(a_lines, b_lines) if x != y), [len(one), len(got)])
+        out["c"]["logs"] = [x[-1500:] for x in logs]
     save()
 
 
