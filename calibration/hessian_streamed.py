@@ -39,7 +39,6 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
     for ``sequential``, the model name -> module to run in place of each quantized linear of
     the layer (None: keep the layer as it is). Returns facts: streams, tokens, seconds.
     """
-    from fp8export.distributed import SlotSums
     from fp8export.streaming.stream import Blocks, each_block
 
     parts = stream.parts
@@ -53,7 +52,6 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
                                  "--weight-rounding with layer streaming rounds the layers' "
                                  "linears (exclude it, or run the model whole).")
         by_layer.setdefault(i, []).append(k)
-    batches = stream.batches
     tokens: dict[str, int] = {}
     t0 = time.perf_counter()
     per_block = 1 if sequential else per_block
@@ -61,33 +59,44 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
         desc = "weight rounding: " + ("sequential GPTQ" if sequential else "GPTQ") + \
             ", layer by layer"
         for _k, block in each_block(blocks, desc):
-            layer_keys = [k for i, _ in block for k in by_layer.get(i, [])]
-            sums = InputSums(SlotSums(comm, total))
-            views = {i: parts.named(i, layer) for i, layer in block}
-            handles = []
-            dims = {}
-            for k in layer_keys:
-                i = next(i for i, _ in block if names[k].startswith(parts.prefix[i]))
-                mod = views[i].get_submodule(names[k])
-                dims[k] = input_dim(mod, k, parts.path)
-                handles.append(mod.register_forward_pre_hook(sums.hook(k)))
-            try:
-                stream.run(block, before=lambda b: sums.begin_batch(
-                    first + b, batches[b].attention_mask), write=not sequential)
-            finally:
-                for h in handles:
-                    h.remove()
-            for i, _ in block:
-                mine = by_layer.get(i, [])
-                hessians = sums.sums.total(mine, {k: (dims[k], dims[k]) for k in mine})
-                counted = summed_tokens(sums.tokens, mine, comm)
-                tokens.update(counted)
-                swap = on_layer(i, hessians, counted)
-                if sequential:
-                    for name, module in (swap or {}).items():
-                        parent, _, child = name.rpartition(".")
-                        setattr(views[i].get_submodule(parent), child,
-                                module.to(stream.device))
-            if sequential:  # the layer as it will be written gives the next one its inputs
-                stream.run(block)
+            _block(stream, block, by_layer, names, comm, total, first, on_layer, sequential,
+                   tokens)
     return {"streams": stream_of, "tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def _block(stream, block, by_layer, names, comm, total: int, first: int, on_layer,
+           sequential: bool, tokens: dict[str, int]) -> None:
+    """One block: its matrices collected and handed over, the layer rounded in place for
+    ``sequential`` and run again. A function of its own, so nothing of the block outlives it."""
+    from fp8export.distributed import SlotSums
+
+    parts, batches = stream.parts, stream.batches
+    layer_keys = [k for i, _ in block for k in by_layer.get(i, [])]
+    sums = InputSums(SlotSums(comm, total))
+    views = {i: parts.named(i, layer) for i, layer in block}
+    handles = []
+    dims = {}
+    for k in layer_keys:
+        i = next(i for i, _ in block if names[k].startswith(parts.prefix[i]))
+        mod = views[i].get_submodule(names[k])
+        dims[k] = input_dim(mod, k, parts.path)
+        handles.append(mod.register_forward_pre_hook(sums.hook(k)))
+    try:
+        stream.run(block, before=lambda b: sums.begin_batch(first + b,
+                                                           batches[b].attention_mask),
+                   write=not sequential)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, _ in block:
+        mine = by_layer.get(i, [])
+        hessians = sums.sums.total(mine, {k: (dims[k], dims[k]) for k in mine})
+        counted = summed_tokens(sums.tokens, mine, comm)
+        tokens.update(counted)
+        swap = on_layer(i, hessians, counted)
+        if sequential:
+            for name, module in (swap or {}).items():
+                parent, _, child = name.rpartition(".")
+                setattr(views[i].get_submodule(parent), child, module.to(stream.device))
+    if sequential:  # the layer as it will be written gives the next one its inputs
+        stream.run(block)

@@ -22,7 +22,6 @@ def observe_layers(stream, modules: Sequence[str], *, method: str,
 
     from fp8export.calibration.calibrators import get_calibrator
     from fp8export.calibration.observers import DEFAULT_HIST_ROWS, ActivationObserver
-    from fp8export.moe import moe_modules
     from fp8export.streaming.stream import Blocks, each_block
 
     parts = stream.parts
@@ -44,35 +43,7 @@ def observe_layers(stream, modules: Sequence[str], *, method: str,
 
     with Blocks(parts, per_block, stream.device, comm) as blocks:
         for _k, block in each_block(blocks, f"calibrate ({method}), layer by layer"):
-            observers, experts = [], {}
-            for i, layer in block:
-                view = parts.named(i, layer)
-                if inside[i]:
-                    observers.append(observer(view, inside[i]).attach())
-                for name, m in moe_modules(view).items():
-                    m.token_counts = torch.zeros(m.num_experts, dtype=torch.int64)
-                    experts[name] = m
-
-            def before(b):
-                for obs in observers:
-                    obs.begin_batch(batches[b].attention_mask)
-                for m in experts.values():  # routed tokens counted on real positions only
-                    m.count_rows = observers[0].valid_rows if observers else None
-
-            def after(b, _out):
-                for obs in observers:
-                    obs.end_batch()
-
-            stream.run(block, before=before, after=after)
-            for obs in observers:
-                obs.detach()
-                stats.update(obs.finalize())
-                for m, c in obs.unmasked_calls.items():
-                    unmasked[m] = unmasked.get(m, 0) + c
-            for name, m in experts.items():
-                expert_tokens[name] = m.token_counts.tolist()
-                m.token_counts = m.count_rows = None
-            observers, experts = [], {}  # the block's modules are free to go
+            _observe_block(stream, block, inside, observer, stats, unmasked, expert_tokens)
     if outside:  # a calibrated head (--include lm_head): observed in the tail pass
         obs = observer(parts.skeleton, outside).attach()
         try:
@@ -94,3 +65,41 @@ def observe_layers(stream, modules: Sequence[str], *, method: str,
                        missing=[m for m in modules if m not in stats],
                        notes=unmasked_note(unmasked), expert_tokens=expert_tokens,
                        unmasked=unmasked)
+
+
+def _observe_block(stream, block, inside, observer, stats, unmasked, expert_tokens) -> None:
+    """One block: its observers attached, every batch through it, the statistics kept. A
+    function of its own, so nothing of the block outlives it (the next block loads after)."""
+    import torch
+
+    from fp8export.moe import moe_modules
+
+    parts, batches = stream.parts, stream.batches
+    observers, experts = [], {}
+    for i, layer in block:
+        view = parts.named(i, layer)
+        if inside[i]:
+            observers.append(observer(view, inside[i]).attach())
+        for name, m in moe_modules(view).items():
+            m.token_counts = torch.zeros(m.num_experts, dtype=torch.int64)
+            experts[name] = m
+
+    def before(b):
+        for obs in observers:
+            obs.begin_batch(batches[b].attention_mask)
+        for m in experts.values():  # routed tokens counted on real positions only
+            m.count_rows = observers[0].valid_rows if observers else None
+
+    def after(b, _out):
+        for obs in observers:
+            obs.end_batch()
+
+    stream.run(block, before=before, after=after)
+    for obs in observers:
+        obs.detach()
+        stats.update(obs.finalize())
+        for m, c in obs.unmasked_calls.items():
+            unmasked[m] = unmasked.get(m, 0) + c
+    for name, m in experts.items():
+        expert_tokens[name] = m.token_counts.tolist()
+        m.token_counts = m.count_rows = None

@@ -22,6 +22,7 @@ device: the numbers are bit-identical to the whole-model pass (tests check it).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -334,14 +335,27 @@ class Blocks:
         self.parts, self.device, self.comm = parts, torch.device(device), comm
         self.blocks = layer_blocks(parts.count, per_block)
         self.prefetch = Prefetcher(parts, self.blocks)
+        self.last: list[weakref.ref] = []  # the modules of the block built last
+
+    def alive(self) -> int:
+        """How many modules of the block built last are still alive (kept by a caller)."""
+        return sum(r() is not None for r in self.last)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def build(self, k: int) -> list[tuple[int, nn.Module]]:
+        """Block ``k`` on the device; the previous block is gone first (its modules are only
+        collected here if a reference cycle, such as a hook, outlived it)."""
+        if self.alive():
+            import gc
+
+            gc.collect()
         values = self.prefetch.get(k)
-        return [(i, self.parts.build_layer(i, self.device, v))
-                for i, v in zip(self.blocks[k], values, strict=True)]
+        built = [(i, self.parts.build_layer(i, self.device, v))
+                 for i, v in zip(self.blocks[k], values, strict=True)]
+        self.last = [weakref.ref(m) for _, m in built]
+        return built
 
     def done(self, k: int) -> None:
         if self.comm is not None:

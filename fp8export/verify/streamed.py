@@ -113,19 +113,23 @@ def _run_layers(streams, blocks, seconds, comm, moe_modules, device) -> None:
     for k in progress(range(n), total=n, desc="comparing, layer by layer", unit="block"):
         for (name, runner, stream), bl in zip(streams, blocks, strict=True):
             t0 = time.perf_counter()
-            built = bl.build(k)
-            stream.run(built)
-            for i, layer in built:  # expert GEMMs by weight dtype, as the whole run counts
-                gemms = getattr(runner.parts, "expert_gemms", None)
-                if gemms is not None:
-                    for m in moe_modules(layer).values():
-                        for key, v in m.gemms.items():
-                            gemms[key] = gemms.get(key, 0) + v
-            built.clear()
+            _run_block(bl, k, stream, getattr(runner.parts, "expert_gemms", None), moe_modules)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds[name] += time.perf_counter() - t0
         comm.check(f"layer block {k + 1} of {n}")
+
+
+def _run_block(blocks, k: int, stream, gemms, moe_modules) -> None:
+    """One model's block ``k`` through its stream (a function, so the block dies with it);
+    the experts' GEMMs counted by weight dtype, as the whole run counts them."""
+    built = blocks.build(k)
+    stream.run(built)
+    if gemms is not None:
+        for _i, layer in built:
+            for m in moe_modules(layer).values():
+                for key, v in m.gemms.items():
+                    gemms[key] = gemms.get(key, 0) + v
 
 
 def _tails(session, inputs, batches, streams, acc, seconds, class_logits, first_output) -> None:

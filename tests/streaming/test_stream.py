@@ -85,3 +85,34 @@ def test_fp8_folder_streams_as_the_fp8_runtime_runs_it(tmp_path):
         got = _streamed(parts, batches, "device", 1, tmp_path / "fp8")
         assert not parts.unfused
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_one_block_at_a_time_on_the_device(tmp_path, monkeypatch):
+    """calibrate, GPTQ and verify drop a block's modules before the next is built (a module kept
+    by a loop variable or a hook would double the layers on the device)."""
+    from fp8export.api import calibrate, convert, verify
+    from fp8export.calibration.config import CalibrateConfig
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.streaming.stream import Blocks
+    from fp8export.verify.config import VerifyConfig
+
+    alive_at_build = []
+    build = Blocks.build
+
+    def checked(self, k):
+        alive_at_build.append(self.alive())
+        return build(self, k)
+
+    monkeypatch.setattr(Blocks, "build", checked)
+    src = save_family("llama", tmp_path / "src")
+    data = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama" / "data" / "calib.txt"
+    common = dict(calib_data=data, calib_samples=8, batch_size=4, device="cpu", offload="layers")
+    calibrate(CalibrateConfig(checkpoint=src, output=tmp_path / "amax.json", **common))
+    convert(ConvertConfig(checkpoint=src, output=tmp_path / "fp8", weight_rounding="gptq",
+                          **common))
+    verify(VerifyConfig(reference=src, candidate=tmp_path / "fp8", data=data, samples=4,
+                        seq_len=16, device="cpu", offload="layers", write_reports=False,
+                        thresholds="loose"))
+    # two layers: calibrate; convert calibrates and rounds; verify streams three models
+    assert len(alive_at_build) == 2 + 2 * 2 + 3 * 2
+    assert set(alive_at_build) == {0}
