@@ -457,23 +457,16 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     # data parallel: the ranks shared the model steps; rank 0 writes, the others wait for it
     with rank0_writes(f"writing {out}") as writes:
         if writes:
-            return _plan_and_write(cfg, ckpt, out, run, scales, qconfig, notes)
+            plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales,
+                                input_scales, scale_shape(cfg.format), kv_after=kv_after,
+                                weight_scale_name=weight_scale_name(cfg.format,
+                                                                    _block(cfg) is not None))
+            run.lap("scales + plan")
+            return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
     return ConvertResult(output=str(out), format=str(cfg.format),
                          activation_scheme=activation_scheme(sorted(input_scales), dynamic),
                          quantized=len(sel.modules), excluded=dict(sorted(sel.excluded.items())),
                          dynamic_layers=dynamic, layers=[], notes=notes)
-
-
-def _plan_and_write(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run,
-                    scales: _Scales, qconfig: dict[str, Any], notes: list[str]
-                    ) -> ConvertResult:
-    sel, weight_scales, input_scales = scales.sel, scales.weight, scales.input
-    kv_after = scales.kv_after
-    plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format), kv_after=kv_after,
-                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None))
-    run.lap("scales + plan")
-    return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
 
 
 def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:
