@@ -66,6 +66,21 @@ def held_out_indices(n: int, every: int) -> set[int]:
     return {i for i in range(n) if i % every == every - 1} or {n - 1}
 
 
+def held_out_split(s, every: int):
+    """``(fitted, held_out)``: the samples ``s`` without and with the held-out ones
+    (:func:`held_out_indices`; ``held_out`` None when none are held out)."""
+    from dataclasses import replace
+
+    held = held_out_indices(len(s), every)
+
+    def part(keep):
+        idx = [i for i in range(len(s)) if keep(i)]
+        return replace(s, input_ids=tuple(s.input_ids[i] for i in idx),
+                       labels=None if s.labels is None else tuple(s.labels[i] for i in idx))
+
+    return part(lambda i: i not in held), (part(lambda i: i in held) if held else None)
+
+
 def _passes(keys: list[str], dims: dict[str, int], budget: int) -> list[list[str]]:
     out: list[list[str]] = [[]]
     used = 0
@@ -150,8 +165,6 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
     ``data``, run through the bf16 model on ``device``; with ``holdout`` the held-out samples'
     ``H`` apart (module doc). Under torchrun each rank runs its share of the batches and rank 0
     gets the sums (the others: empty ``hessian``)."""
-    from dataclasses import replace
-
     import torch
 
     from fp8export._threads import fit_torch
@@ -171,16 +184,8 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
     tok_dir = checkpoint if checkpoint.is_dir() else None
     s = load_samples(data, tok_dir, max_samples=samples, seq_len=seq_len,
                      max_positions=max_positions(config), vocab_size=vocab_size(config))
-    held = held_out_indices(len(s), holdout)
-
-    def part(keep):
-        idx = [i for i in range(len(s)) if keep(i)]
-        return replace(s, input_ids=tuple(s.input_ids[i] for i in idx),
-                       labels=None if s.labels is None else tuple(s.labels[i] for i in idx))
-
-    parts = [(part(lambda i: i not in held), False)]
-    if held:
-        parts.append((part(lambda i: i in held), True))
+    fitted, held_out = held_out_split(s, holdout)
+    parts = [(fitted, False)] + ([(held_out, True)] if held_out is not None else [])
     names = module_names(model, modules)
     stream = streams(modules, groups)
     keys = sorted(set(stream.values()), key=modules.index)
@@ -192,7 +197,7 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
             raise Fp8ExportError(f"{checkpoint}: no module {k} to collect inputs of for "
                                  "--weight-rounding.") from None
         dims[k] = input_dim(mod, k, checkpoint)
-    plan = _passes(keys, dims, budget // (2 if held else 1))
+    plan = _passes(keys, dims, budget // len(parts))
     forward = forward_fn(model, [names[k] for k in keys])
     batched = [(list(iter_batches(p, batch_size)), is_held) for p, is_held in parts]
     hessian: dict[str, Any] = {}
@@ -226,6 +231,7 @@ def input_hessians(checkpoint: Path, data: Path, modules: list[str],
         notes.append(f"{len(unreached)} layer(s) received no calibration input and are rounded "
                      f"to nearest: {', '.join(unreached[:6])}"
                      + (" ..." if len(unreached) > 6 else ""))
-    return Hessians(hessian, tokens, stream, samples=len(s) - len(held), passes=len(plan),
+    return Hessians(hessian, tokens, stream, samples=len(fitted), passes=len(plan),
                     seconds=time.perf_counter() - t0, notes=notes, held_out=held_h,
-                    held_out_tokens=held_tokens, held_out_samples=len(held))
+                    held_out_tokens=held_tokens,
+                    held_out_samples=0 if held_out is None else len(held_out))

@@ -12,6 +12,10 @@ Two variants of what the next layer sees:
   them (E4M3 codes, weight and input scales), the batches run through the layer again, and
   their outputs (with this layer's quantization error) feed the next layer's matrices. Within
   a layer every linear's ``H`` comes from the layer's inputs with the layer still in bf16.
+
+With ``held`` batches (the stream's last ones: the held-out samples, as
+:func:`.hessian.input_hessians` splits them), their tokens go into a second ``H`` per stream,
+on which the caller checks the rounding, exactly as on the whole model.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ from fp8export.errors import Fp8ExportError
 
 def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
                    names: dict[str, str], per_block: int, comm, total: int,
-                   first: int, on_layer: Callable[[int, dict[str, Any], dict[str, int]],
-                                      dict[str, Any] | None],
-                   sequential: bool = False) -> dict[str, Any]:
+                   first: int, on_layer: Callable[..., dict[str, Any] | None],
+                   sequential: bool = False, held: tuple[int, int, int] = (0, 0, 0)
+                   ) -> dict[str, Any]:
     """Run ``stream`` (a captured bf16 :class:`~fp8export.streaming.stream.Stream`) through
     its layers, collecting ``H`` of the input streams of ``modules`` (checkpoint names;
     ``names`` maps them to the model's).
 
-    ``total``: the run's batch count; ``first``: the global index of the stream's first batch
-    (this rank's share). ``on_layer(i, hessians, tokens)`` gets layer ``i``'s matrices by
-    stream key (rank 0; empty on the other ranks) and token counts (every rank) and returns,
+    ``total``: the run's batch count of fitted batches; ``first``: the global index of the
+    stream's first batch (this rank's share). ``held``: ``(n, total, first)`` of the held-out
+    batches, the stream's last ``n`` (none: ``(0, 0, 0)``). ``on_layer(i, hessians, tokens,
+    held_hessians, held_tokens)`` gets layer ``i``'s matrices by stream key (rank 0; empty on
+    the other ranks) and token counts (every rank) and returns,
     for ``sequential``, the model name -> module to run in place of each quantized linear of
     the layer (None: keep the layer as it is). Returns facts: streams, tokens, seconds.
     """
@@ -60,40 +66,58 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
             ", layer by layer"
         for _k, block in each_block(blocks, desc):
             _block(stream, block, by_layer, names, comm, total, first, on_layer, sequential,
-                   tokens)
+                   tokens, held)
     return {"streams": stream_of, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
 def _block(stream, block, by_layer, names, comm, total: int, first: int, on_layer,
-           sequential: bool, tokens: dict[str, int]) -> None:
+           sequential: bool, tokens: dict[str, int], held: tuple[int, int, int]) -> None:
     """One block: its matrices collected and handed over, the layer rounded in place for
     ``sequential`` and run again. A function of its own, so nothing of the block outlives it."""
     from fp8export.distributed import SlotSums
 
     parts, batches = stream.parts, stream.batches
+    n_held, held_total, held_first = held
+    n_fit = len(batches) - n_held
     layer_keys = [k for i, _ in block for k in by_layer.get(i, [])]
-    sums = InputSums(SlotSums(comm, total))
+    fit = InputSums(SlotSums(comm, total))
+    kept = InputSums(SlotSums(comm, held_total)) if held_total else None
+    active = [fit]
     views = {i: parts.named(i, layer) for i, layer in block}
     handles = []
     dims = {}
+
+    def hook(k):
+        fns = [fit.hook(k), kept.hook(k) if kept is not None else None]
+        return lambda mod, args: fns[active[0] is not fit](mod, args)
+
+    def before(b):
+        if b < n_fit:
+            active[0] = fit
+            fit.begin_batch(first + b, batches[b].attention_mask)
+        else:
+            active[0] = kept
+            kept.begin_batch(held_first + b - n_fit, batches[b].attention_mask)
+
     for k in layer_keys:
         i = next(i for i, _ in block if names[k].startswith(parts.prefix[i]))
         mod = views[i].get_submodule(names[k])
         dims[k] = input_dim(mod, k, parts.path)
-        handles.append(mod.register_forward_pre_hook(sums.hook(k)))
+        handles.append(mod.register_forward_pre_hook(hook(k)))
     try:
-        stream.run(block, before=lambda b: sums.begin_batch(first + b,
-                                                           batches[b].attention_mask),
-                   write=not sequential)
+        stream.run(block, before=before, write=not sequential)
     finally:
         for h in handles:
             h.remove()
     for i, _ in block:
         mine = by_layer.get(i, [])
-        hessians = sums.sums.total(mine, {k: (dims[k], dims[k]) for k in mine})
-        counted = summed_tokens(sums.tokens, mine, comm)
+        shapes = {k: (dims[k], dims[k]) for k in mine}
+        hessians = fit.sums.total(mine, shapes)
+        counted = summed_tokens(fit.tokens, mine, comm)
+        held_h, held_counted = ({}, {}) if kept is None else \
+            (kept.sums.total(mine, shapes), summed_tokens(kept.tokens, mine, comm))
         tokens.update(counted)
-        swap = on_layer(i, hessians, counted)
+        swap = on_layer(i, hessians, counted, held_h, held_counted)
         if sequential:
             for name, module in (swap or {}).items():
                 parent, _, child = name.rpartition(".")

@@ -12,8 +12,8 @@ Every fourth calibration sample is held out of the fit: each layer keeps GPTQ's 
 damping that does best there) only where they give a lower output error than nearest rounding
 on those held-out tokens, else it is rounded to nearest, and convert says how many and why
 (few calibration tokens — fewer than a layer's input width — make GPTQ fit noise). Layer by
-layer (a streamed plan, or ``gptq-sequential``) there is no held-out split: GPTQ runs where a
-layer's calibration tokens reach its input width, else nearest rounding.
+layer (a streamed plan, or ``gptq-sequential``) the same samples are held out and the same
+check runs on each layer before the next one loads.
 
 The codes reach the writer through :class:`RoundedCheckpoint`, which serves each rounded weight
 as its codes times its scale (float32; requantizing that gives the codes back exactly), so the
@@ -266,7 +266,6 @@ def rounding_step(cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str
     else:
         facts = _round_by_layer(cfg, ckpt, sel, rounder, units, decision, samples, sequential,
                                 input_scales or {}, comm)
-        facts["held_out_samples"] = 0
     fields, gains, fell_back = rounder.fields, rounder.gains, rounder.fell_back
     gain_db = [10 * math.log10(g) for g in gains if math.isfinite(g) and g > 0]
     method = "gptq-sequential" if sequential else "gptq"
@@ -274,9 +273,8 @@ def rounding_step(cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str
     entry = {"method": method, "damp": list(DAMPS), "order": "decreasing input energy",
              "check": (f"every {HOLDOUT}th calibration sample held out; per layer the lowest "
                        "output error there among nearest and GPTQ at each damping") if held_out
-             else ("none: layer by layer there are no held-out tokens; GPTQ at damping "
-                   f"{DAMPS[0]} where a layer's calibration tokens reach its input width, "
-                   "else nearest"),
+             else (f"none (too few samples to hold one out): GPTQ at damping {DAMPS[0]} where "
+                   "a layer's calibration tokens reach its input width, else nearest"),
              "data": cfg.calib_data.name, "samples": facts["samples"],
              "held_out_samples": held_out, "tokens": facts["tokens"],
              "passes": facts["passes"], "layers": len(fields),
@@ -315,6 +313,7 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
     import torch
 
     from fp8export._progress import info, stage
+    from fp8export.calibration.hessian import held_out_split
     from fp8export.calibration.hessian_streamed import layer_hessians
     from fp8export.inputs.samples import iter_batches, load_samples
     from fp8export.models import max_positions, module_names, vocab_size
@@ -331,9 +330,13 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
         s = load_samples(cfg.calib_data, tok_dir, max_samples=samples, seq_len=cfg.seq_len,
                          max_positions=max_positions(parts.config),
                          vocab_size=vocab_size(parts.config))
-        batches = list(iter_batches(s, cfg.batch_size or 8))
-        share = comm.share(len(batches))
-        mine = [batches[b] for b in share]
+        fitted, held_out = held_out_split(s, HOLDOUT)
+        batches = list(iter_batches(fitted, cfg.batch_size or 8))
+        held_batches = [] if held_out is None else \
+            list(iter_batches(held_out, cfg.batch_size or 8))
+        share, held_share = comm.share(len(batches)), comm.share(len(held_batches))
+        # the held-out batches run last: their tokens check the rounding (input_hessians)
+        mine = [batches[b] for b in share] + [held_batches[b] for b in held_share]
         hidden, width = widths(parts.config)
         names = module_names(parts.skeleton, sel.modules)
         plan = layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
@@ -348,12 +351,12 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
         mode = resolve_mode("auto", device)
         dynamic = str(cfg.dynamic_activations or "token")
 
-        def on_layer(i, hessians, tokens):
+        def on_layer(i, hessians, tokens, held_h, held_tokens):
             swap = {}
             for key in sorted(k for k in unit_of if names[k].startswith(parts.prefix[i])):
                 members = unit_of[key]
-                if rounder.round(members, hessians.get(key), tokens.get(key, 0)) \
-                        and sequential:
+                if rounder.round(members, hessians.get(key), tokens.get(key, 0),
+                                 held_h.get(key), held_tokens.get(key, 0)) and sequential:
                     for m in members:
                         scale = input_scales.get(m)
                         swap[names[m]] = rounder.fp8_layer(
@@ -367,7 +370,8 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
                 stream.capture()
             facts = layer_hessians(stream, sel.modules, sel.groups, names=names,
                                    per_block=plan.per_block, comm=comm, total=len(batches),
-                                   first=share.start, on_layer=on_layer, sequential=sequential)
+                                   first=share.start, on_layer=on_layer, sequential=sequential,
+                                   held=(len(held_share), len(held_batches), held_share.start))
         finally:
             stream.close()
     reached = set(facts["tokens"])
@@ -377,14 +381,16 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
         notes.append(f"{len(unreached)} layer(s) received no calibration input and are rounded "
                      f"to nearest: {', '.join(unreached[:6])}"
                      + (" ..." if len(unreached) > 6 else ""))
-    return {"samples": len(s), "tokens": max(facts["tokens"].values(), default=0),
-            "passes": 2 if sequential else 1, "notes": notes, "streaming": plan.to_dict()}
+    return {"samples": len(fitted), "tokens": max(facts["tokens"].values(), default=0),
+            "passes": 2 if sequential else 1, "notes": notes, "streaming": plan.to_dict(),
+            "held_out_samples": 0 if held_out is None else len(held_out)}
 
 
 def _gptq_bytes(ckpt: Checkpoint, sel: Selection, parts, units: list[list[str]],
                 names: dict[str, str]) -> int:
     """Device memory the rounding of one layer holds beside its weights: each input stream's
-    float32 ``H`` while the batches run, and the largest unit's solve (``numerics/gptq.py``:
+    float32 ``H`` (fitted and held out) while the batches run, and the largest unit's solve
+    (``numerics/gptq.py``:
     ``H`` and its Cholesky factors in float64, about 36 bytes per element of ``H`` at the
     peak, and five float32 copies of the weight)."""
     by_module = {t.module: t for t in sel.targets}
@@ -401,7 +407,7 @@ def _gptq_bytes(ckpt: Checkpoint, sel: Selection, parts, units: list[list[str]],
         rows = sum(o for o, _ in dims)
         i = next((i for i in range(parts.count)
                   if names[members[0]].startswith(parts.prefix[i])), -1)
-        per_layer[i] = per_layer.get(i, 0) + 4 * d * d
+        per_layer[i] = per_layer.get(i, 0) + 2 * 4 * d * d  # fitted and held-out H
         solve = max(solve, 36 * d * d + 20 * rows * d)
     return max(per_layer.values(), default=0) + solve
 

@@ -87,7 +87,9 @@ def _move(obj: Any, device: torch.device, memo: dict[int, Any], pin: bool = Fals
             memo[id(obj)] = got
         return got
     if isinstance(obj, tuple):
-        return tuple(_move(o, device, memo, pin) for o in obj)
+        moved = [_move(o, device, memo, pin) for o in obj]
+        # a NamedTuple (the FP8 attention's MaskInfo) keeps its type
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
     if isinstance(obj, list):
         return [_move(o, device, memo, pin) for o in obj]
     if isinstance(obj, dict):
