@@ -128,8 +128,16 @@ def write_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = dict(config)
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors",
-                                  "format": "float-quantized"}
+    # compressed-tensors' FP8 scheme as docs/fp8-folder.md spells it: E4M3 weights per tensor,
+    # static per-tensor inputs, every Linear but the head
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+            "dynamic": False}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
+                                      "input_activations": dict(args) if static else None}},
+        "ignore": ["lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     manifest = {"format_version": 1, "tool": {"name": "fp8export", "version": "test"},
                 "activation_scheme": "static" if static else "dynamic",
