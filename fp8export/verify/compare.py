@@ -138,7 +138,7 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
     if session.streamed:
         from fp8export.verify.streamed import compare_streamed
 
-        return compare_streamed(session, inputs, [batches[b] for b in mine], acc)
+        return compare_streamed(session, inputs, [batches[b] for b in mine], acc, layer_check)
     head = inputs.head
     variants = cand.attention_variants()
     if variants and comm.distributed:

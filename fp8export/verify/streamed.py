@@ -4,6 +4,11 @@ reference's block, then the candidate's, then the floor's, so one block is on th
 time); at the end every batch's logits come from each model's final norm and head and go to the
 same comparison as in the whole-model run, which they equal bit for bit. A candidate that does
 not stream (an ONNX graph, an engine) runs batch by batch at the end, beside them.
+
+The layer check runs here too: for each block the candidate's layers are built before the
+reference's block runs, and the per-layer probe (``analysis/per_layer.py``) feeds each FP8
+layer the reference layer's own input on the block's first check tokens, as the whole run
+does (one candidate block more on the device while the reference's runs).
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from fp8export._progress import info, stage
 from fp8export.verify.load import Inputs, Session
 
 
-def compare_streamed(session: Session, inputs: Inputs, batches: list, acc) -> Any:
+def compare_streamed(session: Session, inputs: Inputs, batches: list, acc,
+                     layer_check: bool = False) -> Any:
     """The streamed counterpart of :func:`fp8export.verify.compare.compare` over ``batches``
-    (this rank's share); ``acc`` its :class:`~fp8export.verify.compare.Accumulator`."""
+    (this rank's share); ``acc`` its :class:`~fp8export.verify.compare.Accumulator`;
+    ``layer_check``: each quantized layer's isolated SQNR (``verify/layer_check.py``)."""
     import torch
 
     from fp8export.distributed import current
@@ -42,13 +49,15 @@ def compare_streamed(session: Session, inputs: Inputs, batches: list, acc) -> An
                                 spill_dir=spill_parent(cfg.report_dir), name=name))
                for name, r in runners]
     seconds = {name: 0.0 for name, _ in runners}
+    check = _LayerCheck(session.candidate) if layer_check and \
+        any(name == "candidate" for name, _ in runners) else None
     try:
         with stage(f"embedding {len(batches)} batch(es) in {len(streams)} model(s)"):
             for _, _, st in streams:
                 st.capture()
         blocks = [Blocks(r.parts, plan.per_block, device, None) for _, r, _ in streams]
         try:
-            _run_layers(streams, blocks, seconds, comm, moe_modules, device)
+            _run_layers(streams, blocks, seconds, comm, moe_modules, device, check)
         finally:
             for b in blocks:
                 b.close()
@@ -65,8 +74,56 @@ def compare_streamed(session: Session, inputs: Inputs, batches: list, acc) -> An
         notes.append("--per-layer needs the whole model in memory; with layer streaming it was "
                      "not measured.")
     cand_s = seconds.get("candidate", seconds.get("candidate_batches", 0.0))
-    return acc.finish(None, {"reference_s": seconds["reference"], "candidate_s": cand_s,
-                             "floor_s": seconds.get(FLOOR_DTYPE, 0.0)})
+    measured = acc.finish(None, {"reference_s": seconds["reference"], "candidate_s": cand_s,
+                                 "floor_s": seconds.get(FLOOR_DTYPE, 0.0)})
+    if check is not None:
+        measured.layers, measured.layer_tokens = check.result(), check.tokens
+    return measured
+
+
+class _LayerCheck:
+    """The layer check block by block: a per-layer probe on each layer of the reference's block
+    against the same layer of the candidate's, on the first check tokens of the batches."""
+
+    def __init__(self, candidate):
+        self.manifest = getattr(candidate, "manifest", None) or {}
+        self.rows: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def probes(self, ref_parts, ref_block, cand_parts, cand_block) -> list:
+        from fp8export.analysis.per_layer import PerLayerProbe
+        from fp8export.errors import Fp8ExportError
+        from fp8export.runtime.fp8_model import fp8_modules
+        from fp8export.verify.layer_check import CHECK_TOKENS
+
+        out = []
+        for (i, ref), (j, cand) in zip(ref_block, cand_block, strict=True):
+            if i != j:
+                raise Fp8ExportError(f"internal: the reference's block holds layer {i} where "
+                                     f"the candidate's holds {j}.")
+            cand_view = cand_parts.named(j, cand)
+            if fp8_modules(cand_view):  # a layer kept whole in high precision has none
+                out.append(PerLayerProbe(ref_parts.named(i, ref), cand_view, self.manifest,
+                                         end_to_end=False, max_tokens=CHECK_TOKENS))
+        return out
+
+    def add(self, probes: list) -> None:
+        for probe in probes:
+            for row in probe.result():
+                self.rows.append({**row, "order": len(self.rows)})
+            self.tokens = max(self.tokens, probe.tokens)
+            probe.close()
+
+    def result(self) -> list[dict[str, Any]]:
+        """Rows as :meth:`PerLayerProbe.result` gives them, worst first over every block."""
+        import math
+
+        rows = sorted(self.rows, key=lambda r: (r["sqnr_db"] is None, math.inf
+                                                if r["sqnr_db"] is None else r["sqnr_db"],
+                                                r["order"]))
+        for rank, r in enumerate(rows, 1):
+            r["rank"] = rank
+        return rows
 
 
 def streamed_runners(session: Session) -> list[tuple[str, Any]]:
@@ -104,27 +161,48 @@ def streamed_plan(session: Session, batches: list):
     return plan
 
 
-def _run_layers(streams, blocks, seconds, comm, moe_modules, device) -> None:
+def _run_layers(streams, blocks, seconds, comm, moe_modules, device, check=None) -> None:
     import torch
 
     from fp8export._progress import progress
 
     n = len(blocks[0])
+    names = [name for name, _, _ in streams]
     for k in progress(range(n), total=n, desc="comparing, layer by layer", unit="block"):
+        built: dict[str, list] = {}
+        probes: list = []
+        if check is not None:  # the candidate's layers first: the probe feeds them
+            c = names.index("candidate")
+            built["candidate"] = blocks[c].build(k)
         for (name, runner, stream), bl in zip(streams, blocks, strict=True):
             t0 = time.perf_counter()
-            _run_block(bl, k, stream, getattr(runner.parts, "expert_gemms", None), moe_modules)
+            block = built.pop(name, None) or bl.build(k)
+            before = None
+            if check is not None and name == "reference":
+                c = names.index("candidate")
+                probes = check.probes(runner.parts, block, streams[c][1].parts,
+                                      built["candidate"])
+
+                def before(b, batches=stream.batches, probes=probes):
+                    for p in probes:
+                        if p.active:
+                            p.set_mask(batches[b].attention_mask)
+            _run_block(block, stream, getattr(runner.parts, "expert_gemms", None), moe_modules,
+                       before)
+            if probes and name == "reference":
+                check.add(probes)
+                probes = []
+            del block
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds[name] += time.perf_counter() - t0
         comm.check(f"layer block {k + 1} of {n}")
 
 
-def _run_block(blocks, k: int, stream, gemms, moe_modules) -> None:
-    """One model's block ``k`` through its stream (a function, so the block dies with it);
-    the experts' GEMMs counted by weight dtype, as the whole run counts them."""
-    built = blocks.build(k)
-    stream.run(built)
+def _run_block(built, stream, gemms, moe_modules, before=None) -> None:
+    """One model's built block through its stream; the experts' GEMMs counted by weight
+    dtype, as the whole run counts them."""
+    stream.run(built, before=before)
     if gemms is not None:
         for _i, layer in built:
             for m in moe_modules(layer).values():
