@@ -56,6 +56,12 @@ class CalibrationResult:
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
     dtype: str = "bfloat16"
     source_files: dict[str, str] = field(default_factory=dict)  # weight file -> sha256
+    # how the run went, not written to amax.json: the plan's lines, layer streaming's sizes and
+    # peak device memory, the number of data-parallel ranks, and whether only the plan was made
+    plan: list[str] = field(default_factory=list)
+    streaming: dict[str, Any] | None = None
+    ranks: int = 1
+    planned: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,37 +127,21 @@ def _calibrate(cfg: CalibrateConfig, known_groups: dict[str, list[str]] | None
         from fp8export.calibration.amax_file import check_output
 
         check_output(cfg.output, cfg.force, (cfg.checkpoint, cfg.calib_data))
-    import torch
-
     fit_torch()  # the CPU threads fitted to this machine, before the model loads
 
     from fp8export.calibration.calibrators import calibrator_class, get_calibrator
-    from fp8export.models import load_model_placed
-    from fp8export.moe import stores_fused_experts, unfuse_experts
-    from fp8export.placement import parse_max_memory, resolve_device
+    from fp8export.distributed import join
+    from fp8export.placement import resolve_device
 
     method = str(cfg.calib_method)
     calibrator_class(method)
     get_calibrator(method, **cfg.method_options())  # validate options before loading
     device = resolve_device(cfg.device)
+    comm = join(device)
     # Text is tokenised by the checkpoint's tokenizer in a child process: opened before the
     # model loads, so a hostile tokenizer fails in a second and a good one loads meanwhile.
     with _tokenizer_for(cfg) as tokenizer:
-        with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
-            model, config, spread = load_model_placed(
-                cfg.checkpoint, device, parse_max_memory(cfg.max_memory), dtype=torch.bfloat16)
-            if not stores_fused_experts(_tensor_names(cfg.checkpoint)):
-                unfuse_experts(model, mode="all")  # MoE: every expert sees every token
-        input_device = torch.device(spread.main_device if spread is not None else device)
-        notes = [spread.note()] if spread is not None else []
-        if spread is not None:
-            device = ",".join(spread.devices)
-        try:
-            return _calibrate_loaded(cfg, known_groups, model, config, input_device, notes,
-                                     device, method, tokenizer)
-        finally:
-            if spread is not None:
-                spread.close()
+        return _calibrate_on(cfg, known_groups, device, method, tokenizer, comm)
 
 
 def _tokenizer_for(cfg: CalibrateConfig):
@@ -166,23 +156,76 @@ def _tokenizer_for(cfg: CalibrateConfig):
     return open_tokenizer(cfg.checkpoint, for_file=Path(cfg.calib_data))
 
 
-def _tensor_names(checkpoint: Path) -> list[str]:
+def _calibrate_on(cfg: CalibrateConfig, known_groups, device: str, method: str, tokenizer,
+                  comm) -> CalibrationResult:
+    """Samples, then the run the plan picks: the whole model (one device or spread) or layer
+    streaming; each rank observes its share of the batches, the statistics are combined."""
+    import torch
+
+    from fp8export.calibration.observe import observe, reduce_observation
     from fp8export.checkpoint.source import open_checkpoint
+    from fp8export.inputs.samples import iter_batches, load_samples
+    from fp8export.models import checkpoint_bytes, max_positions, module_names, vocab_size
+    from fp8export.moe import stores_fused_experts
+    from fp8export.placement import parse_max_memory
+    from fp8export.streaming.plan import decide
 
-    with open_checkpoint(checkpoint) as ckpt:
-        return [t.name for t in ckpt.tensors()]
+    with open_checkpoint(cfg.checkpoint) as ckpt:
+        config = dict(ckpt.config or {})
+        fused = stores_fused_experts([t.name for t in ckpt.tensors()])
+    modules, groups = _selection(cfg, known_groups, config)
+    tok_dir = cfg.checkpoint if cfg.checkpoint.is_dir() else None
+    samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
+                           seq_len=cfg.seq_len, max_positions=max_positions(config),
+                           vocab_size=vocab_size(config), tokenizer=tokenizer)
+    notes: list[str] = []
+    if samples.media is not None:
+        notes.append(f"calibration inputs: {samples.media['images']} image, "
+                     f"{samples.media['audio']} audio, {samples.media['text_only']} text-only "
+                     f"sample(s) through the model's {samples.media['processor']}")
+    if cfg.calib_samples and len(samples) < cfg.calib_samples:
+        notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
+                     f"--calib-samples {cfg.calib_samples})")
+    batches = list(iter_batches(samples, cfg.batch_size or DEFAULT_BATCH_SIZE))
+    mine = [batches[b] for b in comm.share(len(batches))]
+    decision = decide(checkpoint_bytes(cfg.checkpoint, 2), device,
+                      parse_max_memory(cfg.max_memory), cfg.offload, comm)
+    if decision.mode == "layers":
+        return _calibrate_streamed(cfg, modules, groups, samples, batches, mine, decision,
+                                   method, notes, comm)
+    if cfg.plan:
+        from fp8export.streaming.plan import whole_lines
+
+        return _planned(cfg, method, whole_lines(decision), device)
+    from fp8export.moe import unfuse_experts
+    from fp8export.streaming.plan import load_decided
+
+    with stage(f"loading the bf16 model {cfg.checkpoint} ({device})"):
+        model, config, spread = load_decided(cfg.checkpoint, decision, torch.bfloat16)
+        if not fused:  # MoE: every expert sees every token
+            unfuse_experts(model, mode="all")
+    input_device = torch.device(spread.main_device if spread is not None else device)
+    if spread is not None:
+        notes.append(spread.note())
+        device = ",".join(spread.devices)
+    try:
+        names = module_names(model, modules)
+        ob = observe(model, samples, [names[m] for m in modules], method=method,
+                     groups={g: [names.get(m, m) for m in ms] for g, ms in groups.items()},
+                     batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE,
+                     input_device=input_device, batches=mine)
+    finally:
+        if spread is not None:
+            spread.close()
+    ob = reduce_observation(ob, [names[m] for m in modules], comm)
+    return _finish(cfg, method, modules, groups, names, ob, samples, notes, device, comm)
 
 
-def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_device, notes,
-                      device: str, method: str, tokenizer=None) -> CalibrationResult:
-    from fp8export.calibration.amax_file import source_hashes, write_amax_file
-    from fp8export.calibration.calibrators import get_calibrator
-    from fp8export.calibration.observe import amaxes_from_stats, observe
+def _selection(cfg: CalibrateConfig, known_groups, config: dict
+               ) -> tuple[list[str], dict[str, list[str]]]:
+    """The modules to observe (checkpoint names) and their fused groups."""
     from fp8export.calibration.targets import default_modules
-    from fp8export.inputs.samples import load_samples
-    from fp8export.models import max_positions, module_names, vocab_size
-    from fp8export.numerics.fp8 import amax_to_scale
-    from fp8export.scales.groups import fused_groups, share_max
+    from fp8export.scales.groups import fused_groups
 
     if cfg.modules:
         modules = list(cfg.modules)
@@ -198,24 +241,89 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
     if not modules:
         raise Fp8ExportError(f"{cfg.checkpoint}: no linear layers to calibrate (the selection "
                              "is empty); check --include/--exclude.")
-    tok_dir = cfg.checkpoint if cfg.checkpoint.is_dir() else None
-    samples = load_samples(cfg.calib_data, tok_dir, max_samples=cfg.calib_samples,
-                           seq_len=cfg.seq_len, max_positions=max_positions(config),
-                           vocab_size=vocab_size(config), tokenizer=tokenizer)
-    if samples.media is not None:
-        notes.append(f"calibration inputs: {samples.media['images']} image, "
-                     f"{samples.media['audio']} audio, {samples.media['text_only']} text-only "
-                     f"sample(s) through the model's {samples.media['processor']}")
-    if cfg.calib_samples and len(samples) < cfg.calib_samples:
-        notes.append(f"used all {len(samples)} samples of {cfg.calib_data} (fewer than "
-                     f"--calib-samples {cfg.calib_samples})")
+    return modules, groups
+
+
+def _planned(cfg: CalibrateConfig, method: str, lines: list[str], device: str
+             ) -> CalibrationResult:
+    """``--plan``: the plan, nothing calibrated or written."""
+    return CalibrationResult(checkpoint=str(cfg.checkpoint), data=str(cfg.calib_data),
+                             method=method, options={}, samples=0, tokens=0, batches=0,
+                             device=device, seconds=0.0, amax={}, observed_amax={},
+                             plan=lines, planned=True)
+
+
+def _calibrate_streamed(cfg: CalibrateConfig, modules, groups, samples, batches, mine,
+                        decision, method: str, notes: list[str], comm) -> CalibrationResult:
+    """The observation with layer streaming (:mod:`fp8export.streaming`)."""
+    import torch
+
+    from fp8export.calibration.observe import reduce_observation
+    from fp8export.calibration.streamed import observe_layers
+    from fp8export.models import module_names
+    from fp8export.streaming.parts import CheckpointParts
+    from fp8export.streaming.plan import (
+        estimate,
+        hidden_bytes,
+        layout,
+        measure,
+        spill_parent,
+        widths,
+    )
+    from fp8export.streaming.stream import Stream
+
+    device = decision.device
+    with stage(f"reading the structure of {cfg.checkpoint} (layer streaming)"):
+        parts = CheckpointParts(cfg.checkpoint, torch.bfloat16, experts="all")
+    with parts:
+        hidden, width = widths(parts.config)
+        plan = layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
+                      parts.rest_bytes(), hidden_bytes(mine, hidden, 2),
+                      max((b.input_ids.numel() for b in mine), default=0), width, 2,
+                      batches=len(mine), ranks=comm.world)
+        plan.per_block = comm.agree_min(plan.per_block)  # every rank checks in per block
+        if cfg.plan:
+            if mine:
+                plan.probe = measure(parts, mine, torch.device(device))
+                plan.seconds = estimate(plan, plan.probe)
+            return _planned(cfg, method, plan.lines(), device)
+        for line in plan.lines():
+            info(line)
+        names = module_names(parts.skeleton, modules)
+        stream = Stream(parts, mine, torch.device(device), tier=plan.tier,
+                        spill_dir=spill_parent(cfg.output or cfg.spill_dir),
+                        name="calibration")
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with stage(f"embedding {len(mine)} batch(es)"):
+                stream.capture()
+            ob = observe_layers(stream, [names[m] for m in modules], method=method,
+                                groups={g: [names.get(m, m) for m in ms]
+                                        for g, ms in groups.items()},
+                                per_block=plan.per_block, comm=comm)
+        finally:
+            stream.close()
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    ob = reduce_observation(ob, [names[m] for m in modules], comm)
+    result = _finish(cfg, method, modules, groups, names, ob, samples, notes, device, comm)
+    result.plan = plan.lines()
+    result.streaming = {**plan.to_dict(), "peak_device_bytes": peak}
+    return result
+
+
+def _finish(cfg: CalibrateConfig, method: str, modules, groups, names, ob, samples,
+            notes: list[str], device: str, comm) -> CalibrationResult:
+    """Amaxes from the (combined) statistics, the result, and ``amax.json`` (rank 0)."""
+    from fp8export.calibration.amax_file import source_hashes, write_amax_file
+    from fp8export.calibration.calibrators import get_calibrator
+    from fp8export.calibration.observe import amaxes_from_stats
+    from fp8export.numerics.fp8 import amax_to_scale
+    from fp8export.scales.groups import share_max
+
     # observed under the model's module names (transformers renames some, e.g. Mixtral's
     # block_sparse_moe is mlp), reported under the checkpoint's
-    names = module_names(model, modules)
     back = {v: k for k, v in names.items()}
-    ob = observe(model, samples, [names[m] for m in modules], method=method,
-                 groups={g: [names.get(m, m) for m in ms] for g, ms in groups.items()},
-                 batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE, input_device=input_device)
     ob.stats = {back.get(m, m): s for m, s in ob.stats.items()}
     ob.missing = [back.get(m, m) for m in ob.missing]
     expert_tokens = {_checkpoint_prefix(k, names): v for k, v in ob.expert_tokens.items()}
@@ -244,11 +352,16 @@ def _calibrate_loaded(cfg: CalibrateConfig, known_groups, model, config, input_d
         seconds=round(ob.seconds + compute_s, 3), amax=amax, observed_amax=observed,
         groups=groups, missing=ob.missing, notes=notes, expert_tokens=expert_tokens,
         details={m: r.details for m, r in results.items()},
-        source_files=source_hashes(cfg.checkpoint))
+        source_files=source_hashes(cfg.checkpoint) if comm.rank == 0 else {},
+        ranks=comm.world)
     if samples.truncated:
         result.notes.append(f"{samples.truncated} samples truncated to {samples.max_len} tokens")
+    from fp8export.distributed import rank0_writes
+
     if cfg.output is not None:
-        write_amax_file(result, cfg.output, force=cfg.force)
+        with rank0_writes(f"writing {cfg.output}") as writes:
+            if writes:
+                write_amax_file(result, cfg.output, force=cfg.force)
     return result
 
 
@@ -290,7 +403,8 @@ def calibrate_ranges(cfg: ConvertCalibration, modules: list[str],
         calib_method=cfg.calib_method, percentile=cfg.percentile,
         calib_samples=cfg.calib_samples or DEFAULT_CALIB_SAMPLES,
         batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE, seq_len=cfg.seq_len, device=cfg.device,
-        modules=tuple(modules), fuse_scales=cfg.fuse_scales)
+        modules=tuple(modules), fuse_scales=cfg.fuse_scales, max_memory=cfg.max_memory,
+        offload=cfg.offload, spill_dir=cfg.resolved_output.parent)
     res = _calibrate(ccfg, groups)
     return res.ranges(), {"source": str(cfg.calib_data), "method": res.method,
                           "options": res.options, "samples": res.samples, "tokens": res.tokens,

@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from fp8export.config import CalibMethod, Device, sibling_output
+from fp8export.config import CalibMethod, Device, Offload, sibling_output
 from fp8export.errors import UsageError
 from fp8export.placement import parse_max_memory
 
@@ -40,6 +40,9 @@ class CalibrateConfig:
     seq_len: int | None = None  # default: the model's maximum positions
     device: Device = Device.AUTO
     max_memory: str | None = None  # "0=70GiB,1=70GiB,cpu=100GiB": spread (fp8export.placement)
+    offload: Offload = Offload.AUTO  # layer streaming (fp8export.streaming.plan)
+    plan: bool = False  # print the plan and stop
+    spill_dir: Path | None = None  # a spill file's parent when there is no output (convert's)
     modules: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -55,6 +58,7 @@ class CalibrateConfig:
         object.__setattr__(self, "calib_method",
                            CalibMethod.parse(self.calib_method, "--calib-method"))
         object.__setattr__(self, "device", Device.parse(self.device, "--device"))
+        object.__setattr__(self, "offload", Offload.parse(self.offload, "--offload"))
         parse_max_memory(self.max_memory)  # a usage error before any work
         for name in ("modules", "include", "exclude"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -87,8 +91,8 @@ class CalibrateConfig:
     def to_dict(self) -> dict:
         out = {}
         for k in ("checkpoint", "calib_data", "output", "calib_method", "percentile",
-                  "calib_samples", "batch_size", "seq_len", "device", "max_memory", "modules",
-                  "include", "exclude", "fuse_scales", "force"):
+                  "calib_samples", "batch_size", "seq_len", "device", "max_memory", "offload",
+                  "modules", "include", "exclude", "fuse_scales", "force"):
             v = getattr(self, k)
             out[k] = str(v) if isinstance(v, (Path, Enum)) else (list(v) if isinstance(v, tuple)
                                                                  else v)
@@ -122,3 +126,9 @@ class ConvertCalibration(Protocol):
     def device(self) -> Device: ...
     @property
     def fuse_scales(self) -> bool: ...
+    @property
+    def max_memory(self) -> str | None: ...
+    @property
+    def offload(self) -> Offload: ...
+    @property
+    def resolved_output(self) -> Path: ...

@@ -7,6 +7,7 @@ those into one calibrator's amaxes. One pass serves any calibrator.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class Observation:
     missing: list[str]
     notes: list[str]
     expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE: routed per expert
+    unmasked: dict[str, int] = field(default_factory=dict)  # calls the mask did not fit
 
 
 def forward_fn(model, modules: Sequence[str]) -> Callable[[Batch, Any], Any]:
@@ -126,14 +128,73 @@ def observe(model, samples: Samples, modules: Sequence[str], *, method: str = "m
             m.token_counts = m.count_rows = None
     seconds = time.perf_counter() - start
     missing = [m for m in modules if m not in stats]
-    notes = []
-    unmasked = sorted(m for m, c in obs.unmasked_calls.items() if c)
-    if unmasked:
-        notes.append(f"{len(unmasked)} modules received inputs whose shape does not match the "
-                     f"attention mask, so padding could not be excluded there: {unmasked[:5]}")
+    notes = unmasked_note(obs.unmasked_calls)
     return Observation(stats=stats, samples=n_samples, tokens=n_tokens, batches=n_done,
                        seconds=seconds, missing=missing, notes=notes,
-                       expert_tokens=expert_tokens)
+                       expert_tokens=expert_tokens, unmasked=dict(obs.unmasked_calls))
+
+
+def unmasked_note(unmasked: dict[str, int]) -> list[str]:
+    """The note on modules whose inputs the attention mask did not fit (none: no note)."""
+    bad = sorted(m for m, c in unmasked.items() if c)
+    if not bad:
+        return []
+    return [f"{len(bad)} modules received inputs whose shape does not match the attention "
+            f"mask, so padding could not be excluded there: {bad[:5]}"]
+
+
+def reduce_observation(ob: Observation, modules: Sequence[str], comm) -> Observation:
+    """The ranks' observations of their shares combined into the observation of all the data,
+    on every rank: max of the amaxes (NaN wins, as in one pass), sums of the element counts,
+    histograms, routed tokens and sample counts. Exact, so 1, 2 or 4 ranks give the same bits."""
+    if not comm.distributed:
+        return ob
+    import numpy as np
+    import torch
+
+    from fp8export.calibration.observers import FINITE_BINS, FinalStats
+
+    names = sorted(set(modules))
+    n = len(names)
+    have = [ob.stats.get(m) for m in names]
+    amax = torch.tensor([s.amax if s is not None else -math.inf for s in have],
+                        dtype=torch.float64)
+    counts = torch.tensor([[1 if s is not None else 0, s.elements if s else 0,
+                            s.nonfinite if s else 0, ob.unmasked.get(m, 0)]
+                           for m, s in zip(names, have, strict=True)] or
+                          torch.zeros((0, 4)), dtype=torch.int64).reshape(n, 4)
+    hist = any(s is not None and s.counts is not None for s in have)
+    hist_flag = comm.sum_ints(torch.tensor([int(hist)]), "calibration statistics")
+    amax = comm.max_floats(amax, "calibration amaxes")
+    counts = comm.sum_ints(counts, "calibration counts")
+    table = None
+    if int(hist_flag[0]):
+        table = torch.zeros((n, FINITE_BINS), dtype=torch.int64)
+        for i, s in enumerate(have):
+            if s is not None and s.counts is not None:
+                table[i] = torch.from_numpy(np.asarray(s.counts, dtype=np.int64))
+        table = comm.sum_ints(table, "calibration histograms")
+    experts = sorted(ob.expert_tokens)
+    flat = torch.tensor([c for e in experts for c in ob.expert_tokens[e]] +
+                        [ob.samples, ob.tokens, ob.batches], dtype=torch.int64)
+    flat = comm.sum_ints(flat, "routed tokens").tolist()
+    expert_tokens, at = {}, 0
+    for e in experts:
+        k = len(ob.expert_tokens[e])
+        expert_tokens[e] = flat[at:at + k]
+        at += k
+    stats = {}
+    for i, m in enumerate(names):
+        if int(counts[i, 0]):
+            stats[m] = FinalStats(amax=float(amax[i]), elements=int(counts[i, 1]),
+                                  counts=None if table is None else table[i].numpy().copy(),
+                                  nonfinite=int(counts[i, 2]))
+    unmasked = {m: int(counts[i, 3]) for i, m in enumerate(names)}
+    # an observation's only note is the unmasked one: made again from the summed counts
+    return Observation(stats=stats, samples=flat[-3], tokens=flat[-2], batches=flat[-1],
+                       seconds=ob.seconds, missing=[m for m in modules if m not in stats],
+                       notes=unmasked_note(unmasked), expert_tokens=expert_tokens,
+                       unmasked=unmasked)
 
 
 def amaxes_from_stats(stats: dict[str, FinalStats], method: str,

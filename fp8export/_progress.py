@@ -50,16 +50,26 @@ def printable(text: object) -> str:
     return _UNPRINTABLE.sub(_escape, str(text))
 
 
+def quiet() -> bool:
+    """A data-parallel rank other than 0 (torchrun): rank 0 speaks for the run, the others
+    print only what rank 0 cannot know (``fp8export.distributed``)."""
+    from fp8export.distributed import is_quiet_rank
+
+    return is_quiet_rank()
+
+
 def echo(message: object = "", err: bool = False) -> None:
     """``click.echo`` of :func:`printable` text: how commands print results."""
     import click
 
+    if quiet():
+        return
     click.echo(printable(message), err=err)
 
 
 def progress_enabled() -> bool:
     """True on a terminal outside CI (``CI`` or ``FP8EXPORT_NO_PROGRESS`` set: False)."""
-    if os.environ.get("CI") or os.environ.get("FP8EXPORT_NO_PROGRESS"):
+    if os.environ.get("CI") or os.environ.get("FP8EXPORT_NO_PROGRESS") or quiet():
         return False
     return sys.stderr.isatty()
 
@@ -149,4 +159,6 @@ def _shown(desc: str) -> Iterator[None]:
 
 def info(message: str) -> None:
     """A one-line notice for the user on stderr (kept in CI logs)."""
+    if quiet():
+        return
     print(printable(message), file=sys.stderr, flush=True)

@@ -41,6 +41,18 @@ def convert(config: ConvertConfig) -> ConvertResult:
     return _convert(config, early=early)
 
 
+def plan_convert(config: ConvertConfig) -> list[str]:
+    """``convert --plan``: the plan's lines (``fp8export.convert.plan``)."""
+    from fp8export._threads import prepare
+    from fp8export.convert.checks import check_inputs
+
+    check_inputs(config)
+    prepare()
+    from fp8export.convert.plan import plan_convert as _plan
+
+    return _plan(config)
+
+
 def calibrate(config: CalibrateConfig) -> CalibrationResult:
     """Sample data → activation ranges. See :func:`fp8export.calibration.api.calibrate`."""
     from fp8export._threads import prepare
@@ -75,6 +87,15 @@ def verify(config: VerifyConfig) -> VerifyResult:
 
     prepare()
     return verify_and_report(config)
+
+
+def plan_verify(config: VerifyConfig) -> list[str]:
+    """``verify --plan``: the lines of the plan (``fp8export.verify.run.plan_verify``)."""
+    from fp8export._threads import prepare
+    from fp8export.verify.run import plan_verify as _plan
+
+    prepare()
+    return _plan(config)
 
 
 def inspect(path: str | Path, *, plot: str | Path | None = None, as_json: bool = False,

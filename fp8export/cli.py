@@ -147,6 +147,27 @@ def _internal_error(exc: Exception, debug: bool) -> None:
                          f"line, the output of `fp8export --version` and {how}."), err=True)
 
 
+def _quiet() -> bool:
+    from fp8export.distributed import is_quiet_rank
+
+    return is_quiet_rank()
+
+
+def _report(exc: BaseException, message: str) -> str | None:
+    """The line this process prints for ``exc``; None where a data-parallel run has rank 0
+    speak for it (``fp8export.distributed.error_line``)."""
+    from fp8export.distributed import error_line
+
+    return error_line(exc, message)
+
+
+def _leave() -> None:
+    if "torch.distributed" in sys.modules:  # only a run that joined a process group
+        from fp8export.distributed import leave
+
+        leave()
+
+
 class LazyGroup(click.Group):
     """Imports a command's module only when that command is listed or run."""
 
@@ -173,14 +194,19 @@ class LazyGroup(click.Group):
             exc.show()
             code = exc.exit_code
         except UsageError as exc:
-            click.echo(f"Error: {printable(exc)}", err=True)
-            click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
+            line = _report(exc, printable(exc))
+            if line is not None:
+                click.echo(f"Error: {line}", err=True)
+                click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
             code = EXIT_USAGE
         except Fp8ExportError as exc:
-            click.echo(f"Error: {printable(exc)}", err=True)
+            line = _report(exc, printable(exc))
+            if line is not None:
+                click.echo(f"Error: {line}", err=True)
             code = EXIT_BAD_INPUT
         except VerificationFailed as exc:
-            click.echo(f"Verification failed: {printable(exc)}", err=True)
+            if not _quiet():
+                click.echo(f"Verification failed: {printable(exc)}", err=True)
             code = EXIT_VERIFY_FAILED
         except (click.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C into Abort
             term = _terminated(exc)
@@ -192,14 +218,18 @@ class LazyGroup(click.Group):
                        "half-written.", err=True)
             code = 128 + term.signum if term else EXIT_INTERRUPTED
         except Exception as exc:  # a bug in fp8export, not bad input: its own code
-            _internal_error(exc, _debug(argv))
+            if _report(exc, f"internal error: {type(exc).__name__}: {printable(exc)}") \
+                    is not None:
+                _internal_error(exc, _debug(argv))
             code = EXIT_INTERNAL
         else:
             if isinstance(rv, int):  # --help, --version: click's own exits, not a run
                 return self._finish(rv, standalone_mode)
             code = EXIT_OK
         status = "PASSED" if code == EXIT_OK else "FAILED"
-        click.echo(f"{status} | {name} | {time.perf_counter() - start:.2f}s", err=True)
+        if not _quiet():
+            click.echo(f"{status} | {name} | {time.perf_counter() - start:.2f}s", err=True)
+        _leave()
         return self._finish(code, standalone_mode)
 
     @staticmethod

@@ -85,3 +85,11 @@ class Device(StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class Offload(StrEnum):
+    """``--offload``: how a model larger than the device runs (``fp8export.streaming.plan``)."""
+
+    AUTO = "auto"  # whole when it fits, spread over a host's GPUs, else one layer at a time
+    NONE = "none"  # never stream: the whole model (or accelerate's spread)
+    LAYERS = "layers"  # always stream one decoder layer (block) at a time

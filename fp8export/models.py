@@ -452,7 +452,7 @@ def model_inputs(model, ids, mask, extras, device) -> dict[str, Any]:
     return {**extras, "decoder_input_ids": ids, "decoder_attention_mask": mask}
 
 
-def _refuse_quantized(ckpt, path: Path) -> None:
+def refuse_quantized(ckpt, path: Path) -> None:
     """A quantized folder loaded as a plain model would run its FP8 codes without their scales."""
     from fp8export.fp8dir.formats import dialect_of
 
@@ -489,7 +489,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                 f"{path}: no config.json beside the weights, so the architecture is unknown. "
                 "Put the model's config.json in the folder."
             )
-        _refuse_quantized(ckpt, Path(path))
+        refuse_quantized(ckpt, Path(path))
         shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
         if tensors:
             shapes.update({k: tuple(t.shape) for k, t in tensors.items() if k in shapes})
@@ -555,7 +555,7 @@ def load_model_spread(path: str | Path, budgets: dict[int | str, int], *,
             raise Fp8ExportError(f"{path}: no config.json beside the weights, so the "
                                  "architecture is unknown. Put the model's config.json in the "
                                  "folder.")
-        _refuse_quantized(ckpt, Path(path))
+        refuse_quantized(ckpt, Path(path))
         shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
         model = empty_model(ckpt.config, Path(path), dtype=dtype, shapes=shapes, empty=True)
         expected = set(model.state_dict())

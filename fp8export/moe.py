@@ -170,19 +170,20 @@ def moe_modules(model: nn.Module) -> dict[str, ExpertLinears]:
     return {n: m for n, m in model.named_modules() if isinstance(m, ExpertLinears)}
 
 
-def unfuse_experts(model: nn.Module, mode: str = "routed") -> dict[str, ExpertLinears]:
+def unfuse_experts(model: nn.Module, mode: str = "routed",
+                   leaves: tuple[str, str, str] | None = None) -> dict[str, ExpertLinears]:
     """Replace every fused experts module of ``model`` by :class:`ExpertLinears` (weights are
     views of the 3-D parameters: no copy); returns them by module name (none: a dense model).
+    ``leaves``: the experts' leaf names (:func:`model_leaves`), for a part of a model (one
+    decoder layer) that cannot ask transformers itself.
 
     Raises Fp8ExportError for an experts layout this does not compute (biases, transposed or
     interleaved weights, experts without a gate): naming the class.
     """
-    from fp8export.models import weight_conversions
-
     fused = {n: m for n, m in model.named_modules() if is_fused_experts(m)}
     if not fused:
         return {}
-    leaves = expert_leaves(weight_conversions(model)[1]) or ("gate_proj", "up_proj", "down_proj")
+    leaves = leaves or model_leaves(model)
     out = {}
     for name, mod in fused.items():
         odd = [a for a, bad in (("has_bias", True), ("is_transposed", True),
@@ -200,6 +201,13 @@ def unfuse_experts(model: nn.Module, mode: str = "routed") -> dict[str, ExpertLi
         setattr(model.get_submodule(parent) if parent else model, child, new)
         out[name] = new
     return out
+
+
+def model_leaves(model: nn.Module) -> tuple[str, str, str]:
+    """The (gate, up, down) leaf names a transformers model's experts have on disk."""
+    from fp8export.models import weight_conversions
+
+    return expert_leaves(weight_conversions(model)[1]) or ("gate_proj", "up_proj", "down_proj")
 
 
 def expert_summary(model: nn.Module) -> dict[str, Any] | None:

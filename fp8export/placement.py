@@ -41,10 +41,16 @@ left for activations, the logits and the allocator's slack)."""
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-MAX_MEMORY_HELP = ("Memory per device for the model, e.g. 0=70GiB,1=70GiB,cpu=100GiB (GPU "
-                   "indices, cpu, disk): spreads the model over those devices with accelerate "
-                   "(optional package). Default: spread over all GPUs only when the model does "
-                   "not fit the first one.")
+MAX_MEMORY_HELP = ("Memory per device, e.g. 0=70GiB,1=70GiB,cpu=100GiB (GPU indices, cpu, "
+                   "disk). Several devices: the model is spread over them with accelerate "
+                   "(optional package). One device: its cap (with --offload layers or a model "
+                   "larger than it, the layer-streaming budget; cpu=SIZE caps host memory). "
+                   "Default: the devices' free memory.")
+OFFLOAD_HELP = ("How a model larger than the device runs. auto: whole when it fits, spread over "
+                "this host's GPUs when they hold it together, else one decoder layer at a time "
+                "from the shards (layer streaming). layers: always stream. none: never stream.")
+PLAN_HELP = ("Print the plan (mode, memory per device, bytes read, estimated time measured on "
+             "the first layer) and stop.")
 
 
 def parse_max_memory(text: str | None, flag: str = "--max-memory") -> dict[int | str, int]:

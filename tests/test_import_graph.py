@@ -19,13 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 # later stage is listed separately.
 STAGES: list[tuple[str, set[str]]] = [
     ("foundation", {"fp8export", "errors", "config", "_lazy", "_progress", "_time_limit",
-                    "_timings", "_threads", "numerics", "io", "placement"}),
+                    "_timings", "_threads", "numerics", "io", "placement", "distributed"}),
     ("read", {"checkpoint"}),
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),
     ("models", {"models", "moe", "keras_model"}),
     ("inputs", {"inputs"}),
     ("runtime", {"runtime"}),
+    ("streaming", {"streaming"}),
     ("calibration", {"calibration"}),
     ("plots", {"plots"}),
     ("onnx", {"onnx"}),

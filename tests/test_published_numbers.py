@@ -278,8 +278,10 @@ def _numbers(value) -> list[float]:
     ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **Multi-GPU calibrate / verify**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15"]),  # model size, target
-    ("- **Multi-GPU calibrate / verify**", "- **Transformer Engine reader**", ["multi_gpu.md"],
-     []),
+    ("- **Multi-GPU calibrate / verify**", "- **Layer streaming**", ["multi_gpu.md"], []),
+    ("- **Layer streaming**", "- **Transformer Engine reader**",
+     ["streaming_h200.md", "streaming_h200.json"],
+     ["2", "84", "3.2", "3", "1.15", "0.8"]),  # the GPU count, model shape, targets
     ("- **Transformer Engine reader**", "- **export-onnx**", ["te_reader.md"], []),
     ("- **convert** (`bench/convert.py`", "## Reliability",
      ["convert.md", "convert_large.md", "convert_loaded.md", "convert_vs_main.md",

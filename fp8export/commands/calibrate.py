@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from fp8export._progress import echo
-from fp8export.placement import MAX_MEMORY_HELP
+from fp8export.placement import MAX_MEMORY_HELP, OFFLOAD_HELP, PLAN_HELP
 
 _CHOICES = {"case_sensitive": False}
 
@@ -36,13 +36,16 @@ _CHOICES = {"case_sensitive": False}
               show_default=True, help="auto: cuda when available. Several GPUs: models that do "
                    "not fit one are spread with accelerate (optional package).")
 @click.option("--max-memory", metavar="DEV=SIZE,...", help=MAX_MEMORY_HELP)
+@click.option("--offload", type=click.Choice(["auto", "layers", "none"], **_CHOICES),
+              default="auto", show_default=True, help=OFFLOAD_HELP)
+@click.option("--plan", is_flag=True, help=PLAN_HELP)
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Also calibrate these modules (default: exactly those convert quantizes).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Do not calibrate these modules (default: none beyond convert's own).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 def command(checkpoint, calib_data, output, calib_method, percentile, calib_samples, batch_size,
-            seq_len, device, max_memory, include, exclude, force):
+            seq_len, device, max_memory, offload, plan, include, exclude, force):
     """Observe the inputs of every linear layer `convert` quantizes, on the bf16 model.
 
     Writes amax.json (method, sample count, per-layer amax and scale = amax/448, the
@@ -56,10 +59,15 @@ def command(checkpoint, calib_data, output, calib_method, percentile, calib_samp
     cfg = CalibrateConfig(checkpoint=checkpoint, calib_data=calib_data, output=output,
                           calib_method=calib_method, percentile=percentile,
                           calib_samples=calib_samples, batch_size=batch_size, seq_len=seq_len,
-                          device=device, max_memory=max_memory, include=include,
-                          exclude=exclude, force=force)
+                          device=device, max_memory=max_memory, offload=offload, plan=plan,
+                          include=include, exclude=exclude, force=force)
     cfg = CalibrateConfig(**{**cfg.__dict__, "output": cfg.resolved_output})
     result = api.calibrate(cfg)
+    if result.planned:
+        for line in result.plan:
+            echo(line)
+        echo("plan only (--plan): nothing was calibrated or written")
+        return
     opts = "".join(f", {k}={v}" for k, v in result.options.items())
     echo(f"calibrated {len(result.amax)} layers with {result.method}{opts} on "
                f"{result.samples} samples ({result.tokens} tokens, {result.device}, "
@@ -70,4 +78,13 @@ def command(checkpoint, calib_data, output, calib_method, percentile, calib_samp
                    err=True)
     for note in result.notes:
         echo(f"note: {note}", err=True)
+    if result.ranks > 1:
+        echo(f"data parallel: {result.ranks} ranks, each on its share of the batches; rank 0 "
+             "wrote the file")
+    if result.streaming and result.streaming.get("peak_device_bytes") is not None:
+        from fp8export.placement import format_bytes
+
+        peak, planned = (format_bytes(result.streaming[k])
+                         for k in ("peak_device_bytes", "device_peak"))
+        echo(f"layer streaming: peak GPU memory {peak} (planned at most {planned})")
     echo(f"amax: {cfg.output}")

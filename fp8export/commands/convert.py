@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from fp8export._progress import echo
+from fp8export.placement import MAX_MEMORY_HELP, OFFLOAD_HELP, PLAN_HELP
 
 
 def _choice(*values: str) -> click.Choice:
@@ -91,12 +92,14 @@ def _choice(*values: str) -> click.Choice:
                    "tensor, or one per token and group of the block's K columns (block "
                    "granularity, where it is the default and the only choice). Declared in "
                    "config.json and fp8export.json; verify runs what the folder declares.")
-@click.option("--weight-rounding", type=_choice("nearest", "gptq"), default="nearest",
-              show_default=True,
+@click.option("--weight-rounding", type=_choice("nearest", "gptq", "gptq-sequential"),
+              default="nearest", show_default=True,
               help="nearest: each weight to its nearest E4M3 value. gptq: E4M3 codes chosen "
                    "for each layer's output on --calib-data (GPTQ on the E4M3 grid of the same "
                    "scales): the same tensors and config, a more accurate model (measured in "
                    "the README's recipe table); costs a pass over the data and a solve per "
+                   "layer. gptq-sequential: each layer's inputs come through the layers before "
+                   "it as written (llm-compressor's sequential pipeline); one more pass per "
                    "layer.")
 @click.option("--kv-cache", type=_choice("none", "fp8"), default="none", show_default=True,
               help="fp8: calibrate a k_scale/v_scale per attention layer on --calib-data (keys "
@@ -105,6 +108,11 @@ def _choice(*values: str) -> click.Choice:
                    "verify then runs the candidate with FP8 keys and values.")
 @click.option("--device", type=_choice("auto", "cpu", "cuda"), default="auto",
               show_default=True, help="Device for calibration.")
+@click.option("--max-memory", metavar="DEV=SIZE,...", help=MAX_MEMORY_HELP)
+@click.option("--offload", type=_choice("auto", "layers", "none"), default="auto",
+              show_default=True, help=OFFLOAD_HELP + " For every step that runs the model "
+              "(calibration, GPTQ, the KV cache).")
+@click.option("--plan", is_flag=True, help=PLAN_HELP)
 @click.option("--accuracy-samples", type=click.IntRange(min=1),
               help="Samples of --calib-data (or the built-in set) that --accuracy-budget "
                    "searches on (default 32), taken after the samples calibration reads; the "
@@ -133,8 +141,8 @@ def _choice(*values: str) -> click.Choice:
 def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
             calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
             fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
-            scale_format, dynamic_activations, weight_rounding, kv_cache, device, accuracy_samples,
-            accuracy_budget, workers, read_back, force):
+            scale_format, dynamic_activations, weight_rounding, kv_cache, device, max_memory,
+            offload, plan, accuracy_samples, accuracy_budget, workers, read_back, force):
     """Convert CHECKPOINT to an FP8 (E4M3) safetensors folder, weight scales per tensor, channel
     or block.
 
@@ -164,10 +172,15 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
         weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
         weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
         scale_format=scale_format,
-        device=device, force=force,
+        device=device, max_memory=max_memory, offload=offload, plan=plan, force=force,
         accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
         read_back=read_back,
     )
+    if plan:
+        for line in api.plan_convert(cfg):
+            echo(line)
+        echo("plan only (--plan): nothing was converted or written")
+        return
     try:
         result = api.convert(cfg)
     except VerificationFailed as missed:  # written, but over its --accuracy-budget: exit 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from fp8export._progress import echo
-from fp8export.placement import MAX_MEMORY_HELP
+from fp8export.placement import MAX_MEMORY_HELP, OFFLOAD_HELP, PLAN_HELP
 
 THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metric: bound "
                   "(e.g. {preset: default, kl_mean: 0.01}).")
@@ -43,6 +43,10 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
               show_default=True, help="Device of the torch runtimes; auto: cuda when available.")
 @click.option("--max-memory", metavar="DEV=SIZE,...",
               help=MAX_MEMORY_HELP + " Shared by the reference and a torch candidate.")
+@click.option("--offload", type=click.Choice(["auto", "layers", "none"]), default="auto",
+              show_default=True, help=OFFLOAD_HELP + " Streams the reference, an FP8-folder "
+              "candidate and the fp32 noise floor alike.")
+@click.option("--plan", is_flag=True, help=PLAN_HELP)
 @click.option("--timeout", type=click.FloatRange(min=0), default=None,
               help="Wall-clock limit of the whole run in seconds, every stage included "
                    "(loading, comparing, hashing); reached, verify exits 1 saying how far it "
@@ -69,7 +73,7 @@ THRESHOLD_HELP = ("Preset (strict, default, loose) or a .yaml/.json file of metr
                    "and report the FP8-linears-only and KV-cache-only results next to it.")
 def command(reference, candidate, data, thresholds, report_dir, backend, reference_dtype,
             samples, batch_size, seq_len, per_layer, no_noise_floor, device, max_memory,
-            timeout, force, fp8_mode, ort_opt_level, kv_cache, attention):
+            offload, plan, timeout, force, fp8_mode, ort_opt_level, kv_cache, attention):
     """Compare CANDIDATE (FP8 folder, .onnx, .engine) with the bf16 REFERENCE's logits.
 
     REFERENCE is the model the candidate was converted from: a Hugging Face folder, or a Keras
@@ -87,10 +91,16 @@ def command(reference, candidate, data, thresholds, report_dir, backend, referen
                        thresholds=thresholds, report_dir=report_dir, backend=backend,
                        reference_dtype=reference_dtype, samples=samples, batch_size=batch_size,
                        seq_len=seq_len, per_layer=per_layer, noise_floor=not no_noise_floor,
-                       device=device, max_memory=max_memory, fp8_mode=fp8_mode,
+                       device=device, max_memory=max_memory, offload=offload, plan=plan,
+                       fp8_mode=fp8_mode,
                        ort_opt_level=ort_opt_level, timeout=timeout, force=force,
                        kv_cache=kv_cache, attention=attention,
                        command_line=_command_line(click.get_current_context()))
+    if plan:
+        for line in api.plan_verify(cfg):
+            echo(line)
+        echo("plan only (--plan): nothing was compared or written")
+        return
     try:
         result = api.verify(cfg)
     except VerificationFailed as exc:

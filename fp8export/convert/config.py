@@ -17,12 +17,14 @@ from fp8export.config import (
     AmaxAlgo,
     CalibMethod,
     Device,
+    Offload,
     OutputFormat,
     ReadBack,
     StrEnum,
     sibling_output,
 )
 from fp8export.errors import UsageError
+from fp8export.placement import parse_max_memory
 
 DEFAULT_BLOCK = (128, 128)
 """Block size (rows of the output dimension x columns of the input dimension) of
@@ -89,7 +91,10 @@ class WeightRounding(StrEnum):
     its nearest value, or GPTQ (codes chosen for the layer's output on ``--calib-data``)."""
 
     NEAREST = "nearest"
-    GPTQ = "gptq"
+    GPTQ = "gptq"  # every layer's inputs from the bf16 model (one pass, parallel Hessians)
+    # each layer's inputs from the layers before it as they will be written (llm-compressor's
+    # sequential pipeline): quantization error propagates into the later layers' Hessians
+    GPTQ_SEQUENTIAL = "gptq-sequential"
 
 
 class ScaleFormat(StrEnum):
@@ -137,6 +142,9 @@ class ConvertConfig:
     kv_cache: KvCache = KvCache.NONE
     scale_format: ScaleFormat = ScaleFormat.FLOAT
     device: Device = Device.AUTO
+    max_memory: str | None = None  # device budgets (fp8export.placement.parse_max_memory)
+    offload: Offload = Offload.AUTO  # layer streaming (fp8export.streaming.plan)
+    plan: bool = False  # print the plan and stop
     force: bool = False
     accuracy_budget: float | None = None  # KL budget: keep linears in bf16 (analysis/fallback.py)
     workers: int | None = None  # threads converting at once; None: every core
@@ -153,7 +161,7 @@ class ConvertConfig:
                            ("weight_granularity", WeightGranularity),
                            ("dynamic_activations", DynamicActivations),
                            ("weight_rounding", WeightRounding), ("kv_cache", KvCache),
-                           ("scale_format", ScaleFormat)):
+                           ("scale_format", ScaleFormat), ("offload", Offload)):
             option = f"--{name.replace('_', '-')}"
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, enum.parse(getattr(self, name), option))
@@ -166,7 +174,8 @@ class ConvertConfig:
                 "--scales calibrate needs --calib-data PATH (or --calib-amax amax.json from "
                 "`fp8export calibrate`)."
             )
-        if self.weight_rounding is WeightRounding.GPTQ and self.calib_data is None:
+        parse_max_memory(self.max_memory)  # a usage error before any file is read
+        if self.weight_rounding is not WeightRounding.NEAREST and self.calib_data is None:
             raise UsageError("--weight-rounding gptq rounds each weight for its layer's output "
                              "on sample inputs: give --calib-data PATH.")
         if self.kv_cache is KvCache.FP8 and self.calib_data is None:

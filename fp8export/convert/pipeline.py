@@ -435,8 +435,12 @@ class _Run:
 
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
+    from fp8export.distributed import join
+    from fp8export.placement import resolve_device
+
     out = cfg.resolved_output
     check_inputs(cfg)  # fail before any heavy work (api.convert ran it before torch loaded)
+    join(resolve_device(cfg.device))  # under torchrun: the ranks share the model steps
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
@@ -509,13 +513,13 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     if cfg.scale_format is ScaleFormat.UE8M0:  # powers of two, rounded up
         weight_scales = as_loaded(weight_scales, "F8_E8M0")
     rounding, rounding_entry = {}, None
-    if cfg.weight_rounding is WeightRounding.GPTQ:
+    if cfg.weight_rounding is not WeightRounding.NEAREST:
         from fp8export.convert.rounding import rounding_step
 
         # from here on the checkpoint serves the rounded weights: the budget search, the
         # writer and the read-back all see the codes that are written
         ckpt, rounding, rounding_entry = rounding_step(calib_cfg, ckpt, sel, weight_scales,
-                                                       notes)
+                                                       notes, input_scales)
         run.lap("weight rounding")
     # before the budget: the search measures the model with its FP8 KV cache
     kv, kv_after, kv_entry = _kv_cache_scales(calib_cfg, ckpt)
@@ -535,13 +539,23 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
                      kv, kv_after, kv_entry, search, budget, _block(cfg),
                      {m: f for m, f in rounding.items() if m in weight_scales}, rounding_entry)
     qconfig = config_step(cfg, ckpt, scales, notes)
-    plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales, input_scales,
-                        scale_shape(cfg.format), kv_after=kv_after,
-                        weight_scale_name=weight_scale_name(cfg.format, _block(cfg) is not None),
-                        weight_scale_dtype="F8_E8M0" if cfg.scale_format is ScaleFormat.UE8M0
-                        else "F32")
-    run.lap("scales + plan")
-    return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
+    from fp8export.distributed import rank0_writes
+
+    # data parallel: the ranks shared the model steps; rank 0 writes, the others wait for it
+    with rank0_writes(f"writing {out}") as writes:
+        if writes:
+            plans = plan_shards(ckpt, {t.weight: t for t in sel.targets}, weight_scales,
+                                input_scales, scale_shape(cfg.format), kv_after=kv_after,
+                                weight_scale_name=weight_scale_name(cfg.format,
+                                                                    _block(cfg) is not None),
+                                weight_scale_dtype="F8_E8M0"
+                                if cfg.scale_format is ScaleFormat.UE8M0 else "F32")
+            run.lap("scales + plan")
+            return write_step(cfg, ckpt, out, run, scales, qconfig, plans, notes)
+    return ConvertResult(output=str(out), format=str(cfg.format),
+                         activation_scheme=activation_scheme(sorted(input_scales), dynamic),
+                         quantized=len(sel.modules), excluded=dict(sorted(sel.excluded.items())),
+                         dynamic_layers=dynamic, layers=[], notes=notes)
 
 
 def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selection:

@@ -451,10 +451,14 @@ def claimed_report_dir(report_dir: Path, force: bool, inputs=()):
     for the run: a second verify run into the same folder is refused at its start instead of
     replacing this run's report at its end. A folder created here and left empty (the run
     failed before any report) is removed again."""
+    from fp8export.distributed import is_quiet_rank
     from fp8export.io.atomic import folder_lock
 
     report_dir = Path(report_dir)
     check_report_dir(report_dir, force, inputs)
+    if is_quiet_rank():  # torchrun: rank 0 holds the folder and writes the reports
+        yield report_dir
+        return
     created = not report_dir.exists()
     try:
         report_dir.mkdir(parents=True, exist_ok=True)
@@ -488,16 +492,24 @@ def verify_and_report(cfg: VerifyConfig) -> VerifyResult:
         check_data_file(cfg.data)
     thresholds_file = None if isinstance(cfg.thresholds, dict) or \
         str(cfg.thresholds) in PRESETS else Path(cfg.thresholds)
+    from fp8export.distributed import rank0_writes
+
+    # data parallel (torchrun): every rank judged the same merged comparison; rank 0 writes
     with claimed_report_dir(cfg.report_dir, cfg.force,
                             inputs=(cfg.reference, cfg.candidate, cfg.data, thresholds_file)):
         try:
             result = verify(cfg)
         except VerificationFailed as exc:
             result = exc.result
-            with stage(f"writing the reports to {cfg.report_dir}"):
-                result.reports = write_reports(result.to_dict(), cfg.report_dir,
-                                               force=cfg.force)
+            with rank0_writes(f"writing the reports to {cfg.report_dir}") as writes:
+                if writes:
+                    with stage(f"writing the reports to {cfg.report_dir}"):
+                        result.reports = write_reports(result.to_dict(), cfg.report_dir,
+                                                       force=cfg.force)
             raise
-        with stage(f"writing the reports to {cfg.report_dir}"):
-            result.reports = write_reports(result.to_dict(), cfg.report_dir, force=cfg.force)
+        with rank0_writes(f"writing the reports to {cfg.report_dir}") as writes:
+            if writes:
+                with stage(f"writing the reports to {cfg.report_dir}"):
+                    result.reports = write_reports(result.to_dict(), cfg.report_dir,
+                                                   force=cfg.force)
     return result

@@ -120,6 +120,8 @@ def install(model: torch.nn.Module, scales: Mapping[str, tuple], *, mode: str = 
         ks, vs = scales[name]
         heads = kv_heads(module)
         device = module.k_proj.weight.device if hasattr(module.k_proj, "weight") else None
+        if device is not None and device.type == "meta":
+            device = None  # a streamed skeleton: the scales stay real, each layer moves them
         module.register_buffer("fp8_k_scale", head_scales(ks, heads, device), persistent=False)
         module.register_buffer("fp8_v_scale", head_scales(vs, heads, device), persistent=False)
         module.__dict__[_STATE] = state

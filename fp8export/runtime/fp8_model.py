@@ -168,7 +168,7 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     model.eval()
     groups = fused_groups(quantized, config, names) if fuse else {}
     unfused = fuse_projections(model, groups)
-    kv = _kv_attention(model, manifest, tensors, where, kv_cache, attention)
+    kv = emulate_kv_cache(model, manifest, tensors, where, kv_cache, attention)
     info = {"mode": resolved, "quantized_layers": len(quantized), "fallbacks": fallbacks,
             "activation_scheme": manifest.get("activation_scheme"),
             "weight_granularity": fmt.granularity, "block_size": fmt.to_dict()["block_size"],
@@ -184,8 +184,8 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
     return model, config, manifest, info
 
 
-def _kv_attention(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
-                  where: Path, kv_cache: str, attention: str) -> str | None:
+def emulate_kv_cache(model, manifest: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     where: Path, kv_cache: str = "auto", attention: str = "bf16") -> str | None:
     """A folder converted with ``--kv-cache fp8`` runs with its keys and values E4M3 with its own
     ``k_scale``/``v_scale`` tensors (per tensor, or one per KV head), as vLLM runs it with
     ``kv_cache_dtype="fp8"``; ``attention="fp8"`` runs FP8 attention on them. Returns the

@@ -42,28 +42,118 @@ def first_output(out: dict, who: str):
                          "export the model with a 'logits' output.")
 
 
+class Accumulator:
+    """Both models' (and the fp32 reference's) logits of each batch into the comparisons the
+    head's family picks; in a data-parallel run each rank adds its share and :meth:`finish`
+    merges the shares in sample order, on every rank (so every rank judges alike)."""
+
+    def __init__(self, session: Session, inputs: Inputs, batches: list, mine: range):
+        from fp8export.distributed import current
+
+        self.session, self.inputs = session, inputs
+        self.comm = current()
+        # real tokens of the samples before this rank's first (the scatter's draws replay)
+        self.before = tuple(int(t) for b in batches[:mine.start]
+                            for t in b.attention_mask.sum(dim=1).tolist())
+        self.cmp = self.floor_cmp = self.vs_fp32 = self.family = None
+
+    def _new(self):
+        from fp8export.verify.family import new_comparison
+        from fp8export.verify.metrics import Comparison
+
+        cmp = new_comparison(self.family, self.inputs.task, self.session.cfg.reference)
+        if self.comm.distributed:
+            if not isinstance(cmp, Comparison):
+                raise Fp8ExportError(f"data-parallel verify compares logits; an {self.family} "
+                                     "model's comparison needs all samples in one process. "
+                                     "Run verify without torchrun.")
+            cmp = Comparison(causal=cmp.causal, before=self.before)
+        return cmp
+
+    def add(self, batch, ref_logits, cand_logits, fp32_logits=None) -> None:
+        from fp8export.verify.family import family_of
+
+        if self.cmp is None:  # the head decides the metrics, once
+            self.family = family_of(self.inputs.task, ref_logits.ndim)
+            self.cmp = self._new()
+            if fp32_logits is not None:
+                self.floor_cmp, self.vs_fp32 = self._new(), self._new()
+        labels = batch.labels.numpy() if batch.labels is not None else None
+        like = {"attention_mask": batch.attention_mask.numpy(),
+                "input_ids": batch.input_ids.numpy(), "labels": labels,
+                "indices": batch.indices}
+        self.cmp.add(ref_logits, cand_logits, **like)
+        if fp32_logits is not None:
+            self.floor_cmp.add(fp32_logits, ref_logits, **like)
+            self.vs_fp32.add(fp32_logits, cand_logits, **like)
+
+    def finish(self, per_layer, seconds: dict[str, float]) -> Compared:
+        comm = self.comm
+        if comm.distributed:
+            self._merge()
+        if self.cmp is None:
+            raise Fp8ExportError("no samples to compare: the data gave no batch. Give data "
+                                 "with at least one non-empty sample.")
+        compared = self.cmp.result()
+        floor = None if self.floor_cmp is None else _floor(self.session.cfg, compared,
+                                                          self.floor_cmp, self.vs_fp32)
+        return Compared(compared, self.cmp, self.family, floor, per_layer, seconds)
+
+    def _merge(self) -> None:
+        """Every rank's comparisons, gathered and merged in rank (= sample) order."""
+        from fp8export.verify.family import MetricFamily
+        from fp8export.verify.metrics import Comparison
+
+        comm = self.comm
+        kinds = ("cmp", "floor_cmp", "vs_fp32")
+        for kind in kinds:
+            mine = getattr(self, kind)
+            parts = comm.all_gather_bytes(b"" if mine is None else mine.to_bytes(),
+                                          f"the comparison ({kind})")
+            parts = [p for p in parts if p]
+            if parts:
+                setattr(self, kind, Comparison.merged(parts))
+        names = comm.all_gather_bytes(str(self.family or "").encode(), "the metric family")
+        named = [n.decode() for n in names if n]
+        if named:
+            self.family = MetricFamily(named[0])
+
+
 def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Compared:
-    """Run every batch through the reference, the candidate and the floor runner; compare.
-    ``layer_check``: measure each quantized layer's isolated SQNR (layer_check.py)."""
-    from fp8export.inputs.samples import iter_batches, num_batches
-    from fp8export.verify.family import family_of, new_comparison
+    """Run every batch (this rank's share) through the reference, the candidate and the floor
+    runner; compare. ``layer_check``: measure each quantized layer's isolated SQNR
+    (layer_check.py). A streamed session runs layer by layer (``verify/streamed.py``)."""
+    from fp8export.distributed import current
+    from fp8export.inputs.samples import iter_batches
+    from fp8export.verify.family import new_comparison
     from fp8export.verify.metrics import class_logits
     from fp8export.verify.noise_floor import FLOOR_DTYPE
 
     cfg, ref, cand, floor_runner = session.cfg, session.reference, session.candidate, \
         session.floor
-    samples, head = inputs.samples, inputs.head
+    batches = list(iter_batches(inputs.samples, cfg.batch_size))
+    comm = current()
+    mine = comm.share(len(batches))
+    acc = Accumulator(session, inputs, batches, mine)
+    if session.streamed:
+        from fp8export.verify.streamed import compare_streamed
+
+        return compare_streamed(session, inputs, [batches[b] for b in mine], acc, layer_check)
+    head = inputs.head
+    variants = cand.attention_variants()
+    if variants and comm.distributed:
+        raise Fp8ExportError("--kv-cache fp8 / --attention fp8 compare several configurations "
+                             "of the candidate in one process; run verify without torchrun.")
     probe = _per_layer_probe(session, layer_check)
     rows = None
-    variants = session.candidate.attention_variants()
     ladder: dict[str, Any] = {}
-    cmp = floor_cmp = vs_fp32 = family = None
     t_ref = t_cand = t_floor = 0.0
     try:
-        for batch in progress(iter_batches(samples, cfg.batch_size),
-                              total=num_batches(samples, cfg.batch_size),
-                              desc=f"comparing logits on {len(samples)} sample(s)", unit="batch"):
+        for b in progress(mine, total=len(mine),
+                          desc=f"comparing logits on {len(inputs.samples)} sample(s)",
+                          unit="batch"):
             check()  # the time limit, between batches wherever the run is (signals or not)
+            batch = batches[b]
             feed = {"input_ids": batch.input_ids.numpy(),
                     "attention_mask": batch.attention_mask.numpy(),
                     **{k: v.numpy() for k, v in (batch.extras or {}).items()}}
@@ -73,45 +163,35 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
             t_ref += ref.last_inference_time or 0.0
             cand_logits = class_logits(first_output(cand.infer(feed), "the candidate"), head)
             t_cand += cand.last_inference_time or 0.0
+            fp32 = None
+            if floor_runner is not None:
+                fp32 = class_logits(first_output(floor_runner.infer(feed),
+                                                 f"the {FLOOR_DTYPE} reference"), head)
+                t_floor += floor_runner.last_inference_time or 0.0
+            acc.add(batch, ref_logits, cand_logits, fp32)
             labels = batch.labels.numpy() if batch.labels is not None else None
-            if cmp is None:  # the head decides the metrics, once
-                family = family_of(inputs.task, ref_logits.ndim)
-                cmp = new_comparison(family, inputs.task, cfg.reference)
-                if floor_runner is not None:
-                    floor_cmp = new_comparison(family, inputs.task, cfg.reference)
-                    vs_fp32 = new_comparison(family, inputs.task, cfg.reference)
             like = {"attention_mask": feed["attention_mask"], "input_ids": feed["input_ids"],
                     "labels": labels, "indices": batch.indices}
-            cmp.add(ref_logits, cand_logits, **like)
             for label, mode in variants:  # the same batch through the cheaper configurations
                 cand.set_attention(mode)
                 try:
                     out = class_logits(first_output(cand.infer(feed), label), head)
                 finally:
                     cand.set_attention("judged")
-                ladder.setdefault(label, new_comparison(family, inputs.task, cfg.reference)
+                ladder.setdefault(label, new_comparison(acc.family, inputs.task, cfg.reference)
                                   ).add(ref_logits, out, **like)
-            if floor_runner is not None:
-                fp32 = class_logits(first_output(floor_runner.infer(feed),
-                                                 f"the {FLOOR_DTYPE} reference"), head)
-                t_floor += floor_runner.last_inference_time or 0.0
-                floor_cmp.add(fp32, ref_logits, **like)
-                vs_fp32.add(fp32, cand_logits, **like)
     finally:
         if probe is not None:
             rows = probe.result()
             probe.close()
-    if cmp is None:
-        raise Fp8ExportError("no samples to compare: the data gave no batch. Give data "
-                             "with at least one non-empty sample.")
-    compared = cmp.result()
-    floor = None if floor_cmp is None else _floor(cfg, compared, floor_cmp, vs_fp32)
-    cost = _attention_cost(cand, ladder, cmp, compared) if variants else None
-    return Compared(compared, cmp, family, floor, rows if session.cfg.per_layer else None,
-                    {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor},
-                    layers=rows, layer_tokens=probe.tokens if probe is not None else 0,
-                    attention_cost=cost)
-
+    measured = acc.finish(rows if cfg.per_layer else None,
+                          {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor})
+    measured.layers = rows
+    measured.layer_tokens = probe.tokens if probe is not None else 0
+    if variants:
+        measured.attention_cost = _attention_cost(cand, ladder, measured.comparison,
+                                                  measured.result)
+    return measured
 
 COST_METRICS = ("kl_mean", "top1_agreement", "kl_p99", "top5_overlap", "ppl_ratio")
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from fp8export.config import Device, StrEnum
+from fp8export.config import Device, Offload, StrEnum
 from fp8export.errors import UsageError
 from fp8export.placement import parse_max_memory
 from fp8export.verify.thresholds import check_spec
@@ -56,6 +56,8 @@ class VerifyConfig:
     device: Device = Device.AUTO
     # "0=70GiB,1=70GiB,cpu=100GiB": the reference and the candidate together (placement.py)
     max_memory: str | None = None
+    offload: Offload = Offload.AUTO  # layer streaming (fp8export.streaming.plan)
+    plan: bool = False  # print the plan and stop (fp8export.verify.run.plan_verify)
     fp8_mode: str = "auto"
     ort_opt_level: str | None = None  # None: onnxruntime's default (what users run)
     # FP8-folder candidates: their KV cache ("auto": as the folder declares it, "fp8", "none")
@@ -78,7 +80,7 @@ class VerifyConfig:
         if self.data is not None:
             object.__setattr__(self, "data", Path(self.data))
         for name, enum in (("backend", Backend), ("reference_dtype", RefDtype),
-                           ("device", Device)):
+                           ("device", Device), ("offload", Offload)):
             object.__setattr__(self, name, enum.parse(getattr(self, name),
                                                       f"--{name.replace('_', '-')}"))
         for name in ("samples", "batch_size", "seq_len"):

@@ -27,6 +27,8 @@ class Session:
     folder_format: Any = None  # fp8dir.reader.FolderFormat of an FP8-folder candidate
     tokenizer: Any = None
     notes: list[str] = field(default_factory=list)
+    decision: Any = None  # streaming.plan.Decision: whole, spread or layer streaming
+    streamed: bool = False  # the torch models stream layer by layer (verify/streamed.py)
 
     def runners(self) -> list[Runner]:
         return [r for r in (self.reference, self.candidate, self.floor) if r is not None]
@@ -44,27 +46,37 @@ class Inputs:
 
 
 def open_session(cfg: VerifyConfig, kind: str, measure_floor: bool) -> Session:
-    """The runners for ``cfg`` (not yet active) and the candidate folder's format."""
-    from fp8export.placement import parse_max_memory
+    """The runners for ``cfg`` (not yet active) and the candidate folder's format; the plan
+    decides whether the torch models run whole, spread or layer by layer."""
+    from fp8export.placement import parse_max_memory, resolve_device
     from fp8export.verify.candidates import open_candidate, open_reference
     from fp8export.verify.noise_floor import FLOOR_DTYPE
 
     if kind in ("onnx", "engine") and cfg.data is not None:
         refuse_media(cfg, kind)
     max_memory = parse_max_memory(cfg.max_memory) or None
-    reference = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
-                               device=str(cfg.device), max_memory=max_memory)
-    floor = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \
-        if measure_floor else None
-    candidate = open_candidate(cfg.candidate, backend=str(cfg.backend), device=str(cfg.device),
-                               dtype="bf16" if kind == "fp8-folder" else str(cfg.reference_dtype),
-                               fp8_mode=cfg.fp8_mode, max_memory=max_memory,
-                               ort_opt_level=cfg.ort_opt_level, kv_cache=cfg.kv_cache,
-                               attention=cfg.attention)
-    session = Session(cfg, kind, reference, candidate, floor)
-    if cfg.noise_floor and cfg.max_memory:
-        session.notes.append("No noise floor: --max-memory spreads the model over devices, "
-                             "leaving no room for the fp32 copy it needs.")
+    decision = _decide(cfg, kind, measure_floor, resolve_device(cfg.device))
+    if decision is not None and decision.mode == "layers":
+        session = _streamed_session(cfg, kind, measure_floor, decision)
+    else:
+        if decision is not None and decision.mode == "whole":
+            max_memory = None  # the plan keeps them whole
+        reference = open_reference(cfg.reference, dtype=str(cfg.reference_dtype),
+                                   device=str(cfg.device), max_memory=max_memory)
+        floor = open_reference(cfg.reference, dtype=FLOOR_DTYPE, device=str(cfg.device)) \
+            if measure_floor else None
+        candidate = open_candidate(cfg.candidate, backend=str(cfg.backend),
+                                   device=str(cfg.device),
+                                   dtype="bf16" if kind == "fp8-folder"
+                                   else str(cfg.reference_dtype),
+                                   fp8_mode=cfg.fp8_mode, max_memory=max_memory,
+                                   ort_opt_level=cfg.ort_opt_level, kv_cache=cfg.kv_cache,
+                                   attention=cfg.attention)
+        session = Session(cfg, kind, reference, candidate, floor)
+        if cfg.noise_floor and decision is not None and decision.mode == "spread":
+            session.notes.append("No noise floor: --max-memory spreads the model over devices, "
+                                 "leaving no room for the fp32 copy it needs.")
+    session.decision = decision
     if kind == "fp8-folder":
         session.folder_format = fp8_folder_format(cfg.candidate, session.notes)
     return session
@@ -83,6 +95,65 @@ def refuse_media(cfg: VerifyConfig, kind: str) -> None:
             f"is {what}, which takes token ids only (export-onnx traces the language model on "
             "text). Verify it with text-only data, and the FP8 folder with the "
             f"{' and '.join(kinds)} data.")
+
+
+def _decide(cfg: VerifyConfig, kind: str, measure_floor: bool, device: str):
+    """The plan's decision for the torch models of this run (None: a Keras reference, which
+    runs whole)."""
+    from fp8export.distributed import join
+    from fp8export.models import checkpoint_bytes
+    from fp8export.placement import parse_max_memory
+    from fp8export.runners.keras_runner import is_keras_file
+    from fp8export.streaming.plan import decide
+
+    comm = join(device)
+    if is_keras_file(cfg.reference):
+        return None
+    ref_size = 4 if str(cfg.reference_dtype) == "fp32" else 2
+    weights = checkpoint_bytes(cfg.reference, ref_size)
+    if measure_floor:
+        weights += checkpoint_bytes(cfg.reference, 4)
+    if kind == "fp8-folder":
+        weights += checkpoint_bytes(cfg.candidate, None)
+    elif kind == "hf-folder":
+        weights += checkpoint_bytes(cfg.candidate, ref_size)
+    return decide(weights, device, parse_max_memory(cfg.max_memory), cfg.offload, comm)
+
+
+def _streamed_session(cfg: VerifyConfig, kind: str, measure_floor: bool, decision) -> Session:
+    from fp8export.runners.streamed import StreamedFp8Runner, StreamedTorchRunner
+    from fp8export.verify.candidates import open_candidate, open_reference
+    from fp8export.verify.noise_floor import FLOOR_DTYPE
+
+    if cfg.attention != "bf16" or cfg.kv_cache != "auto":
+        raise Fp8ExportError(
+            f"{cfg.candidate}: --kv-cache {cfg.kv_cache} / --attention {cfg.attention} compare "
+            "several configurations of the whole candidate model, and this run streams the "
+            f"models layer by layer ({decision.reason}). Drop those options (the folder runs "
+            "with the KV cache it declares), or give the device room with --max-memory / "
+            "--offload none.")
+    open_reference(cfg.reference)  # the reference's checks (not an FP8 folder, not a graph)
+    device = decision.device
+    reference = StreamedTorchRunner(cfg.reference, dtype=str(cfg.reference_dtype),
+                                    device=device, name="reference")
+    floor = StreamedTorchRunner(cfg.reference, dtype=FLOOR_DTYPE, device=device,
+                                name="reference-fp32") if measure_floor else None
+    if kind == "fp8-folder":
+        open_candidate(cfg.candidate, backend=str(cfg.backend))  # the backend fits the kind
+        candidate = StreamedFp8Runner(cfg.candidate, dtype="bf16", device=device,
+                                      mode=cfg.fp8_mode, name="candidate")
+    elif kind == "hf-folder":
+        candidate = StreamedTorchRunner(cfg.candidate, dtype=str(cfg.reference_dtype),
+                                        device=device, name="candidate")
+    else:  # a graph or an engine runs batch by batch beside the streamed reference
+        candidate = open_candidate(cfg.candidate, backend=str(cfg.backend), device=device,
+                                   fp8_mode=cfg.fp8_mode, ort_opt_level=cfg.ort_opt_level)
+    session = Session(cfg, kind, reference, candidate, floor)
+    session.streamed = True
+    session.notes.append(f"Layer streaming ({decision.reason}): the models ran one decoder "
+                         "layer (block) at a time, weights read from the shards; the metrics "
+                         "equal the whole-model run's.")
+    return session
 
 
 def activate(session: Session, running: contextlib.ExitStack) -> None:

@@ -95,9 +95,13 @@ class Comparison:
         seed: seed of the subsample kept for the logit scatter plot.
     """
 
-    def __init__(self, *, causal: bool, seed: int = 0):
+    def __init__(self, *, causal: bool, seed: int = 0, before: tuple[int, ...] = ()):
         self.causal = causal
         self._rng = np.random.default_rng(seed)
+        # data parallel: the real-token counts of the samples other ranks compare before this
+        # rank's first; the scatter's random draws for them are replayed at the first batch
+        self._before = tuple(before)
+        self._kept_before = 0
         self._tok: dict[str, list[np.ndarray]] = {"kl": [], "cosine": [], "top1": [], "top5": [],
                                                   "prob": []}
         self.per_sample: list[dict[str, Any]] = []
@@ -134,6 +138,9 @@ class Comparison:
             mask = (torch.ones(ref.shape[:2], dtype=torch.long) if attention_mask is None
                     else torch.as_tensor(np.asarray(attention_mask)).long())
         self.vocab = int(ref.shape[-1])
+        if self._before:
+            self._skip_scatter(self._before, self.vocab)
+            self._before = ()
         b = ref.shape[0]
         indices = indices if indices is not None else tuple(
             range(len(self.per_sample), len(self.per_sample) + b))
@@ -189,8 +196,23 @@ class Comparison:
             self.per_sample.append(row)
             self._keep_scatter(r, c)
 
+    def _take(self, size: int) -> int:
+        kept = self._kept_before + sum(len(s) for s in self._scatter)
+        return min(SCATTER_POINTS - kept, max(1, SCATTER_POINTS // 16), size)
+
+    def _skip_scatter(self, tokens: tuple[int, ...], vocab: int) -> None:
+        """Draw (and drop) what adding samples of ``tokens`` real positions would have drawn."""
+        for t in tokens:
+            if t <= 0:
+                continue
+            take = self._take(t * vocab)
+            if take <= 0:
+                return
+            self._rng.choice(t * vocab, size=take, replace=False)
+            self._kept_before += take
+
     def _keep_scatter(self, r: torch.Tensor, c: torch.Tensor) -> None:
-        kept = sum(len(s) for s in self._scatter)
+        kept = self._kept_before + sum(len(s) for s in self._scatter)
         room = SCATTER_POINTS - kept
         if room <= 0:
             return
@@ -202,6 +224,69 @@ class Comparison:
     @property
     def samples(self) -> int:
         return len(self.per_sample)
+
+    def to_bytes(self) -> bytes:
+        """This comparison's samples as an ``.npz`` (JSON header and float arrays, nothing
+        pickled), for :meth:`merged` on another process."""
+        import io
+        import json
+
+        header = {"causal": self.causal, "per_sample": self.per_sample, "sums": self._sums,
+                  "vocab": self.vocab, "lengths": [len(a) for a in self._tok["kl"]],
+                  "scatter": [len(x) for x in self._scatter]}
+        arrays = {k: np.concatenate(v) if v else np.zeros(0) for k, v in self._tok.items()}
+        arrays["scatter"] = (np.concatenate(self._scatter) if self._scatter
+                             else np.zeros((0, 2), dtype=np.float32))
+        buf = io.BytesIO()
+        np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+                 **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def merged(cls, parts: list[bytes], seed: int = 0) -> Comparison:
+        """The comparison of the samples of ``parts`` (:meth:`to_bytes` of consecutive shares,
+        in order), equal to one comparison that added them all: the running sums are redone
+        sample by sample in the same order."""
+        import io
+        import json
+
+        out: Comparison | None = None
+        for data in parts:
+            z = np.load(io.BytesIO(data), allow_pickle=False)
+            h = json.loads(bytes(z["header"]).decode())
+            if out is None:
+                out = cls(causal=h["causal"], seed=seed)
+            at = 0
+            for n in h["lengths"]:
+                for k in out._tok:
+                    out._tok[k].append(z[k][at:at + n])
+                at += n
+            at = 0
+            for n in h["scatter"]:
+                out._scatter.append(z["scatter"][at:at + n])
+                at += n
+            out.vocab = h["vocab"] if h["vocab"] is not None else out.vocab
+            for row in h["per_sample"]:
+                out.per_sample.append(row)
+                mabs = row["max_abs"]
+                out._max_abs = max(out._max_abs, mabs) if math.isfinite(mabs) else math.nan
+            for i in range(len(h["per_sample"])):
+                sums = {k: v[i] for k, v in h["sums"].items()}
+                for k, v in sums.items():
+                    out._sums[k].append(v)
+                out._err_sq += sums["err_sq"]
+                out._ref_sq += sums["ref_sq"]
+                if sums["nll_tokens"] > 0:
+                    out._nll[0] += sums["nll_reference"]
+                    out._nll[1] += sums["nll_candidate"]
+                    out._nll_count += int(sums["nll_tokens"])
+                if sums["labelled"]:
+                    out._correct[0] += int(sums["correct_reference"])
+                    out._correct[1] += int(sums["correct_candidate"])
+                    out._labelled += 1
+        if out is None:
+            raise Fp8ExportError("internal: no comparison to merge.")
+        return out
 
     def sample_stats(self):
         """Per-sample statistics for the bootstrap (``confidence.SampleStats``)."""

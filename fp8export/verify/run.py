@@ -78,12 +78,53 @@ def _verify(cfg: VerifyConfig, t0: float, started: float, limit: float) -> Verif
         return _run(session, thr_source, thresholds, t0)
 
 
+def plan_verify(cfg: VerifyConfig) -> list[str]:
+    """``verify --plan``: how the run would place its models (and, streamed, what one layer
+    measures), nothing compared or written."""
+    from fp8export.verify.candidates import candidate_kind
+    from fp8export.verify.load import activate, load_inputs, open_session, reference_tokenizer
+    from fp8export.verify.thresholds import load_thresholds
+
+    thr_source, thresholds = load_thresholds(cfg.thresholds)
+    kind = candidate_kind(cfg.candidate)
+    fit_torch()
+    session = open_session(cfg, kind, _measures_floor(cfg, thr_source, thresholds))
+    if not session.streamed:
+        from fp8export.streaming.plan import whole_lines
+
+        if session.decision is None:
+            return ["mode: the whole model (a Keras reference runs whole)"]
+        return whole_lines(session.decision)
+    import torch
+
+    from fp8export.distributed import current
+    from fp8export.inputs.samples import iter_batches
+    from fp8export.streaming.plan import estimate, measure
+    from fp8export.verify.streamed import streamed_plan, streamed_runners
+
+    with reference_tokenizer(cfg, session.notes) as session.tokenizer, \
+            contextlib.ExitStack() as running:
+        activate(session, running)
+        inputs = load_inputs(session)
+        batches = list(iter_batches(inputs.samples, cfg.batch_size))
+        mine = [batches[b] for b in current().share(len(batches))]
+        plan = streamed_plan(session, mine)
+        runners = streamed_runners(session)
+        if mine:
+            plan.probe = measure(session.reference.parts, mine,
+                                 torch.device(session.reference.device))
+            plan.seconds = estimate(plan, plan.probe, streams=len(runners))
+    return plan.lines()
+
+
 def _measures_floor(cfg: VerifyConfig, thr_source: str, thresholds: dict) -> bool:
     """Whether the fp32 noise floor is measured; thresholds relative to it need it."""
     from fp8export.verify.noise_floor import FLOOR_DTYPE, FLOOR_KEY
 
-    # A model spread over devices (--max-memory) has no room for an fp32 copy beside it.
-    measure = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE and not cfg.max_memory
+    # A model spread over devices (--max-memory naming several) has no room for an fp32 copy
+    # beside it; one device's cap counts the copy in its plan (streamed if it does not fit).
+    measure = cfg.noise_floor and str(cfg.reference_dtype) != FLOOR_DTYPE and \
+        not spreads(cfg)
     if thresholds.get(FLOOR_KEY) and not measure:
         why = ("--no-noise-floor was given" if not cfg.noise_floor else
                "the reference already runs in fp32 (--reference-dtype fp32)"
@@ -94,6 +135,20 @@ def _measures_floor(cfg: VerifyConfig, thr_source: str, thresholds: dict) -> boo
             f"not measured because {why}. Measure it (bf16 reference, no --no-noise-floor) or "
             "drop the floor bounds.")
     return bool(measure)
+
+
+def spreads(cfg: VerifyConfig) -> bool:
+    """``--max-memory`` names several GPUs (or disk), or comes with ``--offload none``:
+    accelerate spreads the model (``fp8export.streaming.plan.decide``; one GPU and ``cpu``
+    otherwise cap the device and layer streaming's host memory)."""
+    from fp8export.config import Offload
+    from fp8export.placement import parse_max_memory
+
+    mm = parse_max_memory(cfg.max_memory)
+    if not mm:
+        return False
+    return len([k for k in mm if isinstance(k, int)]) > 1 or "disk" in mm or \
+        cfg.offload is Offload.NONE
 
 
 def _run(session: Session, thr_source: str, thresholds: dict, t0: float) -> VerifyResult:

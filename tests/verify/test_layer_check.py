@@ -132,3 +132,18 @@ def test_onnx_candidate_says_why_the_check_is_skipped(tiny_llama, folders, tmp_p
     check = next(c for c in res.checks if c["metric"] == "layer_sqnr_min")
     assert check["status"] == "skipped" and "needs an FP8 folder" in check["message"]
     assert res.passed
+
+
+def test_streamed_run_fails_the_same_layer(tiny_llama, folders, tmp_path):
+    """Layer by layer (--offload layers) the check measures what the whole run measures, and
+    the one scaled layer fails it there too."""
+    clean = _verify(tiny_llama, folders["compressed-tensors"])
+    streamed = _verify(tiny_llama, folders["compressed-tensors"], offload="layers",
+                       max_memory="cpu=2MiB")
+    assert streamed.metrics["layer_sqnr_min"] == clean.metrics["layer_sqnr_min"]
+    bad = _scaled(folders["compressed-tensors"], tmp_path, 2.0)
+    with pytest.raises(VerificationFailed) as err:
+        _verify(tiny_llama, bad, offload="layers", max_memory="cpu=2MiB")
+    check = next(c for c in err.value.result.checks if c["metric"] == "layer_sqnr_min")
+    assert check["status"] == "failed" and check["layers"] == [DAMAGED]
+    assert any(n.startswith("Layer streaming") for n in err.value.result.notes)

@@ -22,7 +22,7 @@ def test_spread_verify_matches_one_device(tiny_llama, tiny_fp8, eval_npz, tmp_pa
     one = verify(VerifyConfig(**common))
     # the tiny Llama is 209 KiB of bf16 weights, its FP8 folder 137 KiB: 200 KiB of host memory
     # for both models puts about half of each on 'disk'
-    spread = verify(VerifyConfig(**common, max_memory="cpu=200KiB"))
+    spread = verify(VerifyConfig(**common, max_memory="cpu=200KiB", offload="none"))
     assert spread.reference["device"] == "cpu,disk" and spread.candidate["device"] == "cpu,disk"
     assert spread.reference["placement"]["devices"]["disk"]["modules"] > 0
     assert spread.candidate["placement"]["devices"]["disk"]["modules"] > 0
@@ -42,7 +42,8 @@ def test_spread_verify_has_no_room_for_the_noise_floor(tiny_llama, tiny_fp8, eva
     from fp8export.verify.config import VerifyConfig
 
     common = dict(reference=tiny_llama, candidate=tiny_fp8, data=eval_npz, device="cpu",
-                  samples=4, seq_len=16, write_reports=False, max_memory="cpu=200KiB")
+                  samples=4, seq_len=16, write_reports=False, max_memory="cpu=200KiB",
+                  offload="none")
     spread = verify(VerifyConfig(**common))
     assert spread.noise_floor is None
     assert any(n.startswith("No noise floor: --max-memory") for n in spread.notes)
