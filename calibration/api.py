@@ -165,12 +165,19 @@ def _calibrate_on(cfg: CalibrateConfig, known_groups, device: str, method: str, 
     from fp8export.calibration.observe import observe, reduce_observation
     from fp8export.checkpoint.source import open_checkpoint
     from fp8export.inputs.samples import iter_batches, load_samples
-    from fp8export.models import checkpoint_bytes, max_positions, module_names, vocab_size
+    from fp8export.models import (
+        checkpoint_bytes,
+        max_positions,
+        module_names,
+        refuse_quantized,
+        vocab_size,
+    )
     from fp8export.moe import stores_fused_experts
     from fp8export.placement import parse_max_memory
     from fp8export.streaming.plan import decide
 
     with open_checkpoint(cfg.checkpoint) as ckpt:
+        refuse_quantized(ckpt, cfg.checkpoint)  # an FP8 folder is no model to observe
         config = dict(ckpt.config or {})
         fused = stores_fused_experts([t.name for t in ckpt.tensors()])
     modules, groups = _selection(cfg, known_groups, config)

@@ -435,12 +435,14 @@ class _Run:
 
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
-    from fp8export.distributed import join
-    from fp8export.placement import resolve_device
+    from fp8export.distributed import join, world_from_env
 
     out = cfg.resolved_output
     check_inputs(cfg)  # fail before any heavy work (api.convert ran it before torch loaded)
-    join(resolve_device(cfg.device))  # under torchrun: the ranks share the model steps
+    if world_from_env()[1] > 1:  # under torchrun the ranks share the model steps; alone, the
+        from fp8export.placement import resolve_device  # default path stays free of torch
+
+        join(resolve_device(cfg.device))
     timings = Timings()
     t0 = time.perf_counter()
     with open_checkpoint(cfg.checkpoint) as ckpt:
@@ -684,6 +686,8 @@ def config_step(cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales, notes: li
 def _loader_names(ckpt: Checkpoint, modules: list[str]) -> dict[str, str]:
     if not ckpt.config or not ckpt.path.is_dir():
         return {}
+    if not any(k in ckpt.config for k in ("text_config", "vision_config", "audio_config")):
+        return {}  # only composite models are renamed; the default path stays free of torch
     from fp8export.models import loader_linear_names
 
     return loader_linear_names(ckpt.config, ckpt.path, modules)
