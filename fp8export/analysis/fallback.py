@@ -311,14 +311,14 @@ class FallbackSearch:
         try:
             if not self.kv_scales:
                 return _measure(self.model, self.batches, self.ref_logp)
-            from fp8export.runtime.kv_cache import emulate_fp8_kv
+            from fp8export.runtime import attention as fp8_attention
 
-            base = self.model.config._attn_implementation
-            emulate_fp8_kv(self.model, self.kv_scales)
+            # the FP8 KV cache the runtime runs the written folder with (E4M3 keys and values)
+            fp8_attention.install(self.model, self.kv_scales, mode="kv")
             try:
                 return _measure(self.model, self.batches, self.ref_logp)
             finally:
-                _kv_off(self.model, base)
+                fp8_attention.set_mode(self.model, "off")
         finally:
             for n in self.twins:
                 self._set(n, self.orig[n])
@@ -455,15 +455,6 @@ def _upper(r: dict[str, Any]) -> float:
     (the check split) and not only on the text it chose on."""
     iv = r.get("interval")
     return max(r["kl"], iv[1]) if iv else r["kl"]
-
-
-def _kv_off(model, base: str) -> None:
-    """Undo :func:`~fp8export.runtime.kv_cache.emulate_fp8_kv`: the attention ``base`` again."""
-    from fp8export.runtime.kv_cache import attention_modules
-
-    model.config._attn_implementation = base
-    for m in attention_modules(model).values():
-        m.__dict__.pop("_fp8export_kv", None)
 
 
 def _split(s, n: int):

@@ -198,8 +198,11 @@ def test_the_written_folder_measures_what_the_search_measured(tiny_llama, budget
     out = tmp_path / "o"
     full = _convert(tiny_llama, tmp_path / "free", budget_npz, accuracy_budget=10.0,
                     **options).accuracy_budget
-    res = _convert(tiny_llama, out, budget_npz, accuracy_budget=full["kl_all_fp8"] / 2,
-                   **options)
+    try:
+        res = _convert(tiny_llama, out, budget_npz, accuracy_budget=full["kl_all_fp8"] / 2,
+                       **options)
+    except VerificationFailed as missed:  # held out it may land just over: still written
+        res = missed.result
     b = res.accuracy_budget
     assert b["keep"]
     search = FallbackSearch(tiny_llama, [], data=budget_npz, samples=b["samples"],
