@@ -5,7 +5,8 @@ ONNX graph's accuracy against the bf16 checkpoint, and the time of each step.
     python bench/families.py            # every family of tests/families/model_families.py
     python bench/families.py --next     # the newer families (next_families.py): every
                                         # command, each a result or its Error line
-    python bench/families.py --next jamba whisper   # only those rows
+    python bench/families.py --next jamba whisper   # only those rows (merged into the JSON)
+    python bench/families.py --next --render        # families_next.md from the JSON
 
 Each family's tiny random model is built and saved by transformers (``save_family``), then
 ``convert --scales calibrate`` (32 calibration lines, 64 tokens), ``export-onnx`` (fp32) and
@@ -91,7 +92,7 @@ def run_next(row: str, family: str, media_file: str | None, work: Path, media: P
     line fp8export printed (``Fp8ExportError``), or the crash (a bug). ``transformers``:
     ``from_pretrained`` of the calibrated folder (else the weights-only one) generating 8
     tokens next to the bf16 model (``tests/families/hf_generate.py``); an exception there is
-    transformers' own (``upstream``)."""
+    raised inside transformers (``upstream``: shown as "fails in transformers")."""
     from hf_generate import compare
 
     from fp8export.api import calibrate, convert, export_onnx, inspect, verify
@@ -176,7 +177,8 @@ def _cell(step: dict) -> str:
     which = " (weights-only folder)" if step.get("folder") else ""
     if step["result"] != "ok":  # the Error line without its temporary path
         message = re.sub(r"^/\S+: ", "", step["message"]).replace("|", "/")
-        return f"{step['result']}{which}: {message[:170]}"
+        result = {"upstream": "fails in transformers"}.get(step["result"], step["result"])
+        return f"{result}{which}: {message[:170]}"
     v = step["value"]
     if isinstance(v, dict):
         tokens = f", tokens {v['same_tokens']}" if "same_tokens" in v else ""
@@ -188,52 +190,65 @@ def _cell(step: dict) -> str:
 def main_next() -> None:
     import os
 
-    rows = []
-    load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="fp8export-bench-") as tmp:
-        machine = machine_info(Path(tmp))
-        (Path(tmp) / "media").mkdir()
-        media = write_media(Path(tmp) / "media")
-        only = [a for a in sys.argv[1:] if not a.startswith("--")]
-        for row, family, media_file in NEXT_ROWS:
-            if not only or row in only:
-                rows.append(run_next(row, family, media_file,
-                                     Path(tmp) / row.replace(" ", "_"), media))
-    machine["load_average_at_start"] = [round(x, 1) for x in load]
     out = REPO / "bench" / "results"
-    (out / "families_next.json").write_text(
-        json.dumps({"machine": machine, "rows": rows}, indent=2, sort_keys=True) + "\n")
+    if "--render" not in sys.argv[1:]:
+        rows = []
+        load = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="fp8export-bench-") as tmp:
+            machine = machine_info(Path(tmp))
+            (Path(tmp) / "media").mkdir()
+            media = write_media(Path(tmp) / "media")
+            only = [a for a in sys.argv[1:] if not a.startswith("--")]
+            for row, family, media_file in NEXT_ROWS:
+                if not only or row in only:
+                    rows.append(run_next(row, family, media_file,
+                                         Path(tmp) / row.replace(" ", "_"), media))
+        machine["load_average_at_start"] = [round(x, 1) for x in load]
+        doc = {"machine": machine, "rows": rows}
+        path = out / "families_next.json"
+        if only and path.is_file():  # a few rows again: the others stay, the run is recorded
+            doc = json.loads(path.read_text())
+            again = {r["row"]: r for r in rows}
+            doc["rows"] = [again.pop(r["row"], r) for r in doc["rows"]] + list(again.values())
+            doc.setdefault("reruns", []).append({"rows": sorted(only), "machine": machine})
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    doc = json.loads((out / "families_next.json").read_text())
+    (out / "families_next.md").write_text(render_next(doc))
+    print("wrote", out / "families_next.json", "and", out / "families_next.md")
+
+
+def render_next(doc: dict) -> str:
+    """``families_next.md`` from ``families_next.json`` (``--next --render`` rewrites it)."""
+    machine = doc["machine"]
     lines = ["# Newer families (bench/families.py --next)", "",
              "Tiny random models saved by transformers (tests/families/next_families.py); every "
              "command per family: `ok` (number of FP8 linears, amaxes, tensors, ONNX FP8 "
              "GEMMs), verify's KL / top-1 against bf16 (8 samples, 64 tokens, CPU; the "
              "matrix's thresholds), or the `Error:` line fp8export prints. `transformers`: "
-             "`from_pretrained(folder)` (default configuration, compressed-tensors "
-             f"{_version('compressed_tensors')}) generating 8 greedy tokens beside the bf16 "
-             "model: KL / top-1 of the logits over the bf16 model's sequence and the generated "
-             "tokens that agree. Data: calib.txt / eval.txt (the language tower); `llava + "
-             "images`: images.jsonl (12 PNGs + a text line, through LLaVA's processor); "
-             "Whisper: audio.jsonl (0.8 s clips + transcripts). Where the calibrated convert is "
-             "refused, verify, inspect, export-onnx and transformers take the weights-only "
-             "folder (marked); `not run`: no graph to verify.",
+             "`from_pretrained(folder)` (default configuration, compressed-tensors installed) "
+             "generating 8 greedy tokens beside the bf16 model: KL / top-1 of the logits over "
+             "the bf16 model's sequence and the generated tokens that agree. Data: calib.txt / "
+             "eval.txt (the language tower); `llava + images`: images.jsonl (12 PNGs + a text "
+             "line, through LLaVA's processor); Whisper: audio.jsonl (0.8 s clips + "
+             "transcripts). Where the calibrated convert is refused, verify, inspect, "
+             "export-onnx and transformers take the weights-only folder (marked); `not run`: no "
+             "graph to verify.",
              "", f"Machine: {machine['cores']} cores, shared (load average "
              f"{machine['load_average_at_start'][0]} at the start): seconds are wall time "
-             "under that load.", "",
+             f"under that load. Commit {machine.get('git_commit', '?')}, transformers "
+             f"{machine.get('versions', {}).get('transformers', '?')}.", "",
              "| family | " + " | ".join(STEPS) + " | seconds |",
              "|---|" + "---|" * (len(STEPS) + 1)]
-    for r in rows:
+    for rerun in doc.get("reruns", []):
+        m = rerun["machine"]
+        lines.insert(-2, f"Rows {', '.join(rerun['rows'])} run again later: commit "
+                         f"{m.get('git_commit', '?')}, load average "
+                         f"{m['load_average_at_start'][0]} at their start.\n")
+    for r in doc["rows"]:
         total = sum(s["seconds"] for s in r["steps"].values())
         lines.append(f"| {r['row']} | " + " | ".join(_cell(r["steps"][s]) for s in STEPS)
                      + f" | {total:.0f} |")
-    (out / "families_next.md").write_text("\n".join(lines) + "\n")
-    print("wrote", out / "families_next.json", "and", out / "families_next.md")
-
-
-def _version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return "not installed"
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
