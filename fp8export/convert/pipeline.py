@@ -59,6 +59,7 @@ from fp8export.convert.config import (
     WeightGranularity,
     WeightRounding,
 )
+from fp8export.convert.schemes import scheme_entry
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,
@@ -125,6 +126,7 @@ class ConvertResult:
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
     accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
     kv_cache: str | None = None  # the FP8 KV cache the folder declares, in words; None: 16-bit
+    scheme: dict[str, Any] | None = None  # --scheme: its name and options (schemes.scheme_entry)
     # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -774,7 +776,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
         bytes_out=bytes_out, loaded_by=list(engines.ok),
-        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
+        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry),
+        scheme=scheme_entry(cfg))
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
@@ -878,6 +881,7 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
         "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
                    "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
         "options": options_entry(cfg.to_dict()),
+        **({"scheme": scheme_entry(cfg)} if cfg.scheme else {}),
         "output_format": str(cfg.format),
         "loaded_by": list(engines.ok),
         "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),

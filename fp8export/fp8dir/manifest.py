@@ -88,12 +88,15 @@ def source_files_entry(root: Path, files: list[Path], hashes: dict[Path, str]) -
     return sorted(out, key=lambda d: d["name"])
 
 
+# Options the manifest does not record: where from and to (given on each command line), and
+# how fast and how thoroughly (workers, read_back), which never change what is written, so the
+# output stays identical. The rest is the run's record, and what a recipe file may set.
+NOT_RECORDED = ("checkpoint", "output", "force", "workers", "read_back")
+
+
 def options_entry(options: dict[str, Any]) -> dict[str, Any]:
     """ConvertConfig.to_dict() without paths that vary between machines (basenames kept)."""
-    # workers and read_back change how fast and how thoroughly, never what is written: left
-    # out so output is identical.
-    out = {k: v for k, v in options.items()
-           if k not in ("checkpoint", "output", "force", "workers", "read_back")}
+    out = {k: v for k, v in options.items() if k not in NOT_RECORDED}
     for key in ("calib_data", "calib_amax"):
         if out.get(key):
             out[key] = Path(out[key]).name
