@@ -191,11 +191,18 @@ def command(checkpoint, output, scheme, recipe, **params):
     (Transformer Engine and torchao state included) or a Keras 3 .keras / .weights.h5 file or a
     folder holding one (pip install 'fp8export[keras]'; Keras itself is not needed). Linear
     weights become F8_E4M3 with F32 weight scales (scale = amax / 448; per tensor by default,
-    --weight-granularity channel or block for more); embeddings, norms,
+    --weight-granularity channel or block for more; block scales F8_E8M0 with --scale-format
+    ue8m0) and, with calibration data or an FP8 training history, F32 input scales (else
+    inputs are quantized at run time); embeddings, norms,
     output heads and MoE routers stay in their source precision. The folder also holds
     config.json with the quantization_config, the tokenizer files, and fp8export.json (per
     tensor: amax, scale, source, SQNR; excluded tensors with reasons). It is written to a
     temporary sibling, read back and verified, then renamed into place.
+
+    --scheme NAME picks a named scheme (llm-compressor's FP8_DYNAMIC, FP8, FP8_BLOCK; ModelOpt's
+    fp8, fp8_pc_pt; --list-schemes shows what each stands for); --recipe FILE replays the
+    options a folder's fp8export.json records. Options given explicitly refine a scheme and
+    override a recipe.
 
     Selection precedence: --exclude wins over everything; --include wins over the default
     exclusions.
