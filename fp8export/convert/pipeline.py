@@ -21,22 +21,12 @@ source is read twice (amax scan, quantization) plus once by the hasher, the outp
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-# OMP_WAIT_POLICY=PASSIVE before torch loads (fp8export/_threads.py). convert alternates
-# single-threaded elementwise work with multi-threaded dot products while other threads hash
-# and write, and libgomp's spinning workers took the core those threads need (measured: 2-thread
-# torch.dot on 16 MiB, 8x slower and 3 s of extra CPU per GiB converted).
-if "torch" not in sys.modules:
-    from fp8export._threads import prepare
-
-    prepare()
 
 from fp8export import __version__
 from fp8export._progress import progress
