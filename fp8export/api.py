@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
     from fp8export.calibration.api import CalibrationResult
     from fp8export.calibration.config import CalibrateConfig
     from fp8export.convert.config import ConvertConfig
-    from fp8export.convert.pipeline import ConvertResult
+    from fp8export.convert.result import ConvertResult
     from fp8export.engine.build import BuildEngineConfig, BuildEngineResult
     from fp8export.inspect.result import InspectResult
     from fp8export.onnx.export import ExportOnnxConfig, ExportResult
