@@ -227,13 +227,14 @@ def command(checkpoint, output, scheme, recipe, **params):
 
 
 def _activation_line(result) -> str:
+    from fp8export.notes import NoteKind, kind_of
+
     if result.activation_scheme == "dynamic":
-        group = next((n for n in result.notes if n.startswith("activations: dynamic per token "
-                                                              "group")), None)
-        if group:
-            return group
-        plain = next((n for n in result.notes if n.startswith("weights only")), None)
-        return (plain or "activations: dynamic") + "; per-token FP8 scales are computed at run time"
+        said = next((n for n in result.notes if kind_of(n) is NoteKind.ACTIVATIONS),
+                    "activations: dynamic")
+        if result.dynamic_activations == "group":  # the note names the group
+            return said
+        return f"{said}; per-{result.dynamic_activations} FP8 scales are computed at run time"
     sources: dict[str, int] = {}
     for row in result.layers:
         if row["input_scale_source"]:
@@ -272,7 +273,8 @@ def render(result) -> None:
         names = by_reason[reason]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         echo(f"  {count:4d}  {reason}: {shown}")
+    from fp8export.notes import NoteKind, kind_of
+
     for note in result.notes:
-        if not note.startswith(("weights only", "activations: dynamic per token group")):
-            # already said on the activations line
+        if kind_of(note) is not NoteKind.ACTIVATIONS:  # said on the activations line
             echo(f"note: {note}")

@@ -97,6 +97,7 @@ from fp8export.io.atomic import AtomicDir
 from fp8export.io.descriptors import reserve
 from fp8export.io.hashing import file_sha256
 from fp8export.keras_model.config import is_keras_config
+from fp8export.notes import Note, NoteKind
 from fp8export.numerics.fp8 import amax_to_scale
 from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
@@ -554,8 +555,9 @@ def activation_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes:
         if cfg.calib_data is not None and cfg.kv_cache is not KvCache.FP8:
             notes.append("--calib-data is not used: block-scaled layers quantize their inputs "
                          "dynamically per token group")
-        notes.append(f"activations: dynamic per token group of {cfg.block_size[1]} (what vLLM, "
-                     "SGLang and transformers run for block-scaled FP8)")
+        notes.append(Note(f"activations: dynamic per token group of {cfg.block_size[1]} (what "
+                          "vLLM, SGLang and transformers run for block-scaled FP8)",
+                          NoteKind.ACTIVATIONS))
         return {}, {}
     ranges, more = resolve_activation_ranges(cfg, ckpt, sel.modules,
                                              groups=sel.groups if cfg.fuse_scales else None)
@@ -714,7 +716,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
         bytes_out=bytes_out, loaded_by=list(engines.ok),
         accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry),
-        scheme=scheme_entry(cfg))
+        dynamic_activations=str(cfg.dynamic_activations), scheme=scheme_entry(cfg))
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks

@@ -23,6 +23,8 @@ class ConvertResult:
     loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
     accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
     kv_cache: str | None = None  # the FP8 KV cache the folder declares, in words; None: 16-bit
+    # how layers without a static input scale quantize their inputs: tensor, token or group
+    dynamic_activations: str | None = None
     scheme: dict[str, Any] | None = None  # --scheme: its name and options (schemes.scheme_entry)
     # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
