@@ -9,7 +9,7 @@ Two settings, both left to the user when they set them (``OMP_WAIT_POLICY``,
   spinning takes the cores that work (and the neighbours) needs. Measured on the sample
   (``bench/threads.py``, 2 cores with a load of 6-8 from other work): calibrate 5.0x and verify
   5.8x faster in wall time, with a fifth of the CPU time; convert measured the same on its own
-  (``convert/pipeline.py``). One thread instead of two was as fast within the noise there.
+  (``api.convert``). One thread instead of two was as fast within the noise there.
 * torch's intra-op threads = the physical cores this process may run on: its CPU affinity mask
   (``taskset``, container cpusets), the cgroup CPU quota (``docker --cpus``), and one thread per
   core, not per hyperthread (siblings share one core's vector units). torch's default counts

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
     from fp8export.calibration.api import CalibrationResult
     from fp8export.calibration.config import CalibrateConfig
     from fp8export.convert.config import ConvertConfig
-    from fp8export.convert.pipeline import ConvertResult
+    from fp8export.convert.result import ConvertResult
     from fp8export.engine.build import BuildEngineConfig, BuildEngineResult
     from fp8export.inspect.result import InspectResult
     from fp8export.onnx.export import ExportOnnxConfig, ExportResult
@@ -26,9 +26,15 @@ if TYPE_CHECKING:  # the verbs' own modules load only when a verb runs
 
 def convert(config: ConvertConfig) -> ConvertResult:
     """Checkpoint → FP8 folder. See :func:`fp8export.convert.pipeline.convert`."""
+    from fp8export._threads import prepare
     from fp8export.convert.checks import check_inputs
     from fp8export.convert.source_scan import start_early_scan
 
+    # Before torch loads (fp8export/_threads.py): convert alternates single-threaded
+    # elementwise work with multi-threaded dot products while other threads hash and write,
+    # and libgomp's spinning workers took the core those threads need (measured: 2-thread
+    # torch.dot on 16 MiB, 8x slower and 3 s of extra CPU per GiB converted).
+    prepare()
     check_inputs(config)  # every path, before the source is read or torch imported
     # Reading the source needs no torch: it starts now and overlaps torch's import.
     early = start_early_scan(config.checkpoint, config.workers)

@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 # import its own stage and earlier ones. Units of one stage do not import each other where a
 # later stage is listed separately.
 STAGES: list[tuple[str, set[str]]] = [
-    ("foundation", {"fp8export", "errors", "config", "_lazy", "_progress", "_time_limit",
-                    "_timings", "_threads", "numerics", "io", "placement", "distributed"}),
+    ("foundation", {"fp8export", "errors", "config", "notes", "_lazy", "_progress",
+                    "_time_limit", "_timings", "_threads", "numerics", "io", "placement",
+                    "distributed"}),
     ("read", {"checkpoint"}),
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),

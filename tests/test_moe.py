@@ -169,3 +169,68 @@ def test_without_transformers_conversions_names_pass_through(monkeypatch):
         {"a.weight": t, "b": t}
     assert models.model_key(None, "x.block_sparse_moe.experts.0.w1.weight") == \
         "x.block_sparse_moe.experts.0.w1.weight"
+
+
+def test_each_expert_is_calibrated_on_its_own_inputs(moe_src, tmp_path):
+    """calibrate: every expert's projections get the max over all calibration tokens of their
+    own inputs (all experts observed on every token; that includes the tokens routed to it).
+    The reference runs transformers' own fused experts and computes each expert's inputs
+    here, batch by batch: the gate/up inputs are the layer's hidden states, the down input
+    act(x W_gate^T) * (x W_up^T) with that expert's weights."""
+    import re
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from fp8export.calibration.api import calibrate
+    from fp8export.calibration.config import CalibrateConfig
+    from fp8export.moe import is_fused_experts
+
+    ids = torch.randint(3, 1900, (8, 24), generator=torch.Generator().manual_seed(5))
+    np.savez(tmp_path / "calib.npz", input_ids=ids.numpy())  # one length: no padding
+    result = calibrate(CalibrateConfig(checkpoint=moe_src, calib_data=tmp_path / "calib.npz",
+                                       batch_size=4, device="cpu", calib_method="max"))
+
+    model = AutoModelForCausalLM.from_pretrained(str(moe_src), dtype=torch.bfloat16).eval()
+    seen: dict[str, list] = {}
+    fused = {n: m for n, m in model.named_modules() if is_fused_experts(m)}
+    for name, mod in fused.items():
+        mod.register_forward_hook(
+            lambda m, args, out, name=name: seen.setdefault(name, []).append(
+                (args[0].detach(), args[1].detach())))
+    with torch.no_grad():
+        for batch in ids.split(4):
+            model(input_ids=batch)
+    layer = {int(re.search(r"layers\.(\d+)\.", n).group(1)): n for n in fused}
+    checked = 0
+    for experts, tokens in result.expert_tokens.items():
+        theirs = layer[int(re.search(r"layers\.(\d+)\.", experts).group(1))]
+        mod = fused[theirs]
+        leaves = sorted({k.rsplit(".", 1)[1] for k in result.amax if k.startswith(experts)})
+        down = next(leaf for leaf in leaves if leaf in ("w2", "down_proj"))
+        inter = mod.gate_up_proj.shape[1] // 2
+        routed = [0] * mod.num_experts
+        for e in range(mod.num_experts):
+            gate, up = mod.gate_up_proj[e, :inter], mod.gate_up_proj[e, inter:]
+            x_all = h_all = x_routed = h_routed = 0.0
+            for x, top_k in seen[theirs]:
+                with torch.no_grad():
+                    h = mod.act_fn(torch.nn.functional.linear(x, gate)) * \
+                        torch.nn.functional.linear(x, up)
+                rows = (top_k == e).any(dim=-1)
+                routed[e] += int(rows.sum())
+                x_all = max(x_all, x.float().abs().max().item())
+                h_all = max(h_all, h.float().abs().max().item())
+                if rows.any():
+                    x_routed = max(x_routed, x[rows].float().abs().max().item())
+                    h_routed = max(h_routed, h[rows].float().abs().max().item())
+            for leaf in leaves:
+                got = result.amax[f"{experts}.{e}.{leaf}"]
+                want, own = (h_all, h_routed) if leaf == down else (x_all, x_routed)
+                # within one bf16 step: the reference model is transformers' own, whose
+                # hidden states may round differently from the calibration model's
+                assert got == pytest.approx(want, rel=8e-3), (experts, e, leaf)
+                assert got >= own  # its routed tokens are among them
+                checked += 1
+        assert routed == tokens  # and the routed counts are transformers' own routing
+    assert checked == 2 * 4 * 3

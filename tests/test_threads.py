@@ -36,6 +36,14 @@ def test_calibrate_runs_with_the_fitted_settings(tmp_path):
     assert code_ == "0" and policy == "PASSIVE" and threads == fitted
 
 
+def test_convert_sets_the_wait_policy_before_torch_loads(tmp_path):
+    code = (
+        "import os, sys\nfrom fp8export.cli import main\n"
+        f"code = main(['convert', {str(SAMPLE / 'model')!r}, '-o', {str(tmp_path / 'o')!r}])\n"
+        "print('RESULT', code, os.environ.get('OMP_WAIT_POLICY'))\n")
+    assert _run(code) == ["0", "PASSIVE"]
+
+
 def test_the_users_settings_win():
     code = ("import os\nfrom fp8export._threads import prepare, fit_torch\nprepare()\n"
             "import torch\nprint('RESULT', os.environ['OMP_WAIT_POLICY'], fit_torch())\n")

@@ -1,2 +1,2 @@
-"""Checkpoint readers: the source registry and the safetensors, torch, Keras and training-state
-readers, and the model config."""
+"""Read a checkpoint (HF folder, safetensors, torch, Keras, Transformer Engine, torchao) into a
+``Checkpoint``: tensor infos, lazy loads, the model config and the FP8 training state."""

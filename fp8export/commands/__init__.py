@@ -1,1 +1,2 @@
-"""One module per CLI command, each exposing a click ``command``. Import only click here."""
+"""The CLI commands, one module each exposing a click ``command`` that translates options into a
+config, calls ``fp8export.api`` and renders the result. Import only click here."""

@@ -15,10 +15,55 @@ def _choice(*values: str) -> click.Choice:
     return click.Choice(values, case_sensitive=False)
 
 
+def _list_schemes(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from fp8export.convert.schemes import list_schemes
+
+    for line in list_schemes():
+        click.echo(line)
+    ctx.exit(0)
+
+
+# command-line parameter -> ConvertConfig field, where the names differ
+_FIELDS = {"fmt": "format", "no_fuse_scales": "fuse_scales"}
+_NOT_OPTIONS = ("checkpoint", "output", "scheme", "recipe", "list_schemes")
+
+
+def _explicit(ctx: click.Context, params: dict) -> dict:
+    """The options given on the command line, as ConvertConfig fields: only these refine a
+    --scheme or override a --recipe (an option left at its default does neither)."""
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    out = {}
+    for name, value in params.items():
+        if name in _NOT_OPTIONS or ctx.get_parameter_source(name) not in given:
+            continue
+        if name == "no_fuse_scales":
+            value = not value
+        out[_FIELDS.get(name, name)] = tuple(value) if isinstance(value, tuple) else value
+    return out
+
+
 @click.command("convert", short_help="checkpoint -> FP8 (E4M3) safetensors folder")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Output folder (default: a sibling <CHECKPOINT>-fp8).")
+@click.option("--scheme", metavar="NAME",
+              help="A named scheme, as llm-compressor and ModelOpt name it: FP8_DYNAMIC "
+                   "(per-channel weights, dynamic per-token inputs), FP8 (per-tensor weights, "
+                   "static calibrated inputs: give --calib-data), FP8_BLOCK (128x128 blocks, "
+                   "dynamic per-group inputs); ModelOpt's fp8 and fp8_pc_pt too. It stands for "
+                   "the options --list-schemes shows; options given explicitly refine it (the "
+                   "defaults shown below are those without a scheme). Default: none.")
+@click.option("--recipe", type=click.Path(path_type=Path), metavar="FILE",
+              help="Replay a recorded run: a YAML/JSON file of convert options with the keys "
+                   "of fp8export.json's options (scheme, scales, calib_data, ...; paths "
+                   "relative to the file). Options given on the command line override it. "
+                   "Default: none.")
+@click.option("--list-schemes", is_flag=True, is_eager=True, expose_value=False,
+              callback=_list_schemes,
+              help="Print the named schemes, one line each (the options each stands for), "
+                   "and exit.")
 @click.option("--scales", type=_choice("auto", "history", "calibrate", "weights"),
               default="auto", show_default=True,
               help="Where activation scales come from. auto: FP8 training history if the "
@@ -138,11 +183,7 @@ def _choice(*values: str) -> click.Choice:
 @click.option("--force", is_flag=True, help="Replace an earlier output folder of fp8export (or "
                                            "an empty one; built first, swapped in only when "
                                            "complete).")
-def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, percentile,
-            calib_samples, batch_size, seq_len, amax_algo, margin, weight_scales_from_history,
-            fmt, exclude, include, no_fuse_scales, weight_granularity, block_size,
-            scale_format, dynamic_activations, weight_rounding, kv_cache, device, max_memory,
-            offload, plan, accuracy_samples, accuracy_budget, workers, read_back, force):
+def command(checkpoint, output, scheme, recipe, **params):
     """Convert CHECKPOINT to an FP8 (E4M3) safetensors folder, weight scales per tensor, channel
     or block.
 
@@ -150,33 +191,29 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
     (Transformer Engine and torchao state included) or a Keras 3 .keras / .weights.h5 file or a
     folder holding one (pip install 'fp8export[keras]'; Keras itself is not needed). Linear
     weights become F8_E4M3 with F32 weight scales (scale = amax / 448; per tensor by default,
-    --weight-granularity channel or block for more); embeddings, norms,
+    --weight-granularity channel or block for more; block scales F8_E8M0 with --scale-format
+    ue8m0) and, with calibration data or an FP8 training history, F32 input scales (else
+    inputs are quantized at run time); embeddings, norms,
     output heads and MoE routers stay in their source precision. The folder also holds
     config.json with the quantization_config, the tokenizer files, and fp8export.json (per
     tensor: amax, scale, source, SQNR; excluded tensors with reasons). It is written to a
     temporary sibling, read back and verified, then renamed into place.
 
+    --scheme NAME picks a named scheme (llm-compressor's FP8_DYNAMIC, FP8, FP8_BLOCK; ModelOpt's
+    fp8, fp8_pc_pt; --list-schemes shows what each stands for); --recipe FILE replays the
+    options a folder's fp8export.json records. Options given explicitly refine a scheme and
+    override a recipe.
+
     Selection precedence: --exclude wins over everything; --include wins over the default
     exclusions.
     """
     from fp8export import api
-    from fp8export.convert.config import ConvertConfig
+    from fp8export.convert.recipe import resolve_config
     from fp8export.errors import VerificationFailed
 
-    cfg = ConvertConfig(
-        checkpoint=checkpoint, output=output, scales=scales, calib_data=calib_data,
-        calib_amax=calib_amax, calib_method=calib_method, calib_samples=calib_samples,
-        batch_size=batch_size, seq_len=seq_len, percentile=percentile, amax_algo=amax_algo,
-        margin=margin, weight_scales_from_history=weight_scales_from_history, format=fmt,
-        exclude=tuple(exclude), include=tuple(include), fuse_scales=not no_fuse_scales,
-        weight_granularity=weight_granularity, dynamic_activations=dynamic_activations,
-        weight_rounding=weight_rounding, block_size=block_size, kv_cache=kv_cache,
-        scale_format=scale_format,
-        device=device, max_memory=max_memory, offload=offload, plan=plan, force=force,
-        accuracy_budget=accuracy_budget, accuracy_samples=accuracy_samples, workers=workers,
-        read_back=read_back,
-    )
-    if plan:
+    cfg = resolve_config(checkpoint, output, scheme=scheme, recipe=recipe,
+                         **_explicit(click.get_current_context(), params))
+    if cfg.plan:
         for line in api.plan_convert(cfg):
             echo(line)
         echo("plan only (--plan): nothing was converted or written")
@@ -190,13 +227,14 @@ def command(checkpoint, output, scales, calib_data, calib_amax, calib_method, pe
 
 
 def _activation_line(result) -> str:
+    from fp8export.notes import NoteKind, kind_of
+
     if result.activation_scheme == "dynamic":
-        group = next((n for n in result.notes if n.startswith("activations: dynamic per token "
-                                                              "group")), None)
-        if group:
-            return group
-        plain = next((n for n in result.notes if n.startswith("weights only")), None)
-        return (plain or "activations: dynamic") + "; per-token FP8 scales are computed at run time"
+        said = next((n for n in result.notes if kind_of(n) is NoteKind.ACTIVATIONS),
+                    "activations: dynamic")
+        if result.dynamic_activations == "group":  # the note names the group
+            return said
+        return f"{said}; per-{result.dynamic_activations} FP8 scales are computed at run time"
     sources: dict[str, int] = {}
     for row in result.layers:
         if row["input_scale_source"]:
@@ -218,6 +256,10 @@ def render(result) -> None:
     # "only" wherever transformers, the most common loader, would not load it right
     label = Loaders(tuple(result.loaded_by), {}).label()
     echo(f"wrote {result.output}  [{result.format}: {label}]")
+    if result.scheme:
+        from fp8export.convert.schemes import scheme_line
+
+        echo(f"scheme: {scheme_line(result.scheme)}")
     echo(f"quantized: {result.quantized} linear layer(s) to FP8 E4M3{stats}")
     echo(_activation_line(result))
     if result.kv_cache:
@@ -231,7 +273,8 @@ def render(result) -> None:
         names = by_reason[reason]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         echo(f"  {count:4d}  {reason}: {shown}")
+    from fp8export.notes import NoteKind, kind_of
+
     for note in result.notes:
-        if not note.startswith(("weights only", "activations: dynamic per token group")):
-            # already said on the activations line
+        if kind_of(note) is not NoteKind.ACTIVATIONS:  # said on the activations line
             echo(f"note: {note}")

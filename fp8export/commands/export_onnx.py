@@ -54,6 +54,8 @@ def command(fp8_dir, output, dtype, opset, force, as_json):
                     fg="yellow", err=True)
         for layer, reason in result.sixteen_bit.items():
             echo(f"  {layer}: {reason}", err=True)
+    from fp8export.notes import NoteKind, kind_of
+
     for note in result.notes:
-        if not note.startswith("TensorRT will run"):
+        if kind_of(note) is not NoteKind.SIXTEEN_BIT:  # listed above, layer by layer
             echo(f"note: {note}", err=True)

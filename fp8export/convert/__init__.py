@@ -1,2 +1,2 @@
-"""``convert``: checkpoint -> FP8 folder, composing the readers, scales, calibration and the
-FP8 folder writer in named steps."""
+"""``convert``: a checkpoint to an FP8 folder, in named steps over the readers, scales, calibration
+and the FP8-folder writer; its config, named schemes and recipe files."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8export.convert.config import ConvertConfig, ScalesMode
 from fp8export.errors import Fp8ExportError
+from fp8export.notes import Note, NoteKind
 from fp8export.scales.groups import group_max
 from fp8export.scales.history import ranges_from_history
 from fp8export.scales.ranges import ActivationRange
@@ -96,11 +97,12 @@ def resolve_activation_ranges(cfg: ConvertConfig, ckpt: Checkpoint, modules: lis
                 f"activation ranges from {cfg.calib_amax.name}" if cfg.calib_amax is not None
                 else "calibrating on the given data"))
         else:
-            notes.append("weights only: activations are dynamic (no training history or "
-                         "calibration data)")
+            notes.append(Note("weights only: activations are dynamic (no training history "
+                              "or calibration data)", NoteKind.ACTIVATIONS))
             return {}, notes
     if mode is ScalesMode.WEIGHTS:
-        notes.append("weights only (--scales weights): activations are dynamic")
+        notes.append(Note("weights only (--scales weights): activations are dynamic",
+                          NoteKind.ACTIVATIONS))
         return {}, notes
     if mode is ScalesMode.HISTORY:
         ranges, more = _from_history(cfg, ckpt, state, modules)

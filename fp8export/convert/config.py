@@ -113,6 +113,15 @@ class KvCache(StrEnum):
     FP8 = "fp8"  # per-attention-layer k_scale / v_scale, calibrated
 
 
+# The options whose values are enum names: what a recipe file's values are checked against.
+OPTION_ENUMS: dict[str, type[StrEnum]] = {
+    "scales": ScalesMode, "calib_method": CalibMethod, "amax_algo": AmaxAlgo,
+    "format": OutputFormat, "device": Device, "weight_granularity": WeightGranularity,
+    "dynamic_activations": DynamicActivations, "weight_rounding": WeightRounding,
+    "kv_cache": KvCache, "scale_format": ScaleFormat, "offload": Offload,
+}
+
+
 @dataclass(frozen=True)
 class ConvertConfig:
     """Options of ``fp8export convert`` (see DESIGN.md, CLI contract)."""
@@ -150,21 +159,23 @@ class ConvertConfig:
     workers: int | None = None  # threads converting at once; None: every core
     read_back: ReadBack | None = None  # None: the writer's own (parallel sampled, general full)
     accuracy_samples: int | None = None  # samples the budget is measured on (default 32)
+    # The named scheme (convert/schemes.py) these options were expanded from, recorded in the
+    # manifest; a label only: fp8export.convert.recipe.resolve_config applies a scheme.
+    scheme: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint", Path(self.checkpoint))
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
-        for name, enum in (("scales", ScalesMode), ("calib_method", CalibMethod),
-                           ("amax_algo", AmaxAlgo), ("format", OutputFormat), ("device", Device),
-                           ("weight_granularity", WeightGranularity),
-                           ("dynamic_activations", DynamicActivations),
-                           ("weight_rounding", WeightRounding), ("kv_cache", KvCache),
-                           ("scale_format", ScaleFormat), ("offload", Offload)):
+        for name, enum in OPTION_ENUMS.items():
             option = f"--{name.replace('_', '-')}"
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, enum.parse(getattr(self, name), option))
+        if self.scheme is not None:
+            from fp8export.convert.schemes import scheme_named
+
+            object.__setattr__(self, "scheme", scheme_named(self.scheme).name)
         object.__setattr__(self, "exclude", tuple(self.exclude))
         object.__setattr__(self, "include", tuple(self.include))
         self._check_block()

@@ -20,23 +20,12 @@ source is read twice (amax scan, quantization) plus once by the hasher, the outp
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-# OMP_WAIT_POLICY=PASSIVE before torch loads (fp8export/_threads.py). convert alternates
-# single-threaded elementwise work with multi-threaded dot products while other threads hash
-# and write, and libgomp's spinning workers took the core those threads need (measured: 2-thread
-# torch.dot on 16 MiB, 8x slower and 3 s of extra CPU per GiB converted).
-if "torch" not in sys.modules:
-    from fp8export._threads import prepare
-
-    prepare()
 
 from fp8export import __version__
 from fp8export._progress import progress
@@ -59,6 +48,8 @@ from fp8export.convert.config import (
     WeightGranularity,
     WeightRounding,
 )
+from fp8export.convert.result import ConvertResult
+from fp8export.convert.schemes import scheme_entry
 from fp8export.convert.source_scan import (
     EarlyScan,
     default_workers,
@@ -78,26 +69,35 @@ from fp8export.fp8dir.formats import (
     weight_scale_name,
 )
 from fp8export.fp8dir.manifest import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
+    build_manifest,
+    files_entry,
     kv_cache_line,
+    layer_entries,
     options_entry,
+    portable_notes,
     source_files_entry,
-    sqnr_entry,
     write_json,
 )
 from fp8export.fp8dir.parallel_write import write_shards_parallel
-from fp8export.fp8dir.readback import verify_output, verify_parallel_output, verify_shard
-from fp8export.fp8dir.write import INDEX_NAME, ShardPlan, index_json, plan_shards, write_shards
-from fp8export.io.atomic import (
-    OUTPUT_MODE,
-    AtomicDir,
-    fsync_dir,
+from fp8export.fp8dir.readback import (
+    check_json_files,
+    verify_output,
+    verify_parallel_output,
+    verify_shard,
 )
+from fp8export.fp8dir.write import (
+    ShardPlan,
+    copy_loader_files,
+    plan_shards,
+    write_configs,
+    write_shards,
+)
+from fp8export.io.atomic import AtomicDir
 from fp8export.io.descriptors import reserve
-from fp8export.io.guarded import TOKENIZER, copy_input
 from fp8export.io.hashing import file_sha256
 from fp8export.keras_model.config import is_keras_config
+from fp8export.notes import Note, NoteKind
 from fp8export.numerics.fp8 import amax_to_scale
 from fp8export.scales.groups import share_max
 from fp8export.scales.history import weight_scales_from_history
@@ -106,36 +106,6 @@ from fp8export.scales.select import Selection, select_targets
 from fp8export.scales.weights import WeightScan, scan_weights, weight_scan
 
 _MAX_LISTED = 12
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What ``convert`` did (JSON-serialisable through :meth:`to_dict`)."""
-
-    output: str
-    format: str
-    activation_scheme: str  # "static" | "dynamic" | "mixed"
-    quantized: int
-    excluded: dict[str, str]  # tensor -> reason, every tensor left in source precision
-    dynamic_layers: list[str]  # quantized layers without a static input scale
-    layers: list[dict[str, Any]]  # per quantized layer: module, shape, scales, SQNR, sources
-    notes: list[str] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)  # output file names
-    bytes_out: int = 0
-    loaded_by: list[str] = field(default_factory=list)  # runtimes that read this dialect
-    accuracy_budget: dict[str, Any] | None = None  # the fallback search: kept layers, cost
-    kv_cache: str | None = None  # the FP8 KV cache the folder declares, in words; None: 16-bit
-    # Seconds per step: "wall: ..." for the stages, the others summed over worker threads.
-    timings: dict[str, float] = field(default_factory=dict, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def excluded_by_reason(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for reason in self.excluded.values():
-            counts[reason] = counts.get(reason, 0) + 1
-        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _listed(items: list[str]) -> str:
@@ -334,50 +304,13 @@ def _history_weight_scales(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection,
     return notes
 
 
-def _portable(notes: list[str], cfg: ConvertConfig, out: Path) -> list[str]:
-    """Notes for the manifest with the user's paths shortened to basenames (no absolute paths)."""
-    paths = [p for p in (cfg.checkpoint, cfg.calib_data, cfg.calib_amax, out) if p is not None]
-    pairs = sorted({(str(v), p.name) for p in paths for v in (p.resolve(), p.absolute(), p)},
-                   key=lambda kv: -len(kv[0]))
-    cleaned = []
-    for note in notes:
-        for full, name in pairs:
-            if full and full != name:
-                note = note.replace(full, name)
-        cleaned.append(note)
-    return cleaned
-
-
 def _finish(ticks) -> None:
     for _ in ticks:  # run the progress generator to its end so the bar closes
         pass
 
 
-def _check_json_files(folder: Path, names: set[str]) -> None:
-    """Every JSON file we wrote parses back (config, index, manifest, format files).
-
-    Copies of the source's files are not ours to judge: they are carried byte for byte.
-    """
-    import json
-
-    for path in sorted(folder / n for n in names if n.endswith(".json") and (folder / n).exists()):
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise Fp8ExportError(f"read-back of {path.name} failed ({exc}); nothing was "
-                                 "written. This is a bug or a failing disk.") from exc
-
-
 def _hash_sources(ckpt: Checkpoint, stop: threading.Event) -> dict[Path, str]:
     return {p: file_sha256(p, stop=stop) for p in ckpt.source_files}
-
-
-def _copy_file(src: Path, dst: Path, root: Path) -> None:
-    # Through the guarded reader: a loader file that is a FIFO, a device or a link out of the
-    # checkpoint is refused, not copied.
-    copy_input(src, dst, TOKENIZER, root=root, mode=OUTPUT_MODE)
-    with open(dst, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def convert(cfg: ConvertConfig, *, early: EarlyScan | None = None) -> ConvertResult:
@@ -624,8 +557,9 @@ def activation_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes:
         if cfg.calib_data is not None and cfg.kv_cache is not KvCache.FP8:
             notes.append("--calib-data is not used: block-scaled layers quantize their inputs "
                          "dynamically per token group")
-        notes.append(f"activations: dynamic per token group of {cfg.block_size[1]} (what vLLM, "
-                     "SGLang and transformers run for block-scaled FP8)")
+        notes.append(Note(f"activations: dynamic per token group of {cfg.block_size[1]} (what "
+                          "vLLM, SGLang and transformers run for block-scaled FP8)",
+                          NoteKind.ACTIVATIONS))
         return {}, {}
     ranges, more = resolve_activation_ranges(cfg, ckpt, sel.modules,
                                              groups=sel.groups if cfg.fuse_scales else None)
@@ -721,9 +655,15 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             _finish(ticks)
             shard_bytes = sum((tmp / p.file_name).stat().st_size for p in plans)
             run.lap("write shards", shard_bytes)
-            written, ours = _write_configs(tmp, cfg, ckpt, scales, qconfig, plans, notes)
+            if ckpt.config is None:
+                notes.append("the source has no config.json; the quantization config is "
+                             "recorded in fp8export.json only")
+            written, ours = write_configs(
+                tmp, plans, ckpt.config, qconfig,
+                extra_files(cfg.format, ignore=scales.sel.ignore, tool_version=__version__,
+                            kv_cache=scales.kv_entry is not None))
             engines = _loaders(ckpt, qconfig, plans)
-            _copy_loader_files(tmp, ckpt, written)
+            copy_loader_files(tmp, ckpt, written)
             run.lap("config, index, loader files")
             # Read-back first: the manifest records the SQNR of the weights as they are on disk
             # (computed while quantizing; read-back proves the bytes on disk are those bytes).
@@ -736,11 +676,12 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                                      record=record, early=early, kv_scales=scales.kv,
                                      block=scales.block)
             run.lap("read-back", shard_bytes)
-            layers = _layers(scales.sel, scales.scan, scales.weight, scales.weight_source,
-                             scales.ranges, scales.input, sqnr, plans, scales.rounding)
+            layers = layer_entries(scales.sel.targets, scales.scan.amax, scales.weight,
+                                   scales.weight_source, scales.ranges, scales.input, sqnr,
+                                   plans, scales.rounding)
             manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, engines,
                                  layers, notes)
-            manifest["files"] = _written_files(tmp, run.workers, record.files)
+            manifest["files"] = files_entry(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget
             if scales.search is not None:  # the written folder, measured through the FP8 runtime
@@ -759,7 +700,7 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
                              f"{measured['data']} samples: budget "
                              f"{'met' if measured['met'] else 'NOT met'}; search cost "
                              f"{budget['seconds']['total']:.0f} s")
-            _check_json_files(tmp, ours)
+            check_json_files(tmp, ours)
             check_written(tmp, out)  # what its readers would refuse is never published
             files = sorted(p.name for p in tmp.iterdir())
             bytes_out = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
@@ -778,7 +719,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         quantized=len(layers), excluded=dict(sorted(sel.excluded.items())),
         dynamic_layers=scales.dynamic, layers=layers, notes=notes, files=files,
         bytes_out=bytes_out, loaded_by=list(engines.ok),
-        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry))
+        accuracy_budget=budget, kv_cache=kv_cache_line(scales.kv_entry),
+        dynamic_activations=str(cfg.dynamic_activations), scheme=scheme_entry(cfg))
 
 
 def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _Scales, ticks
@@ -796,61 +738,6 @@ def _write_shards(tmp: Path, plans: list[ShardPlan], ckpt: Checkpoint, scales: _
         for fut in early.values():
             fut.exception()  # wait, inside the pool's lifetime
     return record, early
-
-
-def _write_configs(tmp: Path, cfg: ConvertConfig, ckpt: Checkpoint, scales: _Scales,
-                   qconfig: dict[str, Any], plans: list[ShardPlan], notes: list[str]
-                   ) -> tuple[set[str], set[str]]:
-    """Index, config.json and the dialect's extra files; returns (every name written, ours)."""
-    index = index_json(plans)
-    if index is not None:
-        write_json(tmp / INDEX_NAME, index)
-    written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
-    ours = set(written)
-    if ckpt.config is not None:
-        write_json(tmp / "config.json", {**ckpt.config, "quantization_config": qconfig})
-    else:
-        notes.append("the source has no config.json; the quantization config is recorded "
-                     "in fp8export.json only")
-    for name, content in extra_files(cfg.format, ignore=scales.sel.ignore,
-                                     tool_version=__version__,
-                                     kv_cache=scales.kv_entry is not None).items():
-        write_json(tmp / name, content)
-        written.add(name)
-        ours.add(name)
-    return written, ours
-
-
-def _copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
-    """The tokenizer and other loader files, byte for byte, at their relative paths."""
-    root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-    for aux in sorted(ckpt.aux_files):
-        rel = aux.relative_to(root).as_posix()
-        if rel in written:
-            continue
-        if aux.is_dir():  # an empty module folder, e.g. sentence-transformers' Normalize
-            (tmp / rel).mkdir(parents=True, exist_ok=True)
-        else:
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            _copy_file(aux, tmp / rel, root)
-        written.add(rel)
-    for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
-        fsync_dir(sub)  # publish() syncs the top folder only
-
-
-def _written_files(folder: Path, workers: int, known: dict[str, str]) -> list[dict[str, Any]]:
-    """``[{name, sha256, bytes}]`` of every file written so far (the manifest comes last):
-    what verify compares to tell a folder edited after convert. ``known``: the shards' sha256,
-    computed from their bytes as they were written (read-back checked those bytes on disk);
-    the other files (configs, loader files: small) are read, in parallel."""
-    files = sorted((p for p in folder.rglob("*") if p.is_file()),
-                   key=lambda p: p.relative_to(folder).as_posix())
-    todo = [p for p in files if p.relative_to(folder).as_posix() not in known]
-    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
-        read = dict(zip(todo, pool.map(file_sha256, todo)))
-    digests = [known.get(p.relative_to(folder).as_posix()) or read[p] for p in files]
-    return [{"name": p.relative_to(folder).as_posix(), "sha256": d, "bytes": p.stat().st_size}
-            for p, d in zip(files, digests)]
 
 
 def _relative_hashes(ckpt: Checkpoint, hashes) -> dict[str, str]:
@@ -876,58 +763,17 @@ def _manifest(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, hashes, scales: _
               qconfig: dict[str, Any], engines, layers: list[dict[str, Any]], notes: list[str]
               ) -> dict[str, Any]:
     sel = scales.sel
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "tool": {"name": "fp8export", "version": __version__},
-        "source": {"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
-                   "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
-        "options": options_entry(cfg.to_dict()),
-        "output_format": str(cfg.format),
-        "loaded_by": list(engines.ok),
-        "activation_scheme": activation_scheme(sorted(scales.input), scales.dynamic),
-        "weight_granularity": str(cfg.weight_granularity),
-        "dynamic_activations": str(cfg.dynamic_activations),
-        **({"block_size": list(cfg.block_size)} if _block(cfg) else {}),
-        "dynamic_activation_layers": scales.dynamic,
-        "quantization_config": qconfig,
-        "quantized": {row["module"]: {k: v for k, v in row.items() if k != "module"}
-                      for row in layers},
-        "excluded": dict(sorted(sel.excluded.items())),
-        "notes": _portable(notes, cfg, out),
-    }
-    if scales.kv_entry is not None:
-        manifest["kv_cache"] = scales.kv_entry
-    if scales.rounding_entry is not None:
-        manifest["weight_rounding"] = scales.rounding_entry
-    return manifest
-
-
-def _layers(sel: Selection, scan, weight_scales, weight_source, ranges, input_scales, sqnr,
-            plans, rounding=None) -> list[dict[str, Any]]:
-    """The per-layer rows of the manifest and the result, in source order. ``rounding``:
-    per rounded layer its SQNRs against the source weight and on the layer's output (the
-    read-back SQNR of a rounded weight is against the codes it was written from)."""
-    import numpy as np
-
-    shard_of = {e.tensor.name: p.file_name for p in plans for e in p.entries}
-    rows = []
-    for t in sel.targets:
-        r = ranges.get(t.module)
-        rows.append({
-            "module": t.module, "weight": t.weight, "file": shard_of[t.weight],
-            "shape": list(t.shape), "layout": t.layout, "source_dtype": t.dtype,
-            "fused_group": t.fused_group,
-            "weight_amax": scan.amax[t.module],
-            # per channel: the largest of the row scales (what inspect shows), and the smallest
-            "weight_scale": float(np.max(weight_scales[t.module])),
-            **({"weight_scale_min": float(np.min(weight_scales[t.module]))}
-               if np.ndim(weight_scales[t.module]) else {}),
-            "weight_scale_source": weight_source[t.module],
-            "weight_sqnr_db": sqnr_entry(sqnr.get(t.module)),
-            "input_amax": float(r.amax) if r else None,
-            "input_scale": float(input_scales[t.module]) if t.module in input_scales else None,
-            "input_scale_source": str(r.source) if r else None,
-            "input_details": dict(r.details) if r and r.details else {},
-            **(rounding or {}).get(t.module, {}),
-        })
-    return rows
+    return build_manifest(
+        source={"name": cfg.checkpoint.name, "kind": ckpt.kind, "family": sel.family,
+                "files": source_files_entry(ckpt.path, ckpt.source_files, hashes)},
+        options=options_entry(cfg.to_dict()), output_format=str(cfg.format),
+        loaded_by=list(engines.ok),
+        activation_scheme=activation_scheme(sorted(scales.input), scales.dynamic),
+        weight_granularity=str(cfg.weight_granularity),
+        dynamic_activations=str(cfg.dynamic_activations), block_size=_block(cfg),
+        dynamic_layers=scales.dynamic, quantization_config=qconfig, layers=layers,
+        excluded=sel.excluded,
+        notes=portable_notes(notes, [p for p in (cfg.checkpoint, cfg.calib_data,
+                                                 cfg.calib_amax, out) if p is not None]),
+        scheme=scheme_entry(cfg), kv_cache=scales.kv_entry,
+        weight_rounding=scales.rounding_entry)

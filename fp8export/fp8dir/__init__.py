@@ -1,2 +1,2 @@
-"""The FP8 folder: output formats (dialects), manifest, safetensors writer, shard layout,
-read-back."""
+"""The FP8 folder: its dialects, shards, config and manifest as written and read back, and the one
+reader of every FP8 folder (ours and other tools') as the engines its config names read it."""

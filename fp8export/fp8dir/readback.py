@@ -511,3 +511,15 @@ def verify_parallel_output(out_dir: Path, plans: list[ShardPlan],
         problems.append(f"{INDEX_NAME}: present, but the output has a single shard")
     raise_problems(problems)
     return dict(record.sqnr)
+
+
+def check_json_files(folder: Path, names: set[str]) -> None:
+    """Every JSON file fp8export wrote (``names``: config, index, manifest, format files)
+    parses back. Copies of the source's files are not ours to judge: they are carried byte for
+    byte."""
+    for path in sorted(folder / n for n in names if n.endswith(".json") and (folder / n).exists()):
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise Fp8ExportError(f"read-back of {path.name} failed ({exc}); nothing was "
+                                 "written. This is a bug or a failing disk.") from exc

@@ -273,11 +273,6 @@ class Fp8Folder:
         self.close()
 
 
-def layout_axis(entry: dict[str, Any]) -> int:
-    """Axis of a stored weight that holds its output channels."""
-    return 1 if entry.get("layout", "out_in") == "in_out" else 0
-
-
 def _weight_scale(t: torch.Tensor, tensor_name: str, folder: Path, shape: tuple[int, int],
                   layout: str = "out_in", block: tuple[int, int] | None = None,
                   ) -> float | torch.Tensor:

@@ -6,7 +6,9 @@ file (``model.safetensors`` for one, ``model-0000i-of-0000n.safetensors`` for se
 ``<m>.weight`` (F8_E4M3, source layout) is followed by ``<m>.weight_scale`` and, with static
 activations, ``<m>.input_scale`` (F32, shape ``[1]``, or 0-dim for ModelOpt; a per-channel
 ``weight_scale`` is ``[out, 1]``, a block one ``[ceil(out/bn), ceil(in/bk)]`` and named
-``weight_scale_inv`` in the fine-grained vllm dialect).
+``weight_scale_inv`` in the fine-grained vllm dialect). Beside the shards: the index, config.json
+and the dialect's files (:func:`write_configs`), and the source's loader files
+(:func:`copy_loader_files`).
 """
 
 from __future__ import annotations
@@ -242,3 +244,49 @@ def index_json(plans: list[ShardPlan]) -> dict | None:
     weight_map = {e.tensor.name: p.file_name for p in plans for e in p.entries}
     total = sum(e.tensor.nbytes for p in plans for e in p.entries)
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_configs(tmp: Path, plans: list[ShardPlan], config: dict | None,
+                  quantization_config: dict, extra: dict[str, dict]) -> tuple[set[str], set[str]]:
+    """The index, ``config.json`` (the source's with ``quantization_config``; none without a
+    source config) and the dialect's ``extra`` files (``formats.extra_files``) into ``tmp``;
+    returns (every name written, including the shards and the manifest to come, and those of
+    them fp8export wrote)."""
+    from fp8export.fp8dir.manifest import MANIFEST_NAME, write_json
+
+    index = index_json(plans)
+    if index is not None:
+        write_json(tmp / INDEX_NAME, index)
+    written = {p.file_name for p in plans} | {INDEX_NAME, MANIFEST_NAME, "config.json"}
+    if config is not None:
+        write_json(tmp / "config.json", {**config, "quantization_config": quantization_config})
+    for name, content in extra.items():
+        write_json(tmp / name, content)
+        written.add(name)
+    return written, set(written)
+
+
+def copy_loader_files(tmp: Path, ckpt: Checkpoint, written: set[str]) -> None:
+    """The checkpoint's tokenizer and other loader files, byte for byte, at their relative
+    paths (not over a name in ``written``), each through the guarded reader: a loader file that
+    is a FIFO, a device or a link out of the checkpoint is refused, not copied."""
+    import os
+
+    from fp8export.io.atomic import OUTPUT_MODE, fsync_dir
+    from fp8export.io.guarded import TOKENIZER, copy_input
+
+    root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    for aux in sorted(ckpt.aux_files):
+        rel = aux.relative_to(root).as_posix()
+        if rel in written:
+            continue
+        if aux.is_dir():  # an empty module folder, e.g. sentence-transformers' Normalize
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+        else:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            copy_input(aux, tmp / rel, TOKENIZER, root=root, mode=OUTPUT_MODE)
+            with open(tmp / rel, "rb") as f:
+                os.fsync(f.fileno())
+        written.add(rel)
+    for sub in sorted({p.parent for p in tmp.rglob("*")} - {tmp}):
+        fsync_dir(sub)  # the atomic publish syncs the top folder only

@@ -1,7 +1,2 @@
-"""Input data shared by calibration and verification (heavy imports stay inside functions).
-
-- :mod:`.samples`: sample files (.txt / .jsonl / .npz / .safetensors) -> tokens -> padded
-  batches.
-- :mod:`.tokenizer`: the checkpoint's tokenizer, loaded from a private copy made through the
-  guarded reader.
-"""
+"""Input data shared by calibration and verification: sample files (text, jsonl with media, token
+arrays) tokenised by the checkpoint's guarded tokenizer copy into padded batches."""

@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 from fp8export._progress import info
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.io.guarded import CONFIG, DATA, open_input, parse_json, read_json_object
+from fp8export.io.safezip import check_ratio
 
 if TYPE_CHECKING:
     import torch
@@ -510,7 +511,8 @@ def _label_value(p: Path, value: Any, label2id: dict[str, int], i: int) -> int:
 
 
 _INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
-# Compression a real token file reaches (ids compress well; a bomb declares far more).
+# Compression a real token file reaches (ids and masks compress well, up to deflate's own
+# ~1000:1 for a constant array; a bomb declares more): io/safezip.py's rule at this ratio.
 _MAX_NPZ_RATIO = 1000
 
 
@@ -524,8 +526,9 @@ def _npy_header(p: Path, name: str, stream: IO[bytes]):
             shape, fortran, dtype = npy.read_array_header_1_0(stream)
         elif version == (2, 0):
             shape, fortran, dtype = npy.read_array_header_2_0(stream)
-        else:
-            shape, fortran, dtype = npy._read_array_header(stream, version)
+        else:  # 3.0 exists for structured dtypes with non-Latin-1 field names only
+            raise ValueError(f".npy format version {version[0]}.{version[1]}, which numpy "
+                             "writes only for structured arrays; token ids are plain integers")
     except (ValueError, TypeError, SyntaxError, OverflowError, EOFError) as exc:
         raise Fp8ExportError(f"{p}: member {name!r} is not a readable .npy array ({exc}). "
                              f"{_FORMATS_HINT}") from exc
@@ -589,12 +592,12 @@ def _npz_arrays(p: Path, f: IO[bytes]) -> dict[str, Any]:
                 member = zf.getinfo(f"{key}.npy")
             except KeyError:
                 continue
-            ratio = member.file_size / max(member.compress_size, 1)
-            if member.file_size > DATA.max_bytes or (member.file_size > 1 << 20
-                                                     and ratio > _MAX_NPZ_RATIO):
+            check_ratio(p, member, _MAX_NPZ_RATIO)
+            if member.file_size > DATA.max_bytes:
                 raise Fp8ExportError(
-                    f"{p}: {key!r} declares {member.file_size} bytes from "
-                    f"{member.compress_size} compressed; refused (a zip bomb or a corrupt file).")
+                    f"{p}: {key!r} declares {member.file_size} bytes (limit {DATA.max_bytes} for "
+                    "a data file); refused before decompressing it (a zip bomb or a corrupt "
+                    "file).")
             try:
                 with zf.open(member) as stream:
                     out[key] = _npy_member(p, key, _Counted(stream), member.file_size)

@@ -1,2 +1,2 @@
-"""Generic file helpers every stage uses: the guarded opener for untrusted inputs, path
-containment, zip members, atomic file and folder writers, hashing."""
+"""Files, for every stage: the guarded opener and parsers for untrusted inputs, path containment,
+zip members, output rules, atomic file and folder writers, hashing."""

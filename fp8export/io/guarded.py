@@ -11,10 +11,11 @@ comes from someone else, so every read goes through :func:`open_input`:
 * no larger than the cap of its :class:`FileKind`, checked on the descriptor before reading,
   and reads stop at the cap (a file that grows while we read it is refused, not followed).
 
-JSON goes through :func:`parse_json`: nesting depth and integer length are bounded before
-Python's parser sees the text (a ``[[[[…`` file is a RecursionError, a 5000-digit integer a
-ValueError, both tracebacks), NaN/Infinity are refused (not JSON), and every failure is an
-:class:`Fp8ExportError` naming the file.
+YAML (thresholds and recipe files) goes through :func:`parse_yaml`: aliases are refused, so a
+few hundred bytes cannot expand into gigabytes. JSON goes through :func:`parse_json`: nesting
+depth and integer length are bounded before Python's parser sees the text (a ``[[[[…`` file is
+a RecursionError, a 5000-digit integer a ValueError, both tracebacks), NaN/Infinity are
+refused (not JSON), and every failure is an :class:`Fp8ExportError` naming the file.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ INDEX = FileKind("index file", 64 * MiB)  # a 600B-parameter index is ~10 MB
 MANIFEST = FileKind("fp8export manifest", 256 * MiB)  # ~500 bytes per tensor
 AMAX = FileKind("amax file", 64 * MiB)
 THRESHOLDS = FileKind("thresholds file", 1 * MiB)
+RECIPE = FileKind("recipe file", 1 * MiB)
 TOKENIZER = FileKind("tokenizer file", 256 * MiB)  # tokenizer.json of a 256k vocab: ~35 MB
 DATA = FileKind("data file", 8 * GiB)
 ONNX = FileKind("ONNX model", 2 * GiB)  # protobuf's own limit; weights beyond go to .data
@@ -230,3 +232,25 @@ def read_json_object(path: str | Path, kind: FileKind, *, root: str | Path | Non
         raise Fp8ExportError(f"{path}: {what or kind.what} must hold a JSON object, not "
                              f"{type(data).__name__}. Restore or regenerate the file.")
     return data
+
+
+def parse_yaml(raw: bytes, where: str | Path, what: str = "YAML file") -> Any:
+    """Parse untrusted YAML with PyYAML's safe loader, aliases refused: ``*name`` repeats a node,
+    so a few hundred bytes of nested aliases ("billion laughs") expand to gigabytes, and no file
+    fp8export reads needs them. Errors name ``where``."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise Fp8ExportError(
+                    f"{where}: line {mark.line + 1}: YAML alias (*name) refused: aliases repeat "
+                    "nodes and can expand a small file into gigabytes. Write the values out.")
+            return super().compose_node(parent, index)
+
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=NoAliases)  # noqa: S506 (a SafeLoader)
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise Fp8ExportError(f"{where}: cannot parse {what} ({first}).") from exc

@@ -30,6 +30,18 @@ _READ_ERRORS = (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EO
                 RuntimeError, ValueError)
 
 
+def check_ratio(where: str | Path, info: zipfile.ZipInfo, max_ratio: float = MAX_RATIO) -> None:
+    """The zip-bomb rule, for every zip fp8export reads (``.keras`` archives, ``.npz`` data): a
+    member above :data:`RATIO_FLOOR_BYTES` that declares more than ``max_ratio`` times its
+    compressed size is refused before anything is decompressed."""
+    size, packed = info.file_size, max(info.compress_size, 1)
+    if size > RATIO_FLOOR_BYTES and size / packed > max_ratio:
+        raise Fp8ExportError(
+            f"{where}: zip entry {info.filename!r} declares {size} bytes from "
+            f"{info.compress_size} compressed (ratio {size / packed:.0f} > {max_ratio:g}): "
+            "a zip bomb or a corrupt archive. Refusing to decompress it.")
+
+
 def _bad_name(name: str) -> str | None:
     """Why an entry name is unsafe, or None."""
     if not name or "\x00" in name:
@@ -80,13 +92,8 @@ class SafeZip:
             if why is not None:
                 raise Fp8ExportError(f"{self.path}: unsafe zip entry {info.filename!r}: {why}. "
                                      "Refusing to read this archive.")
-            size, packed = info.file_size, max(info.compress_size, 1)
-            if size > RATIO_FLOOR_BYTES and size / packed > max_ratio:
-                raise Fp8ExportError(
-                    f"{self.path}: zip entry {info.filename!r} declares {size} bytes from "
-                    f"{info.compress_size} compressed (ratio {size / packed:.0f} > {max_ratio}): "
-                    "a zip bomb or a corrupt archive. Refusing to decompress it.")
-            total += size
+            check_ratio(self.path, info, max_ratio)
+            total += info.file_size
             seen[info.filename] = info
         if total > max_total_bytes:
             raise Fp8ExportError(f"{self.path}: the archive declares {total} uncompressed bytes "

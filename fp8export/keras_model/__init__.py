@@ -1,7 +1,2 @@
-"""Keras models rebuilt as torch modules from their saved config and weights, without Keras.
-
-``config`` turns a Keras ``config.json`` into a checked graph of supported layers (nothing in it
-is imported or run), ``layers`` holds the torch modules that compute what those Keras and
-keras_hub layers compute, ``weights`` reads their tensors from a ``.keras`` / ``.weights.h5``
-file or an FP8 folder, and ``build`` puts the three together into one ``torch.nn.Module``.
-"""
+"""Keras models rebuilt as torch modules without Keras: a checked graph of supported layers from
+the saved config, their torch equivalents, weights from .keras / .weights.h5 or an FP8 folder."""

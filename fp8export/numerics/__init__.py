@@ -1,1 +1,2 @@
-"""FP8 numerics (E4M3 encode/decode, amax→scale) and accuracy metrics. Imports torch."""
+"""FP8 numerics with one scale convention (scale = amax / 448): E4M3 encode and decode, per
+tensor, channel and block scales, GPTQ on the E4M3 grid, SQNR and the accuracy metrics."""

@@ -6,9 +6,9 @@ amax(|W[i*bn:(i+1)*bn, j*bk:(j+1)*bk]|) / 448``. Where a dimension is not a mult
 block, the last tile is partial and its amax comes from its own elements only (the grid is
 ``ceil``, as vLLM's ``weight_scale_inv``, transformers' ``FP8Linear`` and compressed-tensors'
 ``block`` strategy allocate it). A tile that is all zero has no range: it takes the smallest
-scale of the other tiles (any positive scale quantizes zeros exactly), as channel.py does for
-rows. Per element the arithmetic is ``quantize_e4m3``'s: float32 divide, clamp to ±448,
-round-to-nearest-even cast.
+scale of the other tiles (``fp8.amax_to_scales``, one rule for channels and blocks). Per element
+the arithmetic is ``quantize_e4m3``'s: float32 divide, clamp to ±448, round-to-nearest-even
+cast.
 
 Activations of such layers are quantized dynamically per token in groups of ``bk`` along the
 input dimension (``per_token_group_quant_fp8`` in vLLM/SGLang, ``act_quant`` in DeepSeek's
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import E4M3_MAX
 from fp8export.numerics.metrics import sqnr_from_sums
 
@@ -92,23 +91,6 @@ def block_amax(w: torch.Tensor, block: tuple[int, int]) -> np.ndarray:
     return out
 
 
-def block_scales(amax: np.ndarray, name: str) -> np.ndarray:
-    """float32 ``[gr, gc]`` dequantization factors ``amax / 448``; all-zero tiles take the
-    smallest scale of the others. Raises when every tile is zero or any amax is not finite."""
-    amax = np.asarray(amax, dtype=np.float64)
-    if not np.all(np.isfinite(amax)) or np.any(amax < 0):
-        i, j = (int(v) for v in np.argwhere(~np.isfinite(amax) | (amax < 0))[0])
-        raise Fp8ExportError(f"{name}: block ({i}, {j}) has amax {float(amax[i, j])!r}; a weight "
-                             "with NaN/Inf cannot be quantized. Fix the checkpoint or --exclude "
-                             "the module.")
-    scales = (amax / E4M3_MAX).astype(np.float32)
-    positive = scales > 0
-    if not positive.any():
-        raise Fp8ExportError(f"{name}: every block is zero; nothing to scale.")
-    scales[~positive] = scales[positive].min()
-    return scales
-
-
 def expand_blocks(grid: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]
                   ) -> torch.Tensor:
     """The grid ``[gr, gc]`` repeated over its tiles, ``shape`` ``[out, in]`` (edge tiles
@@ -161,24 +143,6 @@ def blocks_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.ndar
     return sqnr_from_sums(signal, noise)
 
 
-def check_grid(scale_shape: tuple[int, ...], weight_shape: tuple[int, int],
-               block: tuple[int, int]) -> bool:
-    """Whether a stored scale grid fits a weight in blocks of ``block``."""
-    return tuple(scale_shape) == grid_shape(weight_shape, block)
-
-
-def infer_block(scale_shape: tuple[int, int], weight_shape: tuple[int, int]
-                ) -> tuple[int, int] | None:
-    """The power-of-two block size (16 to 1024 per side) whose grid a scale of ``scale_shape``
-    is for ``weight_shape``, or None; several fit only for tiny weights, the largest wins."""
-    sizes = [1 << e for e in range(10, 3, -1)]
-    for bn in sizes:
-        for bk in sizes:
-            if grid_shape(weight_shape, (bn, bk)) == tuple(scale_shape):
-                return bn, bk
-    return None
-
-
 # --------------------------------------------------------------------------- activations
 def _group_index(k: int, group: int, device) -> torch.Tensor:
     """For each of ``k`` elements, the index of its group of ``group``."""
@@ -215,6 +179,3 @@ def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     q = quantize_groups(x, s, group)
     return q.to(torch.float32) * s.index_select(-1, _group_index(x.shape[-1], group, s.device))
 
-
-def is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0

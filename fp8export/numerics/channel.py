@@ -5,20 +5,18 @@ amax(|W[o, :]|) / 448`` (computed in float64 and rounded once to float32, as
 :func:`~fp8export.numerics.fp8.amax_to_scale` does for a tensor). ``in_out`` weights (GPT-2's
 Conv1D, ``[in, out]``) have their output channels on axis 1. Work is done in blocks of whole
 output channels of about :data:`BLOCK` elements, so no full-size float32 copy of a large weight
-is made. A row that is all zero has no range of its own: it gets the smallest scale of the
-other rows (any positive scale quantizes zeros exactly; this one keeps the scales in a range
-every scale dtype holds).
+is made. The scales of the row amaxes: ``fp8.amax_to_scales`` (an all-zero row takes the
+smallest scale of the others).
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fp8export.errors import Fp8ExportError
 from fp8export.numerics.fp8 import E4M3_MAX
+from fp8export.numerics.metrics import sqnr_from_sums
 
 if TYPE_CHECKING:  # torch is imported where a function needs it (lazily: convert's
     import torch  # default path runs without it)
@@ -56,23 +54,6 @@ def channel_amax(w: torch.Tensor, layout: str = "out_in") -> np.ndarray:
     return out
 
 
-def channel_scales(amax: np.ndarray, name: str) -> np.ndarray:
-    """float32 ``[out]`` dequantization factors ``amax / 448``; zero rows take the smallest
-    scale of the others. Raises when the tensor has no nonzero row or any amax is not finite."""
-    amax = np.asarray(amax, dtype=np.float64)
-    if not np.all(np.isfinite(amax)) or np.any(amax < 0):
-        bad = int(np.flatnonzero(~np.isfinite(amax) | (amax < 0))[0])
-        raise Fp8ExportError(f"{name}: channel {bad} has amax {float(amax[bad])!r}; a weight "
-                             "with NaN/Inf cannot be quantized. Fix the checkpoint or --exclude "
-                             "the module.")
-    scales = (amax / E4M3_MAX).astype(np.float32)
-    positive = scales > 0
-    if not positive.any():
-        raise Fp8ExportError(f"{name}: every output channel is zero; nothing to scale.")
-    scales[~positive] = scales[positive].min()
-    return scales
-
-
 def quantize_channels_sqnr(w: torch.Tensor, scales: np.ndarray, layout: str = "out_in",
                            ) -> tuple[torch.Tensor, float]:
     """E4M3 ``w`` with one scale per output channel (``w``'s shape and layout) and the SQNR (dB)
@@ -95,7 +76,7 @@ def quantize_channels_sqnr(w: torch.Tensor, scales: np.ndarray, layout: str = "o
         d = qb.to(torch.float32).mul_(s).sub_(x)
         noise += float(torch.sum(d.double() * d.double()))
         signal += float(torch.sum(x.double() * x.double()))
-    return q, _sqnr(signal, noise)
+    return q, sqnr_from_sums(signal, noise)
 
 
 def channels_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.ndarray,
@@ -113,12 +94,5 @@ def channels_roundtrip_sqnr(source: torch.Tensor, q: torch.Tensor, scales: np.nd
         d = qb.to(torch.float32).mul_(s_all[start:stop, None]).sub_(x)
         noise += float(torch.sum(d.double() * d.double()))
         signal += float(torch.sum(x.double() * x.double()))
-    return _sqnr(signal, noise)
+    return sqnr_from_sums(signal, noise)
 
-
-def _sqnr(signal: float, noise: float) -> float:
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)

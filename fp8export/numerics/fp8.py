@@ -71,6 +71,29 @@ def amax_to_scale(amax: float, name: str = "tensor") -> np.float32:
     return scale
 
 
+def amax_to_scales(amax: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """float32 dequantization factors ``amax / 448`` of a weight's output channels (``[out]``)
+    or blocks (``[gr, gc]``), each computed in float64 and rounded once. An all-zero channel or
+    block has no range of its own: it takes the smallest scale of the others (any positive
+    scale quantizes zeros exactly; this one keeps the scales in a range every scale dtype
+    holds). Raises naming the first channel or block whose amax is not finite, and when every
+    one is zero."""
+    amax = np.asarray(amax, dtype=np.float64)
+    unit = "output channel" if amax.ndim == 1 else "block"
+    bad = ~np.isfinite(amax) | (amax < 0)
+    if bad.any():
+        where = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise Fp8ExportError(f"{name}: {unit} {where[0] if len(where) == 1 else where} has amax "
+                             f"{float(amax[where])!r}; a weight with NaN/Inf cannot be "
+                             "quantized. Fix the checkpoint or --exclude the module.")
+    scales = (amax / E4M3_MAX).astype(np.float32)
+    positive = scales > 0
+    if not positive.any():
+        raise Fp8ExportError(f"{name}: every {unit} is zero; nothing to scale.")
+    scales[~positive] = scales[positive].min()
+    return scales
+
+
 def multiplier_to_scale(multiplier: float, name: str = "tensor") -> np.float32:
     """Convert a quantization multiplier (TE/torchao ``scale = 448/amax``) to our scale."""
     value = float(multiplier)

@@ -41,6 +41,7 @@ from typing import Any
 from fp8export._progress import stage
 from fp8export.config import StrEnum
 from fp8export.errors import Fp8ExportError, UsageError
+from fp8export.notes import Note, NoteKind, kind_of
 
 DEFAULT_OPSET = 21
 BF16_OPSET = 23  # bf16 activations with fp32 scales need opset 23 (Q/DQ scale type decoupled)
@@ -534,7 +535,7 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
     sixteen = {g.layer: g.reason for g in report.gemms if not g.fp8 and g.layer}
     weight_only = bool(rewrite.dynamic) and not fp8 and set(sixteen) <= set(rewrite.dynamic)
     if weight_only:  # one sentence instead of the per-layer list
-        notes = [n for n in rewrite.notes if not n.startswith(f"{len(rewrite.dynamic)} layer(s) ")]
+        notes = [n for n in rewrite.notes if kind_of(n) is not NoteKind.DYNAMIC_LAYERS]
         notes.insert(0, WEIGHT_ONLY.format(n=len(sixteen)))
     else:
         notes = list(rewrite.notes)
@@ -551,8 +552,9 @@ def export_onnx(cfg: ExportOnnxConfig) -> ExportResult:
                      f"not in it and attention runs in {dtype}. Serve the folder (vLLM, "
                      "TensorRT-LLM) for an FP8 KV cache.")
     if sixteen and not weight_only:
-        notes.append(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
-                     + "; ".join(f"{k}: {v}" for k, v in sixteen.items()))
+        notes.append(Note(f"TensorRT will run {len(sixteen)} quantized linear(s) in 16-bit: "
+                          + "; ".join(f"{k}: {v}" for k, v in sixteen.items()),
+                          NoteKind.SIXTEEN_BIT))
     if levels.note():
         notes.append(levels.note())
     elif levels.skipped and dtype is not OnnxDtype.BF16:

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from fp8export.errors import Fp8ExportError
+from fp8export.notes import Note, NoteKind
 
 ZERO_POINT = "fp8_zero_point"
 _E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN
@@ -394,9 +395,10 @@ def rewrite_qdq(model, layers: Mapping, *, dtype: str, opset: int) -> RewriteRes
         result.bound[name] = b.how
 
     if result.dynamic:
-        result.notes.append(
+        result.notes.append(Note(
             f"{len(result.dynamic)} layer(s) have no static input scale (dynamic activations): "
-            "weight-only DQ, TensorRT will run these in 16-bit: " + ", ".join(result.dynamic))
+            "weight-only DQ, TensorRT will run these in 16-bit: " + ", ".join(result.dynamic),
+            NoteKind.DYNAMIC_LAYERS))
     if result.max_scale_rounding > 0:
         result.notes.append(
             f"scales stored as {sdtype}: largest relative rounding {result.max_scale_rounding:.2e}")

@@ -1,1 +1,2 @@
-"""Charts: the hand-drawn SVG renderer and the matplotlib backend the report and inspect use."""
+"""Charts for the reports and inspect: the hand-drawn SVG renderer and the matplotlib backend
+(imported lazily)."""

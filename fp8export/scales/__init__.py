@@ -1,2 +1,2 @@
-"""Which linear weights become FP8 (families, fused groups, target selection) and their scales:
-weight amax and E4M3 round trip, activation ranges, the training-history policy."""
+"""Which linear weights become FP8 (families, fused groups, selection) and their scales: weight
+amax and round trip, activation ranges, the training-history policy."""

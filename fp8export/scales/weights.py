@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fp8export.numerics import lut
-from fp8export.numerics.block import block_amax, block_scales
-from fp8export.numerics.channel import channel_amax, channel_scales
-from fp8export.numerics.fp8 import E4M3_MAX, amax_to_scale
+from fp8export.numerics.block import block_amax
+from fp8export.numerics.channel import channel_amax
+from fp8export.numerics.fp8 import E4M3_MAX, amax_to_scale, amax_to_scales
 from fp8export.numerics.metrics import sqnr_from_sums
 from fp8export.scales.groups import share_max
 from fp8export.scales.select import Target
@@ -261,8 +261,7 @@ def weight_scan(targets: Sequence[Target], amax_by_weight: dict[str, float],
     scale_amax = dict(amax) if rows is not None else share_max(amax, groups)
     all_zero = [m for m, a in scale_amax.items() if a == 0.0]
     scale = {m: (amax_to_scale(a, f"{m}.weight") if rows is None
-                 else block_scales(rows[m], f"{m}.weight") if np.ndim(rows[m]) == 2
-                 else channel_scales(rows[m], f"{m}.weight"))
+                 else amax_to_scales(rows[m], f"{m}.weight"))
              for m, a in scale_amax.items() if math.isfinite(a) and a > 0.0}
     return WeightScan(amax=amax, scale_amax=scale_amax, scale=scale, nonfinite=nonfinite,
                       all_zero=all_zero)

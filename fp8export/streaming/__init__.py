@@ -1,4 +1,2 @@
-"""Layer streaming: a model run one decoder layer (or block of layers) at a time, its weights
-read from the checkpoint's shards as each layer runs, the hidden states of every sample kept on
-the device, in host memory or in a spill file between layers (docs/architecture.md; README
-"Models larger than one GPU")."""
+"""Layer streaming: a model run one decoder layer at a time, read from its shards, the hidden
+states kept on the device, in host memory or in a spill file; the plan that decides it."""

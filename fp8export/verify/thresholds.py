@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8export.errors import Fp8ExportError, UsageError
-from fp8export.io.guarded import THRESHOLDS, parse_json, read_input
+from fp8export.io.guarded import THRESHOLDS, parse_json, parse_yaml, read_input
 
 #: metric -> "min" (higher is better: bound is a minimum) or "max" (bound is a maximum)
 DIRECTIONS = {
@@ -109,27 +109,6 @@ def check_spec(text: str) -> str:
     return text
 
 
-def _parse_yaml(raw: bytes, path: Path) -> Any:
-    """YAML without aliases: ``*name`` repeats a node, so a few hundred bytes of nested aliases
-    ("billion laughs") expand to gigabytes. No thresholds file needs them; refused."""
-    import yaml
-
-    class NoAliases(yaml.SafeLoader):
-        def compose_node(self, parent, index):
-            if self.check_event(yaml.AliasEvent):
-                mark = self.peek_event().start_mark
-                raise Fp8ExportError(
-                    f"{path}: line {mark.line + 1}: YAML alias (*name) refused: aliases repeat "
-                    "nodes and can expand a small file into gigabytes. Write the values out.")
-            return super().compose_node(parent, index)
-
-    try:
-        return yaml.load(raw.decode("utf-8"), Loader=NoAliases)  # noqa: S506 (a SafeLoader)
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise Fp8ExportError(f"{path}: cannot parse thresholds file ({first}).") from exc
-
-
 def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, float]]]:
     """Resolve ``--thresholds``: a preset name, a ``.yaml``/``.yml``/``.json`` file, or a dict.
 
@@ -147,7 +126,7 @@ def load_thresholds(spec: str | Path | dict) -> tuple[str, dict[str, dict[str, f
     if p.suffix.lower() == ".json":
         data = parse_json(raw, p, "thresholds file")
     else:
-        data = _parse_yaml(raw, p)
+        data = parse_yaml(raw, p, "thresholds file")
     if not isinstance(data, dict) or not data:
         raise Fp8ExportError(f"{p}: thresholds file must be a mapping of metric: bound, e.g. "
                              "{kl_mean: 0.02, top1_agreement: 0.9}.")

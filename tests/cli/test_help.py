@@ -96,6 +96,25 @@ def test_readme_table_lists_every_option():
         assert listed <= options, f"README lists {sorted(listed - options)} that {name} lacks"
 
 
+def test_design_cli_block_lists_every_option():
+    """docs/DESIGN.md's CLI contract names every option of every command, and no other."""
+    text = (README.parent / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    start = text.index("```\nfp8export convert")
+    block = text[start + 4:text.index("```", start + 4)]
+    listed: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        if line.startswith("fp8export "):
+            name = line.split()[1]
+        listed.setdefault(name, set()).update(
+            re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", line.replace(f"fp8export {name}", "")))
+    assert set(listed) == set(COMMANDS)
+    for name in COMMANDS:
+        options = {o for opt in _options(name) for o in opt.opts}
+        omitted = [opt.opts[-1] for opt in _options(name) if not set(opt.opts) & listed[name]]
+        assert not omitted, f"DESIGN.md omits {omitted} of {name}"
+        assert listed[name] <= options, f"DESIGN.md lists {listed[name] - options} of {name}"
+
+
 def test_convert_help_says_what_it_writes(run_cli):
     """The first line of convert --help names every weight granularity convert writes."""
     first = run_cli("convert", "--help").output.split("\n\n")[1]

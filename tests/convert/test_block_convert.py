@@ -17,7 +17,8 @@ from fp8export.convert.config import ConvertConfig
 from fp8export.convert.pipeline import convert
 from fp8export.errors import Fp8ExportError, UsageError
 from fp8export.fp8dir.reader import read_fp8_folder
-from fp8export.numerics.block import block_amax, block_scales, quantize_blocks_sqnr
+from fp8export.numerics.block import block_amax, quantize_blocks_sqnr
+from fp8export.numerics.fp8 import amax_to_scales
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_tensors_are_the_block_grids_of_the_source(block_folders, ragged_llama, 
             assert f"{name}.input_scale" not in names and f"{name}.weight_scale" not in names \
                 or scale_name == "weight_scale"
             w = src[f"{name}.weight"]
-            want_s = block_scales(block_amax(w, (128, 128)), name)
+            want_s = amax_to_scales(block_amax(w, (128, 128)), name)
             if fmt == "compressed-tensors":  # held in the model's BF16 by transformers
                 want_s = want_s.astype(ml_dtypes.bfloat16).astype(np.float32)
             want_q, _ = quantize_blocks_sqnr(w, want_s, (128, 128))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -249,3 +250,42 @@ def test_disk_full_is_one_clear_error_and_leaves_nothing(tiny_llama, tmp_path, m
         convert(ConvertConfig(checkpoint=tiny_llama, output=tmp_path / "model-fp8"))
     assert "model-fp8: writing the output failed: No space left on device" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def _group_of(module: str) -> str:
+    """q/k/v of one attention and gate/up of one MLP share a scale (vLLM's fused layers)."""
+    import re
+
+    m = re.match(r"(.*)\.(self_attn\.[qkv]|mlp\.(?:gate|up))_proj$", module)
+    return f"{m.group(1)}.{'qkv' if 'attn' in m.group(2) else 'gate_up'}" if m else module
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "compressed-tensors"])
+def test_every_weight_scale_is_its_groups_amax_over_448(fmt, tmp_path):
+    """Every FP8 layer of the trained sample: weight_scale == amax / 448, amax the max |w| of
+    the source weight (over q/k/v and over gate/up, whose members share one scale), computed
+    here from the source file; float32 in the vllm dialect, rounded to the model's BF16 in
+    compressed-tensors (the dtype transformers holds it in). The manifest records the same."""
+    model = Path(__file__).resolve().parents[2] / "samples" / "tiny-llama" / "model"
+    out = tmp_path / "out"
+    convert(ConvertConfig(checkpoint=model, output=out, format=fmt))
+    group_amax: dict[str, float] = {}
+    for name, w in load_file(str(model / "model.safetensors")).items():
+        if name.endswith("_proj.weight"):
+            group = _group_of(name.removesuffix(".weight"))
+            group_amax[group] = max(group_amax.get(group, 0.0), float(w.float().abs().max()))
+    manifest = json.loads((out / "fp8export.json").read_text())["quantized"]
+    seen = 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if not name.endswith(".weight_scale"):
+                continue
+            module = name.removesuffix(".weight_scale")
+            want = np.float32(group_amax[_group_of(module)] / 448)
+            if fmt == "compressed-tensors":  # the model's dtype
+                want = np.float32(want.astype(ml_dtypes.bfloat16))
+            assert f.get_tensor(name).item() == want, name
+            assert manifest[module]["weight_scale"] == want, module
+            assert manifest[module]["weight_amax"] <= group_amax[_group_of(module)]
+            seen += 1
+    assert seen == len(manifest) == 42

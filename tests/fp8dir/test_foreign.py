@@ -16,6 +16,7 @@ import pytest
 import torch
 from foreign_folders import (
     autofp8_folder,
+    ct_folder,
     deepseek_folder,
     edit,
     is_linear,
@@ -88,6 +89,31 @@ def test_fine_grained_deepseek_folder(src, tmp_path):
     model = _logits_close_to_bf16(folder, src, 0.1)
     layer = fp8_modules(model)["model.layers.0.mlp.gate_proj"]
     assert layer.block == (32, 32) and layer.dynamic == "group" and layer.group_size == 32
+
+
+@pytest.mark.parametrize("writer", ["fine-grained", "compressed-tensors"])
+def test_non_square_blocks_keep_their_axes(src, tmp_path, writer):
+    """16 rows x 32 columns: the first number of weight_block_size / block_structure blocks the
+    output rows, the second the input columns and the input groups. Every layer's dequantized
+    weight is its codes times its own tile's scale, expanded here without fp8export code."""
+    bn, bk = 16, 32
+    folder = (deepseek_folder(src, tmp_path / "f", block=(bn, bk)) if writer == "fine-grained"
+              else ct_folder(src, tmp_path / "f", strategy="block", block=(bn, bk),
+                             static=False))
+    stored = load_file(str(folder / "model.safetensors"))
+    suffix = "weight_scale_inv" if writer == "fine-grained" else "weight_scale"
+    with read_fp8_folder(folder) as f:
+        assert f.format.block_size == (bn, bk) and f.format.group_size == bk
+        for name, layer in f.layers.items():
+            q, s = stored[f"{name}.weight"], stored[f"{name}.{suffix}"].float()
+            out, inp = q.shape
+            assert layer.block == (bn, bk)
+            assert tuple(layer.weight_scale.shape) == (-(-out // bn), -(-inp // bk)), name
+            full = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:out, :inp]
+            assert torch.equal(layer.dequantized(), q.float() * full), name
+    model = _logits_close_to_bf16(folder, src, 0.1)
+    layer = fp8_modules(model)["model.layers.1.mlp.down_proj"]  # 64 x 96: 4 x 3 blocks
+    assert layer.block == (bn, bk) and layer.group_size == bk
 
 
 def test_autofp8_static_folder(src, tmp_path):

@@ -96,6 +96,21 @@ def test_npz_header_is_checked_against_its_bytes(tmp_path):
         load_samples(p, None)
 
 
+def test_npy_format_3_is_refused_by_name(tmp_path):
+    """numpy writes format 3.0 only for structured dtypes with non-Latin-1 field names; token
+    ids never need it, and numpy has no public reader of its header."""
+    import struct
+
+    header = b"{'descr': '<i8', 'fortran_order': False, 'shape': (1, 4), }"
+    header += b" " * (-(len(header) + 13) % 64) + b"\n"
+    member = b"\x93NUMPY\x03\x00" + struct.pack("<I", len(header)) + header
+    p = tmp_path / "d.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("input_ids.npy", member + np.arange(4, dtype=np.int64).tobytes())
+    with pytest.raises(Fp8ExportError, match=r"format version 3\.0"):
+        load_samples(p, None)
+
+
 def test_npz_member_declaring_a_bomb(tmp_path):
     p = tmp_path / "d.npz"
     buf = io.BytesIO()

@@ -15,17 +15,15 @@ from fp8export.errors import Fp8ExportError
 from fp8export.numerics import block as blk
 from fp8export.numerics.block import (
     block_amax,
-    block_scales,
     blocks_roundtrip_sqnr,
     expand_blocks,
     fake_quantize_groups,
     grid_shape,
     group_scales,
-    infer_block,
     quantize_blocks_sqnr,
     quantize_groups,
 )
-from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
+from fp8export.numerics.fp8 import amax_to_scale, amax_to_scales, quantize_e4m3
 
 
 def _weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
@@ -61,7 +59,7 @@ def test_codes_and_scales_equal_a_tile_by_tile_reference(shape, block, monkeypat
     want_scales, want_q = _reference(w, block)
     amax = block_amax(w, block)
     assert amax.shape == grid_shape(shape, block) == want_scales.shape
-    scales = block_scales(amax, "w")
+    scales = amax_to_scales(amax, "w")
     assert np.array_equal(scales, want_scales)  # each edge tile from its own elements
     q, sqnr = quantize_blocks_sqnr(w, scales, block)
     assert q.shape == w.shape and q.dtype == torch.float8_e4m3fn
@@ -80,11 +78,11 @@ def test_small_blocks_keep_their_own_range():
     w = _weight(256, 256)
     small = slice(0, 64)  # rows 1e-7 .. 1e-6 of the largest
     w[small] *= 1e-4
-    q, _ = quantize_blocks_sqnr(w, block_scales(block_amax(w, (64, 128)), "w"), (64, 128))
+    q, _ = quantize_blocks_sqnr(w, amax_to_scales(block_amax(w, (64, 128)), "w"), (64, 128))
     s = amax_to_scale(float(w.float().abs().max()))
     per_tensor = quantize_e4m3(w, s).float() * float(s)
     per_block = q.float() * expand_blocks(
-        torch.from_numpy(block_scales(block_amax(w, (64, 128)), "w")), (256, 256), (64, 128))
+        torch.from_numpy(amax_to_scales(block_amax(w, (64, 128)), "w")), (256, 256), (64, 128))
 
     def sqnr(deq):
         ref = w[small].double()
@@ -96,7 +94,7 @@ def test_small_blocks_keep_their_own_range():
 def test_a_zero_tile_takes_the_smallest_other_scale_and_stays_zero():
     w = _weight(64, 64)
     w[:32, 32:] = 0
-    scales = block_scales(block_amax(w, (32, 32)), "w")
+    scales = amax_to_scales(block_amax(w, (32, 32)), "w")
     assert scales[0, 1] == scales[[0, 1, 1], [0, 0, 1]].min() and np.all(scales > 0)
     q, _ = quantize_blocks_sqnr(w, scales, (32, 32))
     assert not q[:32, 32:].float().any()
@@ -106,17 +104,15 @@ def test_nan_and_all_zero_are_refused_naming_the_block():
     w = _weight(64, 64).float()
     w[40, 3] = float("nan")
     with pytest.raises(Fp8ExportError, match=r"w: block \(1, 0\) has amax nan"):
-        block_scales(block_amax(w, (32, 32)), "w")
+        amax_to_scales(block_amax(w, (32, 32)), "w")
     with pytest.raises(Fp8ExportError, match="every block is zero"):
-        block_scales(block_amax(torch.zeros(8, 8), (4, 4)), "w")
+        amax_to_scales(block_amax(torch.zeros(8, 8), (4, 4)), "w")
     with pytest.raises(ValueError, match="does not fit"):
         quantize_blocks_sqnr(torch.ones(8, 8), np.ones((2, 3), np.float32), (4, 4))
 
 
 def test_grid_helpers():
     assert grid_shape((576, 7168), (128, 128)) == (5, 56)  # DeepSeek-V3 kv_a_proj_with_mqa
-    assert infer_block((5, 56), (576, 7168)) == (128, 128)
-    assert infer_block((3, 3), (576, 7168)) is None
     full = expand_blocks(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), (3, 5), (2, 3))
     assert full.tolist() == [[1, 1, 1, 2, 2], [1, 1, 1, 2, 2], [3, 3, 3, 4, 4]]
 

@@ -12,11 +12,10 @@ from fp8export.errors import Fp8ExportError
 from fp8export.numerics import channel
 from fp8export.numerics.channel import (
     channel_amax,
-    channel_scales,
     channels_roundtrip_sqnr,
     quantize_channels_sqnr,
 )
-from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3
+from fp8export.numerics.fp8 import amax_to_scale, amax_to_scales, quantize_e4m3
 
 
 def _weight(out: int = 48, inp: int = 40, seed: int = 0) -> torch.Tensor:
@@ -32,7 +31,7 @@ def test_bits_equal_per_row_quantize_e4m3(layout, monkeypatch):
     stored = w if layout == "out_in" else w.t().contiguous()
     amax = channel_amax(stored, layout)
     assert np.allclose(amax, w.float().abs().amax(dim=1).double().numpy(), rtol=0)
-    scales = channel_scales(amax, "w")
+    scales = amax_to_scales(amax, "w")
     for o in (0, 17, 47):
         assert scales[o] == amax_to_scale(amax[o])  # same rounding as the per-tensor scale
     q, sqnr = quantize_channels_sqnr(stored, scales, layout)
@@ -53,7 +52,7 @@ def test_bits_equal_per_row_quantize_e4m3(layout, monkeypatch):
 def test_zero_row_takes_the_smallest_other_scale():
     w = _weight()
     w[5] = 0
-    scales = channel_scales(channel_amax(w), "w")
+    scales = amax_to_scales(channel_amax(w), "w")
     assert scales[5] == scales[np.arange(48) != 5].min() and np.all(scales > 0)
     q, _ = quantize_channels_sqnr(w, scales)
     assert not q[5].float().any()
@@ -61,9 +60,9 @@ def test_zero_row_takes_the_smallest_other_scale():
 
 def test_bad_rows_are_errors():
     with pytest.raises(Fp8ExportError, match="channel 1 has amax nan"):
-        channel_scales(np.array([1.0, np.nan]), "m.weight")
+        amax_to_scales(np.array([1.0, np.nan]), "m.weight")
     with pytest.raises(Fp8ExportError, match="every output channel is zero"):
-        channel_scales(np.zeros(3), "m.weight")
+        amax_to_scales(np.zeros(3), "m.weight")
     w = _weight()
     w[3, 2] = float("nan")
     assert math.isnan(channel_amax(w)[3])

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from fp8export.numerics.block import block_amax, block_scales, quantize_blocks_sqnr
-from fp8export.numerics.fp8 import quantize_e4m3
+from fp8export.numerics.block import block_amax, quantize_blocks_sqnr
+from fp8export.numerics.fp8 import amax_to_scales, quantize_e4m3
 from fp8export.numerics.metrics import rel_l2
 from fp8export.runtime.fp8_fused import fusable
 from fp8export.runtime.fp8_linear import Fp8Linear
@@ -23,7 +23,7 @@ def _block_layer(out_f=320, in_f=384, block=(128, 128), bias=True, dtype=torch.b
                  seed=0, mode="auto"):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g) * torch.logspace(-3, -1, out_f)[:, None]
-    scales = block_scales(block_amax(w, block), "w")
+    scales = amax_to_scales(block_amax(w, block), "w")
     q, _ = quantize_blocks_sqnr(w, scales, block)
     b = torch.randn(out_f, generator=g) * 0.1 if bias else None
     return Fp8Linear(q, torch.from_numpy(scales), None, b, mode=mode, out_dtype=dtype,

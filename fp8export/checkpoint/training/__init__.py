@@ -1,1 +1,2 @@
-"""Readers of FP8 training state (amax histories): Transformer Engine, Keras float8, torchao."""
+"""Readers of FP8 training state: the amax histories and stored scales that Transformer Engine,
+Keras float8 and torchao leave in a checkpoint."""
