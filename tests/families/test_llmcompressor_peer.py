@@ -189,9 +189,10 @@ def _o_proj_amax(src: Path, causal: bool) -> float:
 
 def test_o_proj_scale_is_causal(pair):
     """Our o_proj input scale is the amax of the decoder's real (causal) attention output on the
-    calibration tokens (over 448, rounded to bf16 as the engines hold it). llm-compressor 0.14's equals the amax of a bidirectional forward: its
-    calibration pass ran attention without the causal mask on these models (o_proj scales 1.9x
-    to 4.6x smaller; every later activation differs). Pinned so a fix on its side shows up."""
+    calibration tokens (over 448, rounded to bf16 as the engines hold it). llm-compressor
+    0.14's equals the amax of a bidirectional forward: its calibration pass ran attention
+    without the causal mask on these models (o_proj scales 1.9x to 4.6x smaller; every later
+    activation differs). Pinned so a fix on its side shows up."""
     family, ours, theirs, src = pair
     prefix = "model.layers.0.self_attn.o_proj"
     mine = _scales(ours, ".input_scale")[prefix] * 448
