@@ -56,6 +56,9 @@ class Runner(ABC):
         self.model = None
         #: convert's manifest of the FP8 folder the runner runs ({}: not an FP8 folder)
         self.manifest: dict[str, Any] = {}
+        #: the model's parts, one decoder layer at a time (a streamed runner, runners/streamed.py);
+        #: None: the model runs whole
+        self.parts = None
         #: what follows the last layer: "linear" (logits) or "sigmoid"/"softmax" (a Keras head
         #: that outputs probabilities, which the comparison turns back into logits)
         self.output_activation = "linear"

@@ -86,7 +86,7 @@ class _LayerCheck:
     against the same layer of the candidate's, on the first check tokens of the batches."""
 
     def __init__(self, candidate):
-        self.manifest = getattr(candidate, "manifest", None) or {}
+        self.manifest = candidate.manifest or {}
         self.rows: list[dict[str, Any]] = []
         self.tokens = 0
 
@@ -132,7 +132,7 @@ def streamed_runners(session: Session) -> list[tuple[str, Any]]:
     from fp8export.verify.noise_floor import FLOOR_DTYPE
 
     runners = [("reference", session.reference)]
-    if getattr(session.candidate, "parts", None) is not None:
+    if session.candidate.parts is not None:
         runners.append(("candidate", session.candidate))
     if session.floor is not None:
         runners.append((FLOOR_DTYPE, session.floor))
@@ -187,8 +187,8 @@ def _run_layers(streams, blocks, seconds, comm, moe_modules, device, check=None)
                     for p in probes:
                         if p.active:
                             p.set_mask(batches[b].attention_mask)
-            _run_block(block, stream, getattr(runner.parts, "expert_gemms", None), moe_modules,
-                       before)
+            parts = runner.parts
+            _run_block(block, stream, getattr(parts, "expert_gemms", None), moe_modules, before)
             if probes and name == "reference":
                 check.add(probes)
                 probes = []
