@@ -196,13 +196,13 @@ class LazyGroup(click.Group):
         except UsageError as exc:
             line = _report(exc, printable(exc))
             if line is not None:
-                click.echo(f"Error: {line}", err=True)
+                click.echo(f"Error: {printable(line)}", err=True)
                 click.echo(f"Try 'fp8export {name} --help' for the options.", err=True)
             code = EXIT_USAGE
         except Fp8ExportError as exc:
             line = _report(exc, printable(exc))
             if line is not None:
-                click.echo(f"Error: {line}", err=True)
+                click.echo(f"Error: {printable(line)}", err=True)
             code = EXIT_BAD_INPUT
         except VerificationFailed as exc:
             if not _quiet():

@@ -21,7 +21,7 @@ def _list_schemes(ctx: click.Context, _param: click.Parameter, value: bool) -> N
     from fp8export.convert.schemes import list_schemes
 
     for line in list_schemes():
-        click.echo(line)
+        echo(line)
     ctx.exit(0)
 
 
