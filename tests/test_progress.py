@@ -116,5 +116,6 @@ def _constant_text(node) -> bool:
     if isinstance(arg, ast.Constant):
         return True
     return isinstance(arg, ast.JoinedStr) and all(
-        isinstance(v, ast.Constant) or ast.unparse(v.value) in ("name", "status", "code", "what", "lead")
+        isinstance(v, ast.Constant)
+        or ast.unparse(v.value) in ("name", "status", "code", "what", "lead")
         or "perf_counter" in ast.unparse(v.value) for v in arg.values)
