@@ -144,7 +144,8 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
     if variants and comm.distributed:
         raise Fp8ExportError("--kv-cache fp8 / --attention fp8 compare several configurations "
                              "of the candidate in one process; run verify without torchrun.")
-    probe = _per_layer_probe(session, layer_check)
+    # under torchrun rank 0 measures the layers, on the run's first batches as one process does
+    probe = _per_layer_probe(session, layer_check) if comm.rank == 0 else None
     rows = None
     ladder: dict[str, Any] = {}
     t_ref = t_cand = t_floor = 0.0
@@ -180,18 +181,52 @@ def compare(session: Session, inputs: Inputs, layer_check: bool = False) -> Comp
                     cand.set_attention("judged")
                 ladder.setdefault(label, new_comparison(acc.family, inputs.task, cfg.reference)
                                   ).add(ref_logits, out, **like)
+        if probe is not None and comm.distributed:
+            _probe_past_share(probe, batches, mine.stop, ref, cand)
     finally:
         if probe is not None:
             rows = probe.result()
             probe.close()
+    tokens = probe.tokens if probe is not None else 0
+    if comm.distributed and session.kind == "fp8-folder" and (layer_check or cfg.per_layer):
+        rows, tokens = from_rank0(comm, rows, tokens)
     measured = acc.finish(rows if cfg.per_layer else None,
                           {"reference_s": t_ref, "candidate_s": t_cand, "floor_s": t_floor})
     measured.layers = rows
-    measured.layer_tokens = probe.tokens if probe is not None else 0
+    measured.layer_tokens = tokens
     if variants:
         measured.attention_cost = _attention_cost(cand, ladder, measured.comparison,
                                                   measured.result)
     return measured
+
+def _probe_past_share(probe, batches: list, start: int, ref, cand) -> None:
+    """Rank 0 of a torchrun run: the probe goes on over the batches after its share, in order,
+    until it has what one process would have measured (the reference runs them; the candidate
+    too where the probe compares the models' own outputs)."""
+    for batch in batches[start:]:
+        if not probe.active:
+            return
+        check()
+        probe.set_mask(batch.attention_mask)
+        if not probe.active:
+            return
+        feed = {"input_ids": batch.input_ids.numpy(),
+                "attention_mask": batch.attention_mask.numpy(),
+                **{k: v.numpy() for k, v in (batch.extras or {}).items()}}
+        ref.infer(feed)
+        if probe.end_to_end:
+            cand.infer(feed)
+
+
+def from_rank0(comm, rows, tokens: int):
+    """Rank 0's layer rows and token count on every rank (each judges alike)."""
+    import json
+
+    mine = json.dumps({"rows": rows, "tokens": tokens}).encode() if comm.rank == 0 else b""
+    got = next(p for p in comm.all_gather_bytes(mine, "the layer check") if p)
+    doc = json.loads(got)
+    return doc["rows"], doc["tokens"]
+
 
 COST_METRICS = ("kl_mean", "top1_agreement", "kl_p99", "top5_overlap", "ppl_ratio")
 

@@ -49,8 +49,11 @@ def compare_streamed(session: Session, inputs: Inputs, batches: list, acc,
                                 spill_dir=spill_parent(cfg.report_dir), name=name))
                for name, r in runners]
     seconds = {name: 0.0 for name, _ in runners}
-    check = _LayerCheck(session.candidate) if layer_check and \
-        any(name == "candidate" for name, _ in runners) else None
+    streams_candidate = any(name == "candidate" for name, _ in runners)
+    # under torchrun rank 0 measures the layers on its share (the run's first batches) and
+    # every rank judges its rows
+    check = _LayerCheck(session.candidate) if layer_check and streams_candidate \
+        and comm.rank == 0 else None
     try:
         with stage(f"embedding {len(batches)} batch(es) in {len(streams)} model(s)"):
             for _, _, st in streams:
@@ -78,6 +81,11 @@ def compare_streamed(session: Session, inputs: Inputs, batches: list, acc,
                                  "floor_s": seconds.get(FLOOR_DTYPE, 0.0)})
     if check is not None:
         measured.layers, measured.layer_tokens = check.result(), check.tokens
+    if comm.distributed and layer_check and streams_candidate:
+        from fp8export.verify.compare import from_rank0
+
+        measured.layers, measured.layer_tokens = from_rank0(comm, measured.layers,
+                                                            measured.layer_tokens)
     return measured
 
 
