@@ -56,14 +56,11 @@ class AttentionState:
 
 
 def attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Attention modules (they own ``k_proj`` and ``v_proj`` and a ``layer_idx``) by name."""
-    found = {n: m for n, m in model.named_modules()
-             if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")}
-    if not found:
-        raise Fp8ExportError(
-            "an FP8 KV cache needs attention modules with separate k_proj and v_proj (Llama, "
-            "Mistral, Qwen and similar); this model has none. Leave the KV cache in 16 bits.")
-    return found
+    """Attention modules (they own ``k_proj`` and ``v_proj`` and a ``layer_idx``) by name: the
+    ones the KV cache's calibration hooks (one rule for both)."""
+    from fp8export.runtime.kv_cache import attention_modules
+
+    return attention_modules(model)
 
 
 def kv_heads(module: torch.nn.Module) -> int:
