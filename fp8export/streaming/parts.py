@@ -18,6 +18,7 @@ them up).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
@@ -119,7 +120,7 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
                 mod._buffers[k] = b.to(device)
 
 
-class Parts:
+class Parts(abc.ABC):
     """A model of one source as its parts (see the module docstring). Subclasses open the
     source and say how a layer is built; :meth:`close` releases the files."""
 
@@ -164,10 +165,11 @@ class Parts:
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.is_floating_point() else t
 
+    @abc.abstractmethod
     def build_layer(self, i: int, device: torch.device,
                     values: dict[str, torch.Tensor] | None = None) -> nn.Module:
-        """Layer ``i`` ready to run on ``device`` (``values``: from :meth:`read_layer`)."""
-        raise NotImplementedError
+        """Layer ``i`` ready to run on ``device`` (``values``: from :meth:`read_layer`); each
+        kind of parts (a checkpoint's, an FP8 folder's) builds it its own way."""
 
     def copy_layer(self, i: int) -> nn.Module:
         """A meta copy of the skeleton's layer ``i`` (shares the skeleton's config)."""
