@@ -61,7 +61,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_attention_kernel import bench_attention  # noqa: E402  (beside)
 from gpu_fp8_report import TARGETS, merge_results, write_report  # noqa: E402  (beside)
+from gpu_timing import (  # noqa: E402  (beside)
+    bound_compile_work,
+    dynamo_stats,
+    graph_ms,
+    host_and_wall_ms,
+    log_row,
+    profile_calls,
+    reset_dynamo,
+    time_cuda,
+)
 
 from fp8export.numerics.fp8 import amax_to_scale, quantize_e4m3  # noqa: E402
 from fp8export.runtime import attention, fp8_gemm, fp8_quant  # noqa: E402
@@ -149,51 +160,6 @@ def kv_scales(model, calib: list[torch.Tensor]) -> dict[str, tuple[float, float]
     return {n: (float(amax_to_scale(k)), float(amax_to_scale(v))) for n, (k, v) in amax.items()}
 
 
-def time_cuda(fn, min_time: float = 0.5, warmup: int = 3) -> list[float]:
-    """Per-call milliseconds via CUDA events, repeated until ~min_time seconds are covered."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    start_wall = time.perf_counter()
-    while time.perf_counter() - start_wall < min_time or len(times) < 5:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
-def median_ms(fn, min_time: float = 0.5) -> float:
-    return round(statistics.median(time_cuda(fn, min_time)), 4)
-
-
-def graph_ms(fn, reps: int = 20, min_time: float = 0.2) -> float:
-    """Device time per call of ``fn``: ``reps`` calls captured in one CUDA graph, replayed.
-
-    Single kernels of a few microseconds cannot be timed with events around a Python call:
-    the host's launch cost (20-50 us on the benchmark host) lands inside the interval.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return round(statistics.median(time_cuda(graph.replay, min_time)) / reps, 5)
-
-
-def log_row(row: dict) -> None:
-    print("  " + "  ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("_profile")),
-          flush=True)
-
-
 def save(args) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(RESULT, indent=2) + "\n")
@@ -272,108 +238,6 @@ def bench_overhead(args) -> list[dict]:
     return rows
 
 
-SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cudaMemcpyAsync")
-
-
-def kernel_category(name: str) -> str:
-    """Coarse class of a CUDA kernel name, for the profile tables."""
-    low = name.lower()
-    if low.startswith("triton"):  # Inductor's names list every op fused in, attention's too
-        return "Inductor (Triton)"
-    if any(k in low for k in ("flash", "fmha", "attention", "sdpa")):
-        return "attention"
-    if "_fp8_gemm_small_m" in low:
-        return "gemm (Triton FP8)"
-    if any(k in low for k in ("gemm", "nvjet", "xmma", "cutlass", "splitk", "cublas")):
-        return "gemm (cuBLAS)"
-    if "_quant_e4m3" in low:
-        return "quantize (Triton)"
-    if "memcpy" in low or "memset" in low:
-        return "memcpy/memset"
-    return "aten other"
-
-
-def profile_calls(fn, reps: int, top: int = 12) -> dict:
-    """``reps`` calls of ``fn`` under torch.profiler: device time per call by kernel class, the
-    top kernels, launches and host-blocking CUDA calls per call (device times in us)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels, syncs, graph_launches = {}, {}, 0
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA":
-            k = kernels.setdefault(e.key, [0, 0.0])
-            k[0] += e.count
-            k[1] += e.self_device_time_total
-        elif e.key in SYNC_CALLS:
-            syncs[e.key] = round(e.count / reps, 2)
-        elif e.key == "cudaGraphLaunch":
-            graph_launches = e.count / reps
-    by_class: dict[str, float] = {}
-    for name, (_, us) in kernels.items():
-        cat = kernel_category(name)
-        by_class[cat] = by_class.get(cat, 0.0) + us / reps
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    return {
-        "device_us": round(sum(us for _, us in kernels.values()) / reps, 1),
-        "kernels": round(sum(n for n, _ in kernels.values()) / reps, 1),
-        "by_class_us": {k: round(v, 1) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-        "top": [{"kernel": name[:110], "class": kernel_category(name), "per_call": n / reps,
-                 "us": round(us / reps, 1)} for name, (n, us) in rows[:top]],
-        "host_blocking_calls": syncs, "graph_launches": graph_launches,
-    }
-
-
-def host_and_wall_ms(fn, reps: int) -> tuple[float, float]:
-    """(host ms per call to enqueue, wall ms per call until the device is done), ``reps`` calls
-    back to back. Host ~ wall with the device mostly idle means the host is the bound."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return round((t1 - t0) / reps * 1e3, 3), round((t2 - t0) / reps * 1e3, 3)
-
-
-def reset_dynamo() -> None:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-
-
-def dynamo_stats() -> dict:
-    """Since the last ``torch._dynamo.reset()``: graph breaks, graphs compiled, CUDA graphs
-    skipped, and Inductor's / AOTAutograd's cache hits and misses (a warm cache from another
-    process turns a compile into a trace and a lookup)."""
-    c = torch._dynamo.utils.counters
-    return {"graph_breaks": sum(c["graph_break"].values()),
-            "unique_graphs": c["stats"].get("unique_graphs", 0),
-            "cudagraph_skips": c["inductor"].get("cudagraph_skips", 0),
-            "fxgraph_cache_hit": c["inductor"].get("fxgraph_cache_hit", 0),
-            "fxgraph_cache_miss": c["inductor"].get("fxgraph_cache_miss", 0),
-            "fxgraph_cache_bypass": c["inductor"].get("fxgraph_cache_bypass", 0),
-            "autograd_cache_hit": c["aot_autograd"].get("autograd_cache_hit", 0)}
-
-
-def bound_compile_work(recompile_limit: int) -> None:
-    """Static shapes are compiled once each; a recompile beyond ``recompile_limit`` per frame
-    is an error (not a silent fall-back to eager that would be timed as 'compiled'), and every
-    recompile is logged with the guard that failed."""
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across releases
-        if hasattr(cfg, name):
-            setattr(cfg, name, recompile_limit)
-    if hasattr(cfg, "fail_on_recompile_limit_hit"):
-        cfg.fail_on_recompile_limit_hit = True
-    torch._logging.set_logs(recompiles=True, graph_breaks=True)
-
-
 def gemm_shapes(args):
     h, i = args.hidden, args.intermediate
     kv = h // args.heads * args.kv_heads
@@ -422,107 +286,6 @@ def bench_gemms(args) -> list[dict]:
             rows.append(row)
             log_row(row)
     return rows
-
-def _attn_inputs(b, hq, hkv, tq, tk, d, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, hq, tq, d, device="cuda", generator=g).bfloat16()
-    # keys with a few large channels, as rotated keys have; values plain
-    k = (torch.randn(b, hkv, tk, d, device="cuda", generator=g)
-         * (1 + 4 * torch.rand(d, device="cuda", generator=g))).bfloat16()
-    v = torch.randn(b, hkv, tk, d, device="cuda", generator=g).bfloat16()
-    ks = torch.full((hkv,), float(k.float().abs().max()) / 448, device="cuda")
-    vs = torch.full((hkv,), float(v.float().abs().max()) / 448, device="cuda")
-    return q, k, v, ks, vs
-
-
-def _rel(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return round(float((a - b).norm() / b.norm()), 6)
-
-
-def bench_attention(args) -> dict:
-    """The kernel alone at the model's shapes: device ms (CUDA graphs of 20 calls) against SDPA
-    on bf16 with GQA, P in E4M3 vs bf16; accuracy against fp32 attention on the same 16-bit
-    inputs and agreement with the CPU emulation; a tile sweep at the large prefill shapes."""
-    import torch.nn.functional as F
-
-    from fp8export.runtime.attention_math import (
-        MaskInfo,
-        fp8_attention_reference,
-        quantize_heads,
-    )
-    from fp8export.runtime.fp8_attention import launch_attention, launch_kv_write
-
-    hq, hkv, d = args.heads, args.kv_heads, args.hidden // args.heads
-    sm = d ** -0.5
-    rows, sweep = [], []
-    prefill = [(1, 128), (8, 2048), (32, 512)]
-    decode = [(1, 384), (8, 384), (32, 384), (32, 4096)]
-    for kind, shapes in (("prefill", prefill), ("decode", decode)):
-        for b, t in shapes:
-            tq = t if kind == "prefill" else 1
-            q, k, v, ks, vs = _attn_inputs(b, hq, hkv, tq, t, d, seed=b * t)
-            q_start = t - tq
-            start_t = torch.tensor(q_start, device="cuda")
-            k8 = quantize_heads(k, ks)
-            v8t = quantize_heads(v, vs).transpose(2, 3).contiguous()
-            v8 = v8t.transpose(2, 3)
-            row = {"kind": kind, "batch": b, "q_tokens": tq, "kv_tokens": t}
-            causal = tq > 1
-            mask = None
-            if not causal:  # decode: SDPA over the whole cache (all positions valid)
-                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
-                    q, k, v, enable_gqa=True))
-            else:
-                row["sdpa_ms"] = graph_ms(lambda: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=True))
-            for p_fp8 in (True, False):
-                tag = "p_e4m3" if p_fp8 else "p_bf16"
-                if kind == "prefill":  # no cache: the kernel quantizes K and V as it loads
-                    def run(p_fp8=p_fp8):
-                        return launch_attention(q, k, v, ks, vs, None, None, 0, sm, True, 0,
-                                                p_fp8)
-                else:  # from the FP8 cache, position on the device
-                    def run(p_fp8=p_fp8):
-                        return launch_attention(q, k8, v8, ks, vs, None, start_t, 0, sm, True,
-                                                0, p_fp8)
-                out = run()
-                row[f"{tag}_ms"] = graph_ms(run)
-                row[f"speedup_{tag}"] = round(row["sdpa_ms"] / row[f"{tag}_ms"], 3)
-                if b * tq * t <= 8 * 2048 * 2048 // 4:  # the fp32 references fit comfortably
-                    info = MaskInfo(q_start, True, 0, mask, None)
-                    # the emulation on the CPU, in fp32: what verify computes
-                    emu = fp8_attention_reference(
-                        q.cpu(), k8.cpu(), v8.cpu(), ks.cpu(), vs.cpu(), sm_scale=sm,
-                        info=info, p_fp8=p_fp8, out_dtype=torch.float32)
-                    exact = F.scaled_dot_product_attention(
-                        q.float(), k.float(), v.float(), is_causal=causal,
-                        enable_gqa=True).transpose(1, 2)
-                    sdpa = F.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal, enable_gqa=True).transpose(1, 2)
-                    row[f"{tag}_vs_emulation_rel_l2"] = _rel(out, emu)
-                    row[f"{tag}_vs_fp32_rel_l2"] = _rel(out, exact)
-                    row["sdpa_bf16_vs_fp32_rel_l2"] = _rel(sdpa, exact)
-            if kind == "decode":
-                kc = torch.empty(b, hkv, t, d, dtype=torch.float8_e4m3fn, device="cuda")
-                vc = torch.empty(b, hkv, d, t, dtype=torch.float8_e4m3fn, device="cuda")
-                kn, vn = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
-                row["kv_write_ms"] = graph_ms(lambda: launch_kv_write(kn, vn, ks, vs, kc, vc,
-                                                                      start_t))
-            rows.append(row)
-            log_row(row)
-            if kind == "prefill" and b * t >= 16384:
-                for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
-                                          (128, 8, 3)):
-                    cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
-                    try:
-                        ms = graph_ms(lambda cfg=cfg: launch_attention(
-                            q, k, v, ks, vs, None, None, 0, sm, True, 0, True, config=cfg))
-                    except Exception as exc:  # a tiling that does not compile or fit
-                        ms = f"{type(exc).__name__}: {str(exc)[:120]}"
-                    sweep.append({"batch": b, "seq": t, **cfg, "ms": ms})
-                    log_row(sweep[-1])
-    return {"rows": rows, "sweep": sweep}
 
 
 def bench_memory(model, fp8, args) -> dict:
