@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import REPO, machine_info  # noqa: E402
+from fp8_folders import damage_scale  # noqa: E402  (one wrong scale, as the tests plant it)
 
 SAMPLE = REPO / "samples" / "tiny-llama"
 LAYERS = ["layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.down_proj",
@@ -46,26 +48,6 @@ FAULTS = ((8.0, "default"), (2.0, "strict"))
 BEGIN, END = "<!-- fault-injection:begin -->", "<!-- fault-injection:end -->"
 DOC = REPO / "docs" / "verify.md"
 METRICS = ("kl_mean", "top1_agreement", "cosine_min", "ppl_ratio")
-
-
-def scale_weight(folder: Path, module: str, factor: float) -> None:
-    """Multiply ``<module>.weight_scale`` by ``factor`` in the folder's shards, and the scale its
-    manifest records with it: one wrong scale as a converter bug would write it (a folder whose
-    tensors and manifest disagree is refused before verify measures anything)."""
-    from safetensors.torch import load_file, save_file
-
-    key = f"{module}.weight_scale"
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        if key in tensors:
-            tensors[key] = tensors[key] * factor
-            save_file(tensors, str(f))
-            manifest = folder / "fp8export.json"
-            doc = json.loads(manifest.read_text())
-            doc["quantized"][module]["weight_scale"] = float(tensors[key].float().max())
-            manifest.write_text(json.dumps(doc, indent=2))
-            return
-    raise KeyError(key)
 
 
 def verify(folder: Path, preset: str, samples: int, seq_len: int, report_dir: Path) -> dict:
@@ -107,7 +89,7 @@ def measure(samples: int, seq_len: int, work: Path) -> dict:
             damaged = work / f"x{factor:g}"
             shutil.rmtree(damaged, ignore_errors=True)
             shutil.copytree(healthy, damaged)
-            scale_weight(damaged, module, factor)
+            damage_scale(damaged, module, factor)
             doc["layers"][layer][f"x{factor:g}"] = {
                 "preset": preset, **verify(damaged, preset, samples, seq_len, work / "rep")}
             print(f"{layer} x{factor:g} ({preset}): {doc['layers'][layer][f'x{factor:g}']}",
@@ -146,7 +128,7 @@ def layer_check_only(doc: dict, work: Path) -> dict:
             damaged = work / key
             shutil.rmtree(damaged, ignore_errors=True)
             shutil.copytree(healthy, damaged)
-            scale_weight(damaged, f"model.{layer}", float(key[1:]))
+            damage_scale(damaged, f"model.{layer}", float(key[1:]))
             faults[key] = judged(entry, entry["preset"], damaged)
             print(f"{layer} {key}: {faults[key]}", flush=True)
     doc["layer_check"] = {"samples": LAYER_CHECK_SAMPLES, "seconds": round(

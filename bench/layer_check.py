@@ -73,28 +73,8 @@ def damaged(folder: Path, work: Path, module: str, factor: float) -> Path:
     try:
         damage_scale(out, module, factor)
     except KeyError:  # a block folder names its scale weight_scale_inv
-        _scale_inv(out, module, factor)
+        damage_scale(out, module, factor, name="weight_scale_inv")
     return out
-
-
-def _scale_inv(folder: Path, module: str, factor: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    key = f"{module}.weight_scale_inv"
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        if key in tensors:
-            tensors[key] = tensors[key] * factor
-            save_file(tensors, str(f))
-            manifest = folder / "fp8export.json"
-            doc = json.loads(manifest.read_text())
-            entry = (doc.get("quantized") or {}).get(module) or {}
-            for k in ("weight_scale", "weight_scale_max"):
-                if isinstance(entry.get(k), (int, float)):
-                    entry[k] *= factor
-            manifest.write_text(json.dumps(doc, indent=2))
-            return
-    raise KeyError(key)
 
 
 def verify(reference: Path, candidate: Path, thresholds="default", **opts):

@@ -164,13 +164,15 @@ def make_fp8_folder(src: Path, out: Path, *, static: bool = True) -> Path:
     return out
 
 
-def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
-    """Multiply ``<module>.weight_scale`` by ``factor`` in place, and the scale the manifest
-    records with it: a consistent folder with one wrong scale, as a converter bug would write
-    it (an edit that leaves the manifest behind is refused before verify measures anything)."""
+def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0,
+                 name: str = "weight_scale") -> None:
+    """Multiply ``<module>.<name>`` (``weight_scale_inv``: a block grid as vLLM names it) by
+    ``factor`` in place, and the scale the manifest records with it: a consistent folder with
+    one wrong scale, as a converter bug would write it (an edit that leaves the manifest behind
+    is refused before verify measures anything). The benchmarks use it too."""
     from safetensors.torch import load_file, save_file
 
-    key = f"{module}.weight_scale"
+    key = f"{module}.{name}"
     for f in sorted(fp8_dir.glob("*.safetensors")):
         tensors = load_file(str(f))
         if key in tensors:
@@ -179,10 +181,15 @@ def damage_scale(fp8_dir: Path, module: str, factor: float = 8.0) -> None:
             manifest_path = fp8_dir / "fp8export.json"
             if manifest_path.is_file():
                 manifest = json.loads(manifest_path.read_text())
-                entry = (manifest.get("quantized") or {}).get(module)
-                if entry and isinstance(entry.get("weight_scale"), (int, float)):
-                    entry["weight_scale"] = float(tensors[key].float().max())
-                    manifest_path.write_text(json.dumps(manifest, indent=2))
+                entry = (manifest.get("quantized") or {}).get(module) or {}
+                if name == "weight_scale":
+                    if isinstance(entry.get("weight_scale"), (int, float)):
+                        entry["weight_scale"] = float(tensors[key].float().max())
+                else:  # a grid: the manifest records its largest scale
+                    for k in ("weight_scale", "weight_scale_max"):
+                        if isinstance(entry.get(k), (int, float)):
+                            entry[k] *= factor
+                manifest_path.write_text(json.dumps(manifest, indent=2))
             return
     raise KeyError(key)
 

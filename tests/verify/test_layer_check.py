@@ -54,20 +54,7 @@ def _scaled(folder, tmp_path, factor):
     try:
         damage_scale(bad, DAMAGED, factor)
     except KeyError:  # a block folder: the grid is weight_scale_inv, every block's scale
-        from safetensors.torch import load_file, save_file
-
-        for f in sorted(bad.glob("*.safetensors")):
-            tensors = load_file(str(f))
-            key = f"{DAMAGED}.weight_scale_inv"
-            if key in tensors:
-                tensors[key] = tensors[key] * factor
-                save_file(tensors, str(f))
-                manifest = json.loads((bad / "fp8export.json").read_text())
-                for k in ("weight_scale", "weight_scale_max"):
-                    v = manifest["quantized"][DAMAGED].get(k)
-                    if isinstance(v, (int, float)):
-                        manifest["quantized"][DAMAGED][k] = v * factor
-                (bad / "fp8export.json").write_text(json.dumps(manifest))
+        damage_scale(bad, DAMAGED, factor, name="weight_scale_inv")
     return bad
 
 
