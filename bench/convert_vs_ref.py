@@ -33,6 +33,9 @@ def export_ref(ref: str, dest: Path) -> str:
     archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    # the E4M3 lookup loop is a C extension (numpy fallback otherwise): both sides get theirs
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest,
+                   check=True, capture_output=True)
     return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", ref], check=True,
                           capture_output=True, text=True).stdout.strip()
 

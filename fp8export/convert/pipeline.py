@@ -55,6 +55,7 @@ from fp8export.convert.source_scan import (
     default_workers,
     fast_path_files,
     scan_sources,
+    source_sha256,
 )
 from fp8export.errors import Fp8ExportError, VerificationFailed
 from fp8export.fp8dir.formats import (
@@ -346,14 +347,17 @@ def _interval(measured: dict[str, Any]) -> str:
 @dataclass
 class _Run:
     """How this conversion reads and writes. ``files``: the safetensors files behind the
-    checkpoint (the parallel path: one read for sha256 + amax, ``workers`` writer threads) or
-    None (the general reader path, one tensor at a time, sha256 in a background thread)."""
+    checkpoint (the parallel path: the weights read once for their amax, then ``workers``
+    writer threads whose reads also give each file's sha256) or None (the general reader
+    path, one tensor at a time, sha256 in a background thread)."""
 
     files: dict | None
     early: EarlyScan | None
     workers: int
     timings: Timings
-    hashes: Any = None  # source file -> sha256: a dict, or a Future on the general path
+    # source file -> sha256: a dict, or a Future on the general path; None on the parallel
+    # path until the writer has hashed the files from its reads (or a check asks earlier)
+    hashes: Any = None
     stage: float = field(default_factory=time.perf_counter)
 
     def lap(self, name: str, nbytes: int = 0) -> None:
@@ -363,8 +367,16 @@ class _Run:
         self.timings.add(f"wall: {name}", now - self.stage, nbytes)
         self.stage = now
 
-    def source_hashes(self) -> dict:
-        return self.hashes.result() if hasattr(self.hashes, "result") else self.hashes
+    def source_hashes(self, ckpt: Checkpoint, written: dict | None = None) -> dict:
+        """The sha256 of every source file: on the parallel path those the writer took from
+        its reads (``written``) and the rest read now (all of them when asked before
+        writing); on the general path the background job's."""
+        if self.hashes is None:
+            self.hashes = source_sha256(self.files.values(), ckpt.source_files,
+                                        timings=self.timings, done=written)
+        elif hasattr(self.hashes, "result"):
+            self.hashes = self.hashes.result()
+        return self.hashes
 
 
 def _convert(cfg: ConvertConfig, early: EarlyScan | None) -> ConvertResult:
@@ -428,13 +440,13 @@ def _convert_open(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run) ->
     sel = select_step(cfg, ckpt, notes)
     run.lap("select")
     sel, scan = scan_step(cfg, ckpt, sel, notes, run)
-    run.lap("scan (hash + amax)", sum(p.stat().st_size for p in ckpt.source_files))
+    run.lap("scan (amax)", sum(p.stat().st_size for p in ckpt.source_files))
     weight_scales, weight_source = weight_scale_step(cfg, ckpt, sel, scan, notes)
     check_scale_range("weight", weight_scales)
     if cfg.calib_amax is not None:  # ranges measured on other weights would mis-scale these
         from fp8export.calibration.amax_file import check_amax_checkpoint
 
-        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes()),
+        check_amax_checkpoint(cfg.calib_amax, _relative_hashes(ckpt, run.source_hashes(ckpt)),
                               sel.modules)
     split, calib_cfg = None, cfg
     if cfg.accuracy_budget is not None:  # its samples come after what calibration reads
@@ -510,15 +522,13 @@ def select_step(cfg: ConvertConfig, ckpt: Checkpoint, notes: list[str]) -> Selec
 
 def scan_step(cfg: ConvertConfig, ckpt: Checkpoint, sel: Selection, notes: list[str],
               run: _Run) -> tuple[Selection, WeightScan]:
-    """Every selected weight read once for its amax (from safetensors, in the same read as the
-    file's sha256); NaN/Inf refused, all-zero ones kept."""
+    """Every selected weight read once for its amax; NaN/Inf refused, all-zero ones kept."""
     if run.files is not None:
         ticks = iter(progress(range(len(run.files)), total=len(run.files),
-                              desc="hashing + scanning", unit="file"))
-        source = scan_sources(ckpt, run.files, [t.weight for t in sel.targets],
+                              desc="scanning weights", unit="file"))
+        source = scan_sources(run.files, [t.weight for t in sel.targets],
                               workers=run.workers, timings=run.timings, early=run.early,
                               on_file=lambda: next(ticks, None))
-        run.hashes = source.sha256
         scan = weight_scan(sel.targets, source.amax, sel.groups)
     else:
         ticks = iter(progress(range(len(sel.targets)), total=len(sel.targets),
@@ -679,8 +689,8 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
             layers = layer_entries(scales.sel.targets, scales.scan.amax, scales.weight,
                                    scales.weight_source, scales.ranges, scales.input, sqnr,
                                    plans, scales.rounding)
-            manifest = _manifest(cfg, ckpt, out, run.source_hashes(), scales, qconfig, engines,
-                                 layers, notes)
+            hashes = run.source_hashes(ckpt, record.sources if run.files is not None else None)
+            manifest = _manifest(cfg, ckpt, out, hashes, scales, qconfig, engines, layers, notes)
             manifest["files"] = files_entry(tmp, run.workers, record.files)
             write_json(tmp / MANIFEST_NAME, manifest)
             budget = scales.budget

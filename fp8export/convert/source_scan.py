@@ -1,18 +1,22 @@
-"""One read of every safetensors source file: its sha256 and the amax of each selected weight.
+"""Reading the safetensors source files for convert: the amax of each selected weight, read
+before anything is written, and the sha256 of files the writer does not hash itself.
 
-Each file is read front to back in pieces of at most :data:`PIECE` bytes into one reused
-buffer (positional reads of a file the guarded reader already validated); every piece updates
-the file's sha256 and, when it belongs to a selected weight, that weight's running max|x|.
-The sha256 is the one the manifest records and ``sha256sum`` prints (``verify`` compares it
-with the reference's files), so it must be sha256 and must see the bytes in file order: a
-file is therefore the unit of work, and ``workers`` files are scanned at once.
+The amax needs the weights only (their byte spans, read in pieces of at most :data:`PIECE`
+bytes into one reused buffer); the writer needs it before it quantizes. The sha256 is the one
+the manifest records and ``sha256sum`` prints (``verify`` compares it with the reference's
+files), so it must be sha256 and see the whole file in order. Nothing needs it before the
+manifest, and the parallel writer reads every source byte anyway, so it hashes each file from
+those reads (``fp8dir/parallel_write.py``): one read of the source for writing and hashing,
+where a separate hashing pass cost a third of convert's CPU time (bench/results/convert.md).
+:func:`source_sha256` hashes what the writer did not (a file whose tensors are not stored in
+header order, the index) and, when a check needs them before writing, all of them.
 
 Only what :func:`fast_path_files` accepts comes here (every tensor in validated safetensors
 files, no other weight file); anything else goes through the general reader.
 
-This module needs no torch: :func:`start_early_scan` starts the reading in background threads
-before the convert pipeline imports torch (about a second of start-up that the reading then
-overlaps), and :func:`scan_sources` takes its results when they describe the same files.
+This module needs no torch: :func:`start_early_scan` starts the amax reading in background
+threads before the convert pipeline imports torch (about a second of start-up that the reading
+then overlaps), and :func:`scan_sources` takes its results when they describe the same files.
 The amax comes from the bit patterns: for IEEE-style floats, a larger magnitude is a larger
 unsigned pattern once the sign is set aside, so max|x| is the larger of the largest pattern
 among positives (a signed max) and among negatives (an unsigned max, minus the sign bit);
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -87,50 +92,75 @@ def _bits_to_amax(m: int, dtype: str) -> float:
     return float(np.array([m], dtype=unsigned).view(float_type)[0])
 
 
-@dataclass(frozen=True)
-class SourceScan:
-    sha256: dict[Path, str]  # every source file (weights and index)
-    amax: dict[str, float]  # selected weight name -> max|x| (NaN when it holds NaN)
+def _cut_short(path: Path, at: int, what: str) -> Fp8ExportError:
+    return Fp8ExportError(f"{path}: cut short at byte {at} while reading {what}; the file "
+                          "changed while converting or is truncated: re-download it.")
 
 
-def _scan_file(path: Path, fd: int, spans: dict[str, tuple[int, int]], data_start: int,
-               dtypes: dict[str, str], timings: Timings,
-               stop: threading.Event) -> tuple[str, dict[str, float]]:
-    """sha256 of the file and the amax of every float tensor in it (names in ``dtypes``)."""
-    h = hashlib.sha256()
-    amax: dict[str, float] = {}
-    view = np.empty(PIECE, dtype=np.uint8)
+def _check_size(path: Path, fd: int, expected: int) -> None:
     size = os.fstat(fd).st_size
-    # The header, then every tensor in data order: safetensors tiles the file exactly
-    # (checked when the header was read), so this is the whole file, in order.
-    ranges = [(None, 0, data_start)] + sorted(
-        ((name, b, e) for name, (b, e) in spans.items()), key=lambda r: r[1])
-    if ranges[-1][2] != size:
+    if size != expected:
         raise Fp8ExportError(f"{path}: its size changed while converting ({size} bytes now); "
                              "convert a checkpoint that nothing else is writing.")
-    for name, begin, end in ranges:
-        dtype = dtypes.get(name)
-        item = _FLOAT_BITS[dtype][2] // 8 if dtype is not None else 1
+
+
+_LOCAL = threading.local()
+
+
+def _piece_buffer() -> np.ndarray:
+    """This thread's read buffer, reused from file to file (fresh pages cost a fault each)."""
+    if getattr(_LOCAL, "piece", None) is None:
+        _LOCAL.piece = np.empty(PIECE, dtype=np.uint8)
+    return _LOCAL.piece
+
+
+def _amax_file(path: Path, fd: int, spans: dict[str, tuple[int, int]], end: int,
+               dtypes: dict[str, str], timings: Timings,
+               stop: threading.Event) -> dict[str, float] | None:
+    """The amax of every float tensor named in ``dtypes`` (only their bytes are read); None
+    when ``stop`` was set. ``end``: the file's size, as its header says (safetensors tiles the
+    file exactly, checked when the header was read)."""
+    _check_size(path, fd, end)
+    amax: dict[str, float] = {}
+    view = _piece_buffer()
+    for name, (begin, stop_at) in sorted(((n, spans[n]) for n in dtypes), key=lambda r: r[1][0]):
+        dtype = dtypes[name]
+        item = _FLOAT_BITS[dtype][2] // 8
         step = PIECE // item * item
         mag = 0
-        for off in range(begin, end, step):
+        for off in range(begin, stop_at, step):
             if stop.is_set():
-                return "", {}
-            n = min(step, end - off)
+                return None
+            n = min(step, stop_at - off)
             with timings.clock("scan: read source", n):
                 got = pread_exact(fd, view[:n], off)
             if got != n:
-                raise Fp8ExportError(f"{path}: cut short at byte {off + got} while reading "
-                                     f"{name or 'the header'}; the file changed while converting "
-                                     "or is truncated: re-download it.")
-            with timings.clock("scan: sha256 of source", n):
-                h.update(view[:n])
-            if dtype is not None:
-                with timings.clock("scan: amax", n):
-                    mag = max(mag, _magnitude_bits(view[:n], dtype))
-        if dtype is not None:
-            amax[name] = _bits_to_amax(mag, dtype)
-    return h.hexdigest(), amax
+                raise _cut_short(path, off + got, name)
+            with timings.clock("scan: amax", n):
+                mag = max(mag, _magnitude_bits(view[:n], dtype))
+        amax[name] = _bits_to_amax(mag, dtype)
+    return amax
+
+
+def _sha256_fd(path: Path, fd: int, size: int, timings: Timings,
+               stop: threading.Event) -> str | None:
+    """sha256 of the ``size`` bytes of ``fd`` (positional reads); None when ``stop`` was set."""
+    h = hashlib.sha256()
+    view = _piece_buffer()
+    for off in range(0, size, len(view)):
+        if stop.is_set():
+            return None
+        n = min(len(view), size - off)
+        with timings.clock("hash: read source", n):
+            got = pread_exact(fd, view[:n], off)
+        if got != n:
+            raise _cut_short(path, off + got, "it for its sha256")
+        with timings.clock("hash: sha256 of source", n):
+            h.update(view[:n])
+    if os.fstat(fd).st_size != size:
+        raise Fp8ExportError(f"{path}: its size changed while converting; convert a checkpoint "
+                             "that nothing else is writing.")
+    return h.hexdigest()
 
 
 def _float_dtypes(infos) -> dict[str, str]:
@@ -142,10 +172,44 @@ def _identity(fd: int) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _open_regular(path: Path) -> int:
+    # Non-blocking and checked on the descriptor: never a FIFO swapped in after validation.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Fp8ExportError(f"{path}: not a regular file")
+    return fd
+
+
+def source_sha256(files: Iterable[SafetensorsFile], other: Iterable[Path], *,
+                  timings: Timings, done: dict[Path, str] | None = None) -> dict[Path, str]:
+    """The sha256 of every source file: ``done`` (hashed while writing), each of ``files``
+    not in it (through its validated descriptor), and the small ``other`` files (the index)."""
+    from fp8export.io.hashing import file_sha256
+
+    out = dict(done or {})
+    never = threading.Event()
+    for st in files:
+        if st.path not in out:
+            size = max((e for _, e in st.spans.values()), default=st.data_start)
+            out[st.path] = _sha256_fd(st.path, st.fileno(), size, timings, never)
+    for p in other:
+        if p not in out:
+            with timings.clock("hash: sha256 of source", p.stat().st_size):
+                out[p] = file_sha256(p)
+    return out
+
+
+@dataclass(frozen=True)
+class SourceScan:
+    amax: dict[str, float]  # selected weight name -> max|x| (NaN when it holds NaN)
+
+
 class EarlyScan:
-    """:func:`_scan_file` of every safetensors weight file of a checkpoint, started in
-    background threads; ``take(path, fd)`` waits for one file's result, which counts only when
-    that file is still the one ``fd`` (the pipeline's own validated descriptor) has open."""
+    """The amax of every float tensor of every safetensors weight file, started in background
+    threads before the pipeline imports torch. ``take(path, fd)`` waits for one file's amaxes,
+    which count only when that file is still the one ``fd`` (the pipeline's own validated
+    descriptor) has open."""
 
     def __init__(self, files: list[Path], workers: int):
         self.timings = Timings()
@@ -156,30 +220,26 @@ class EarlyScan:
             self._jobs[path] = self._pool.submit(self._one, path)
 
     def _one(self, path: Path):
-        import stat
-
         infos, _meta, spans, data_start = read_header_spans(path)  # validated, guarded
-        # Non-blocking and checked again on the descriptor: never a FIFO swapped in meanwhile.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = _open_regular(path)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise Fp8ExportError(f"{path}: not a regular file")
             ident = _identity(fd)
-            sha, amax = _scan_file(path, fd, spans, data_start, _float_dtypes(infos),
-                                   self.timings, self.stop)
-            return ident, sha, amax
+            end = max((e for _, e in spans.values()), default=data_start)
+            amax = _amax_file(path, fd, spans, end, _float_dtypes(infos), self.timings,
+                              self.stop)
+            return ident, amax
         finally:
             os.close(fd)
 
-    def take(self, path: Path, fd: int) -> tuple[str, dict[str, float]] | None:
+    def take(self, path: Path, fd: int) -> dict[str, float] | None:
         job = self._jobs.get(path)
         if job is None:
             return None
         try:
-            ident, sha, amax = job.result()
+            ident, amax = job.result()
         except Exception:  # the pipeline reads the file itself and reports any problem
             return None
-        return (sha, amax) if ident == _identity(fd) and sha else None
+        return amax if ident == _identity(fd) and amax is not None else None
 
     def close(self) -> None:
         self.stop.set()
@@ -206,16 +266,15 @@ def start_early_scan(checkpoint: Path, workers: int | None) -> EarlyScan | None:
     return EarlyScan(files, workers or default_workers())
 
 
-def scan_sources(ckpt: Checkpoint, files: dict[Path, SafetensorsFile], weights: Iterable[str],
-                 *, workers: int, timings: Timings, early: EarlyScan | None = None,
+def scan_sources(files: dict[Path, SafetensorsFile], weights: Iterable[str], *, workers: int,
+                 timings: Timings, early: EarlyScan | None = None,
                  on_file: Callable[[], None] | None = None) -> SourceScan:
-    """sha256 of every source file and amax of every weight in ``weights``, ``workers`` files
-    at a time (largest first, so the last file to finish is a small one); files that
-    ``early`` already read are taken from it."""
+    """The amax of every weight in ``weights``, ``workers`` files at a time (largest first, so
+    the last file to finish is a small one); files that ``early`` already read are taken from
+    it. Only the weights' bytes are read: the files' sha256 come from the writer's reads."""
     wanted = set(weights)
     stop = threading.Event()
     order = sorted(files.values(), key=lambda st: -os.path.getsize(st.path))
-    sha: dict[Path, str] = {}
     amax: dict[str, float] = {}
     with ThreadPoolExecutor(max(1, workers), "fp8export-scan") as pool:
         futures = {}
@@ -225,11 +284,12 @@ def scan_sources(ckpt: Checkpoint, files: dict[Path, SafetensorsFile], weights: 
                 futures[st] = done
             else:
                 dtypes = {n: d for n, d in _float_dtypes(st.tensors).items() if n in wanted}
-                futures[st] = pool.submit(_scan_file, st.path, st.fileno(), st.spans,
-                                          st.data_start, dtypes, timings, stop)
+                end = max((e for _, e in st.spans.values()), default=st.data_start)
+                futures[st] = pool.submit(_amax_file, st.path, st.fileno(), st.spans, end,
+                                          dtypes, timings, stop)
         try:
             for st, fut in futures.items():
-                sha[st.path], found = fut if isinstance(fut, tuple) else fut.result()
+                found = fut if isinstance(fut, dict) else fut.result()
                 amax.update({n: a for n, a in found.items() if n in wanted})
                 if on_file is not None:
                     on_file()
@@ -238,10 +298,4 @@ def scan_sources(ckpt: Checkpoint, files: dict[Path, SafetensorsFile], weights: 
             raise
     if early is not None:
         timings.merge(early.timings)
-    from fp8export.io.hashing import file_sha256
-
-    for p in ckpt.source_files:  # the index (not a weight file): small, read whole
-        if p not in sha:
-            with timings.clock("scan: sha256 of source", p.stat().st_size):
-                sha[p] = file_sha256(p)
-    return SourceScan(sha256=sha, amax=amax)
+    return SourceScan(amax=amax)

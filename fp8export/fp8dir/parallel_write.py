@@ -10,12 +10,16 @@ the same way. The output is byte-identical whatever ``workers`` is.
 
 The sha256 of each output file (the manifest's ``files``) is computed from these buffers, not
 by reading the files again: jobs start in file order, and a tensor finished before the one in
-front of it is parked until that one is hashed (``io.hashing.OrderedSha256``).
+front of it is parked until that one is hashed (``io.hashing.OrderedSha256``). The sha256 of
+each source file (the manifest's ``source.files``) comes from the same reads, the same way,
+for every source file whose tensors the plan lists in the order of their bytes (what
+safetensors writes): each source byte is then read once for writing and hashing together (the
+amax scan before it reads the weights only). A file in another order is hashed by the caller.
 
 Memory: each worker holds a source buffer (the largest quantized weight it read) and an output
 buffer (the largest output tensor it wrote: FP8 bytes or a copied tensor); besides, at most
-max(64 MiB, the largest output tensor) of finished tensors parked for hashing, and as much in
-spare output buffers kept for reuse.
+max(64 MiB, the largest source or output tensor) of finished tensors parked for hashing, and as
+much in spare buffers kept for reuse.
 
 Read-back is ``readback.verify_parallel_output`` (sampled by default, or full).
 """
@@ -53,6 +57,7 @@ _ALIGN = 4096
 class ParallelRecord:
     sqnr: dict[str, float] = field(default_factory=dict)  # module -> dB, from all FP8 values
     files: dict[str, str] = field(default_factory=dict)  # output file -> sha256 of its bytes
+    sources: dict[Path, str] = field(default_factory=dict)  # source file -> sha256 (see above)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_sqnr(self, module: str, value: float) -> None:
@@ -67,11 +72,26 @@ class _Job:
     offset: int  # absolute offset of the tensor's bytes in the output file
 
 
+def _size_class(size: int) -> int:
+    """Buffers come in powers of two from 1 MiB: a spare then fits most later tensors."""
+    return max(1 << 20, 1 << (max(size, 1) - 1).bit_length())
+
+
+class _Held:
+    """A worker's buffer and who still needs it: the worker and up to two hashers (the source
+    file's and the output file's) that parked its bytes. Back to the pool when the last lets go."""
+
+    __slots__ = ("buf", "refs")
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.refs = buf, 1
+
+
 class _Buffers:
-    """Page-aligned output buffers (``O_DIRECT`` needs them). A worker's buffer whose bytes are
-    parked for hashing leaves the worker and comes back here once hashed, for reuse (a fresh
-    mapping costs a page fault per 4 KiB). The spare ones kept hold at most ``limit`` bytes
-    (or one buffer)."""
+    """Page-aligned buffers (``O_DIRECT`` needs them) in power-of-two sizes. A worker's buffer
+    whose bytes are parked for hashing leaves the worker and comes back here once hashed, for
+    reuse (a fresh mapping costs a page fault per 4 KiB). The spare ones kept hold at most
+    ``limit`` bytes (or one buffer)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
@@ -79,6 +99,7 @@ class _Buffers:
         self.limit = 64 << 20
 
     def get(self, size: int) -> mmap.mmap:
+        size = _size_class(size)
         with self._lock:
             fits = [m for m in self._free if len(m) >= size]
             if fits:
@@ -94,30 +115,48 @@ class _Buffers:
                 while len(self._free) > 1 and sum(map(len, self._free)) > self.limit:
                     self._free.remove(min(self._free, key=len))  # unmapped once unused
 
+    def release(self, held: object) -> None:
+        """One holder of ``held`` (a :class:`_Held`) is done with it."""
+        if isinstance(held, _Held):
+            with self._lock:
+                held.refs -= 1
+                last = held.refs == 0
+            if last:
+                self.put(held.buf)
+
+    def share(self, held: _Held) -> None:
+        with self._lock:
+            held.refs += 1
+
 
 class _Workspace(threading.local):
-    src: np.ndarray | None = None
-    out_map: mmap.mmap | None = None
+    src: _Held | None = None
+    out: _Held | None = None
 
-    def source_buffer(self, n: int) -> np.ndarray:
-        if self.src is None or self.src.size < n:
-            self.src = None  # free the old one first
-            self.src = np.empty(n, dtype=np.uint8)
-        return self.src[:n]
+    def _take(self, which: str, n: int, pool: _Buffers) -> _Held:
+        held = getattr(self, which)
+        if held is None or len(held.buf) < n:
+            if held is not None:
+                pool.release(held)
+            held = _Held(pool.get(n))
+            setattr(self, which, held)
+        return held
+
+    def source_buffer(self, n: int, pool: _Buffers) -> np.ndarray:
+        return np.frombuffer(self._take("src", n, pool).buf, dtype=np.uint8, count=n)
 
     def out_buffer(self, n: int, phase: int, pool: _Buffers) -> np.ndarray:
         """n bytes starting ``phase`` bytes into a page: byte i then sits at a page boundary
         exactly where output byte i does (O_DIRECT needs page-aligned memory)."""
-        if self.out_map is None or len(self.out_map) < n + _ALIGN:
-            if self.out_map is not None:
-                pool.put(self.out_map)
-            self.out_map = pool.get(n + _ALIGN)
-        return np.frombuffer(self.out_map, dtype=np.uint8, count=n, offset=phase)
+        held = self._take("out", n + _ALIGN, pool)
+        return np.frombuffer(held.buf, dtype=np.uint8, count=n, offset=phase)
 
-    def give_away(self) -> mmap.mmap | None:
-        """The current output buffer, no longer this worker's (its bytes wait to be hashed)."""
-        buf, self.out_map = self.out_map, None
-        return buf
+    def settle(self, which: str, pool: _Buffers) -> None:
+        """After hashing: a buffer some hasher still holds is no longer this worker's."""
+        held = getattr(self, which)
+        if held is not None and held.refs > 1:
+            setattr(self, which, None)
+            pool.release(held)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -127,16 +166,25 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+def in_byte_order(plan: ShardPlan, st: SafetensorsFile) -> bool:
+    """Whether ``plan`` takes every tensor of its source file ``st``, in the order of their
+    bytes (so its jobs, started in plan order, read the file front to back)."""
+    read = [e.source for e in plan.entries if e.kind in ("copy", "weight")]
+    return sorted(read) == sorted(st.spans) and \
+        read == sorted(st.spans, key=lambda n: st.spans[n][0])
+
+
 class _Writer:
     def __init__(self, out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
-                 weight_scales: dict, input_scales: dict, timings: Timings):
-        self.out_dir, self.plans, self.where = out_dir, plans, where
+                 weight_scales: dict, input_scales: dict, timings: Timings, workers: int):
+        self.out_dir, self.plans, self.where, self.workers = out_dir, plans, where, workers
         self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
         self.record = ParallelRecord()
         self.ws = _Workspace()
         self.buffers = _Buffers()
         self.hashes: list[OrderedSha256] = []
         self.sizes: list[int] = []
+        self.sources: dict[Path, tuple[SafetensorsFile, OrderedSha256 | bytes]] = {}
         self.budget: HashBudget | None = None
         self._tables: dict[tuple[float, str], np.ndarray] = {}  # (scale, dtype) -> E4M3 LUT
         self._tables_lock = threading.Lock()
@@ -171,11 +219,43 @@ class _Writer:
                 jobs.append(_Job(i, entry, offset))
                 offset += entry.tensor.nbytes
             self.hashes.append(head)  # replaced below, once the budget is known
-        largest = max((j.entry.tensor.nbytes for j in jobs), default=0)
-        self.budget = HashBudget(max(64 << 20, largest), self.buffers.put)
-        self.buffers.limit = self.budget.limit
+            st = self.where.get(next((e.source for e in plan.entries
+                                      if e.kind in ("copy", "weight")), ""))
+            if st is not None and st.path not in self.sources and in_byte_order(plan, st):
+                with self.timings.clock("hash: read source", st.data_start):
+                    src_head = bytearray(st.data_start)
+                    if pread_exact(st.fileno(), src_head, 0) != st.data_start:
+                        raise EOFError
+                self.sources[st.path] = (st, bytes(src_head))
+        largest = max((max(j.entry.tensor.nbytes, self._source_bytes(j)) for j in jobs),
+                      default=0)
+        self.budget = HashBudget(max(64 << 20, largest), self.buffers.release)
+        # Spares kept: as many bytes as can be in use at once (two buffers per worker, parked
+        # bytes rounded up to their size class). Fewer meant fresh mappings, and on the
+        # benchmark VM a fresh page costs more than the bytes put in it (bench/convert.py:
+        # 0.8 GB of fresh buffers was a third of the CPU time before).
+        self.buffers.limit = 2 * (self.workers * _size_class(largest) + self.budget.limit)
         self.hashes = [OrderedSha256(head, self.budget) for head in self.hashes]
+        self.sources = {p: (st, OrderedSha256(head, self.budget))
+                        for p, (st, head) in self.sources.items()}
         return jobs  # in file order: tensors are hashed in that order as they finish
+
+    def _source_bytes(self, job: _Job) -> int:
+        if job.entry.kind not in ("copy", "weight"):
+            return 0
+        begin, end = self.where[job.entry.source].spans[job.entry.source]
+        return end - begin
+
+    def source_digests(self) -> dict[Path, str]:
+        """The sha256 of every source file hashed from the writer's reads (all jobs done)."""
+        out = {}
+        for path, (st, hasher) in self.sources.items():
+            size = max((e for _, e in st.spans.values()), default=st.data_start)
+            if os.fstat(st.fileno()).st_size != size:
+                raise Fp8ExportError(f"{path}: its size changed while converting; convert a "
+                                     "checkpoint that nothing else is writing.")
+            out[path] = hasher.hexdigest(size)
+        return out
 
     def run(self, job: _Job) -> None:
         if self.stop.is_set():
@@ -217,17 +297,32 @@ class _Writer:
         with self.timings.clock("write: read source", end - begin):
             if end > begin and pread_exact(st.fileno(), buf, begin) != end - begin:
                 raise EOFError
+        self._hash_source(st, begin, buf, self.ws.out)
         with self.timings.clock("write: pwrite output", len(buf)):
             self._write_out(job, fd, buf)
-        self._hash(job, buf, owner=self.ws.out_map)
+        self._hash(job, buf, owner=self.ws.out)
+        self.ws.settle("out", self.buffers)
 
-    def _hash(self, job: _Job, data: np.ndarray, owner: object) -> None:
-        """Feed the output file's sha256; a parked buffer stops being the worker's."""
+    def _hash_source(self, st: SafetensorsFile, begin: int, data: np.ndarray,
+                     owner: _Held) -> None:
+        """Feed the source file's sha256 (when this writer hashes that file)."""
+        entry = self.sources.get(st.path)
+        if entry is None or not len(data):
+            return
+        self.buffers.share(owner)
+        with self.timings.clock("hash: sha256 of source", len(data)):
+            if entry[1].add(begin, data, owner):
+                self.buffers.release(owner)
+
+    def _hash(self, job: _Job, data: np.ndarray, owner: _Held | None) -> None:
+        """Feed the output file's sha256; a parked buffer stays the hasher's until hashed."""
         if not len(data):
             return
+        if owner is not None:
+            self.buffers.share(owner)
         with self.timings.clock("write: sha256 output", len(data)):
-            if not self.hashes[job.shard].add(job.offset, data, owner) and owner is not None:
-                self.ws.give_away()
+            if self.hashes[job.shard].add(job.offset, data, owner) and owner is not None:
+                self.buffers.release(owner)
 
     def _weight(self, job: _Job, fd: int) -> None:
         entry = job.entry
@@ -235,11 +330,12 @@ class _Writer:
         info = st.info(entry.source)
         begin, end = st.spans[entry.source]
         module = entry.source[: -len(".weight")]
-        raw = self.ws.source_buffer(end - begin)
+        raw = self.ws.source_buffer(end - begin, self.buffers)
         with self.timings.clock("write: read source", end - begin):
             got = pread_exact(st.fileno(), raw, begin) if end > begin else 0
         if got != end - begin:
             raise EOFError
+        self._hash_source(st, begin, raw, self.ws.src)
         n = (end - begin) // ST_BYTES[info.dtype]
         buf = self.ws.out_buffer(n, job.offset % _ALIGN, self.buffers)
         scale = self.weight_scales[module]
@@ -258,9 +354,11 @@ class _Writer:
                 w = torch.from_numpy(raw).view(ST_TO_TORCH[info.dtype])
                 _, sqnr = quantize_weight_sqnr(w, scale, out=torch.from_numpy(buf))
         self.record.set_sqnr(module, sqnr)
+        self.ws.settle("src", self.buffers)
         with self.timings.clock("write: pwrite output", len(buf)):
             self._write_out(job, fd, buf)
-        self._hash(job, buf, owner=self.ws.out_map)
+        self._hash(job, buf, owner=self.ws.out)
+        self.ws.settle("out", self.buffers)
 
     def _table(self, scale, dtype: str) -> np.ndarray:
         key = (float(scale), dtype)  # fused members share one scale: one table for the group
@@ -309,7 +407,7 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
     ``where`` maps each source tensor name to its safetensors file. The first error of any
     worker stops the others and is raised here (an Fp8ExportError naming the tensor).
     """
-    writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings)
+    writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings, max(1, workers))
     try:
         with timings.clock("write: create files"):
             jobs = writer.open_shards()
@@ -331,6 +429,7 @@ def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                 os.fsync(fd)
         for plan, hasher, size in zip(plans, writer.hashes, writer.sizes):
             writer.record.files[plan.file_name] = hasher.hexdigest(size)
+        writer.record.sources = writer.source_digests()
     finally:
         writer.close()
     return writer.record

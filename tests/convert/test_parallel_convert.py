@@ -79,7 +79,7 @@ def test_output_is_byte_identical_for_any_number_of_workers(ckpt_name, request, 
                                        workers=n)).output) for n in (1, 2, 3)]
     # api.convert (what the CLI calls) reads the source in threads started before torch loads
     early = api.convert(ConvertConfig(checkpoint=ckpt, output=tmp_path / "api", workers=2))
-    assert early.timings["scan: sha256 of source"] > 0
+    assert early.timings["hash: sha256 of source"] > 0
     outs.append(Path(early.output))
     one = _all_files(outs[0])
     assert any(n.endswith(".safetensors") for n in one)
@@ -100,6 +100,40 @@ def test_parallel_path_matches_the_single_threaded_writer(mid_llama, tmp_path, m
     assert _all_files(Path(fast.output)) == _all_files(Path(slow.output))
     assert {k for k in fast.timings if k.startswith("write:")} >= {
         "write: quantize + SQNR", "write: read source"}
+
+
+def _manifest_sources(folder: Path) -> dict[str, str]:
+    man = json.loads((folder / "fp8export.json").read_text())
+    return {e["name"]: e["sha256"] for e in man["source"]["files"]}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_source_hashes_come_from_the_writers_reads(mid_llama, tmp_path, monkeypatch, workers):
+    """No separate hashing pass over the weight files: the writer's reads give each file's
+    sha256, which is sha256sum's (the index, not read by the writer, is hashed whole)."""
+    import fp8export.convert.source_scan as scan
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("a weight file was read again for its sha256")
+
+    monkeypatch.setattr(scan, "_sha256_fd", no_second_pass)
+    out = Path(convert(ConvertConfig(checkpoint=mid_llama, output=tmp_path / "o",
+                                     workers=workers)).output)
+    files = sorted(p for p in mid_llama.iterdir() if p.suffix == ".safetensors" or
+                   p.name.endswith(".index.json"))
+    assert len(files) == 3
+    assert _manifest_sources(out) == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                      for p in files}
+
+
+def test_a_file_the_writer_does_not_read_in_order_is_hashed_on_its_own(mid_llama, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(pw, "in_byte_order", lambda plan, st: False)
+    out = Path(convert(ConvertConfig(checkpoint=mid_llama, output=tmp_path / "o",
+                                     workers=2)).output)
+    assert _manifest_sources(out) == {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in mid_llama.iterdir()
+        if p.suffix == ".safetensors" or p.name.endswith(".index.json")}
 
 
 def test_an_error_in_a_worker_is_one_clear_error_naming_the_tensor(mid_llama, tmp_path,
