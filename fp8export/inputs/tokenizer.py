@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -90,13 +91,19 @@ def open_tokenizer(folder: Path, *, for_file: Path | None = None,
     from fp8export.inputs.tokenizer_process import REQUEST_SECONDS, TokenizerProcess
 
     folder = Path(folder)
+    tmp = None
     try:
-        with tempfile.TemporaryDirectory(prefix="fp8export-tokenizer-") as tmp:
-            name = private_copy(folder, Path(tmp), for_file=for_file)
-            # the child has read everything it needs once loaded: the copy goes right after
-            return TokenizerProcess(Path(tmp), name, memory_bytes=memory_bytes,
-                                    seconds=seconds or REQUEST_SECONDS)
-    except OSError as exc:  # a full or unwritable TMPDIR, a fork that the system refused
+        tmp = Path(tempfile.mkdtemp(prefix="fp8export-tokenizer-"))
+        name = private_copy(folder, tmp, for_file=for_file)
+        # the child has read everything it needs once loaded: the process removes the copy
+        # then (it loads in the background, while the caller goes on)
+        return TokenizerProcess(tmp, name, memory_bytes=memory_bytes,
+                                seconds=seconds or REQUEST_SECONDS, owns_private=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError):  # a full or unwritable TMPDIR, a refused fork: below
+            raise
         raise Fp8ExportError(
             f"{folder}: cannot prepare the tokenizer ({exc.strerror or exc}; it is loaded from "
             f"a private copy in {tempfile.gettempdir()}). Free space there, or point TMPDIR "

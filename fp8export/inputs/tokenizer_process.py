@@ -57,8 +57,11 @@ class TokenizerProcess:
     """
 
     def __init__(self, private: Path, name: str, *, memory_bytes: int | None = None,
-                 seconds: float = REQUEST_SECONDS):
+                 seconds: float = REQUEST_SECONDS, owns_private: bool = False):
         self.name = name  # what messages call the tokenizer: its tokenizer.json, or the folder
+        # removed once the child has loaded what it needs from it (or on close)
+        self._private = private if owns_private else None
+        self._facts: dict[str, Any] | None = None
         self.seconds = float(seconds)
         self.memory_bytes = int(memory_bytes if memory_bytes is not None
                                 else memory_budget(private))
@@ -92,17 +95,35 @@ class TokenizerProcess:
         self.pid = pid
         os.close(to_child)
         os.close(from_child)
-        try:
-            self.facts: dict[str, Any] = self._answer("loading it")[0]
-        except BaseException:
-            self.close()
-            raise
+        # The child loads while the caller goes on (verify loads its models meanwhile); its
+        # answer is awaited on first use, and a tokenizer that fails to load fails there.
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """What the loaded tokenizer says of itself; waits for the child to have loaded it."""
+        if self._facts is None:
+            try:
+                self._facts = self._answer("loading it")[0]
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                self._drop_private()
+        return self._facts
+
+    def _drop_private(self) -> None:
+        if self._private is not None:
+            import shutil
+
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
 
     # ------------------------------------------------------------------------- requests
     def encode(self, texts: list[str], what: str) -> list[list[int]]:
         """Token ids of each text (with the tokenizer's default special tokens)."""
         import numpy as np
 
+        self.facts  # noqa: B018 - loaded (or its failure raised) before the first request
         self._send({"op": "encode", "texts": texts})
         head, blob = self._answer(what)
         ids = np.frombuffer(blob, dtype="<i8")
@@ -114,6 +135,7 @@ class TokenizerProcess:
 
     def decode(self, sequences: list[list[int]], what: str) -> list[str | None]:
         """Each id sequence as text (None where the tokenizer could not decode it)."""
+        self.facts  # noqa: B018
         self._send({"op": "decode", "sequences": [[int(i) for i in s] for s in sequences]})
         return self._answer(what)[0]["texts"]
 
@@ -207,6 +229,7 @@ class TokenizerProcess:
             _EXITING.append(self.pid)  # it exits in a few ms; reaped by the next _reap()
             self.pid = 0
         _reap()
+        self._drop_private()
 
     def __enter__(self) -> TokenizerProcess:
         return self
@@ -217,6 +240,8 @@ class TokenizerProcess:
     def __del__(self) -> None:
         if getattr(self, "pid", 0):
             self._kill()
+        if getattr(self, "_private", None) is not None:
+            self._drop_private()
 
 
 class _ChildGone(Exception):

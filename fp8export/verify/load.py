@@ -247,10 +247,11 @@ def fp8_folder_format(folder, notes: list[str]):
 
 @contextlib.contextmanager
 def reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
-    """The reference's tokenizer, opened (in its limited child process) before the models load:
-    a hostile one fails in a second, and it loads while they do. One child serves the samples'
-    encoding and the report's decoding. None without a tokenizer; with token-id data, a
-    tokenizer that is refused only costs the report its decoded text (said in a note; False).
+    """The reference's tokenizer, opened (in its limited child process) before the models load
+    and loading while they do; with text data a hostile one fails at its first use, before any
+    batch runs. One child serves the samples' encoding and the report's decoding. None without
+    a tokenizer; with token-id data, a tokenizer that is refused only costs the report its
+    decoded text (said in a note; False): it is awaited here, where that is decided.
     """
     from fp8export.inputs.eval_data import tokenizer_folder
     from fp8export.inputs.samples import TEXT_SUFFIXES
@@ -260,10 +261,13 @@ def reference_tokenizer(cfg: VerifyConfig, notes: list[str]):
     if not has_tokenizer(folder):
         yield None
         return
+    text = cfg.data is None or cfg.data.suffix.lower() in TEXT_SUFFIXES
     try:
         tokenizer = open_tokenizer(folder, for_file=cfg.data)
+        if not text:
+            tokenizer.facts  # noqa: B018 - loaded, or refused now
     except Fp8ExportError as exc:
-        if cfg.data is None or cfg.data.suffix.lower() in TEXT_SUFFIXES:
+        if text:
             raise
         info(f"Note: the report shows token ids instead of text: {exc}")
         notes.append(f"The report shows token ids instead of text: {exc}")

@@ -81,5 +81,28 @@ def test_a_panic_comes_back_as_a_message(tmp_path):
 
 def test_a_tokenizer_that_does_not_load_is_one_message(tmp_path):
     folder = _private(tmp_path, model={"type": "NoSuchModel"})
+    tok = TokenizerProcess(folder, "tok")  # loads in the background: fails on first use
     with pytest.raises(Fp8ExportError, match="failed while loading it"):
-        TokenizerProcess(folder, "tok")
+        tok.encode(["hello"], "encoding a line")
+    assert tok.pid == 0  # the child is gone, reaped
+
+
+def test_open_tokenizer_returns_at_once_and_removes_its_private_copy(tmp_path, monkeypatch):
+    """The child loads while the caller goes on (verify loads its models meanwhile); the
+    private copy it loads from is gone once it has loaded, and on close in any case."""
+    from fp8export.inputs.tokenizer import open_tokenizer
+
+    build_tokenizer(tmp_path / "model")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    tok = open_tokenizer(tmp_path / "model")
+    with tok:
+        assert tok._facts is None  # not waited for
+        assert tok.encode(["the cat"], "a test") == [[2, 4, 5]]
+        assert list((tmp_path / "tmp").iterdir()) == []
+    never_used = open_tokenizer(tmp_path / "model")
+    never_used.close()
+    assert list((tmp_path / "tmp").iterdir()) == []
