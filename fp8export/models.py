@@ -517,7 +517,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     model.load_state_dict(loadable, strict=False)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    return model.to(device).eval(), config
+    from fp8export.cpu_gemm import fp32_linears
+
+    return fp32_linears(model.to(device).eval(), device), config
 
 
 def _loader(ckpt, name: str, given: Mapping[str, torch.Tensor], dtype: torch.dtype):
@@ -568,6 +570,9 @@ def load_model_spread(path: str | Path, budgets: dict[int | str, int], *,
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     placement.check_loaded(model, str(path))
+    from fp8export.cpu_gemm import fp32_linears
+
+    fp32_linears(model)  # before accelerate's hooks wrap the forwards; decided per call
     return model.eval(), config, placement.dispatch(model, device_map)
 
 

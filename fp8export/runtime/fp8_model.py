@@ -165,6 +165,9 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
         model.tie_weights()
     if budgets is None:
         model = model.to(dev)
+        from fp8export.cpu_gemm import fp32_linears
+
+        fp32_linears(model, dev)  # the 16-bit layers kept beside the FP8 ones
     model.eval()
     groups = fused_groups(quantized, config, names) if fuse else {}
     unfused = fuse_projections(model, groups)
@@ -178,6 +181,9 @@ def load_fp8_model(fp8_dir: str | Path, device: str | torch.device = "cpu",
             "kv_cache": kv, "moe": expert_summary(model) or _fused_experts(stored_fused)}
     if budgets is not None:  # planned after fusing: the fused weights are what gets placed
         from fp8export import placement
+        from fp8export.cpu_gemm import fp32_linears
+
+        fp32_linears(model)  # before accelerate's hooks wrap the forwards; decided per call
 
         placement.check_loaded(model, str(where))
         info["placement"] = placement.dispatch(model, placement.plan(model, budgets, dtype))

@@ -132,6 +132,9 @@ class Parts(abc.ABC):
     nbytes: dict[str, int]  # model state key -> bytes it takes on the device
 
     def _index(self) -> None:
+        from fp8export.cpu_gemm import fp32_linears
+
+        fp32_linears(self.skeleton)  # as the whole model computes (models.load_model)
         self.layers_name, self.layers = decoder_layers(self.skeleton)
         self.count = len(self.layers)
         self.prefix = [f"{self.layers_name}.{i}." for i in range(self.count)]
