@@ -8,7 +8,8 @@
 #   OUT=/some/dir bash bench/gpu_attention_run.sh
 #
 # Steps (limit s): install (45); eager prefill 1x512 (50), alone: it is host-bound, so nothing
-# may run beside it; then --warm-only processes compile the decode steps and the compiled
+# may run beside it; the attention kernel alone against SDPA, with its tile sweep (60), alone
+# too; then --warm-only processes compile the decode steps and the compiled
 # prefill once in the background (Inductor's on-disk caches, WARM_THREADS compile threads
 # each) while the GPU tests (90) and the memory step (45: the largest decode batch in 8 GiB and
 # the logits check; neither is a timing) run; then, alone again: decode with CUDA graphs at batch 1/8/32
@@ -17,8 +18,8 @@
 # Environment: BUDGET_S (default 345), PYTHON (default python3), LIMIT_<STEP> to change one
 # step's limit (STEP in upper case; 0 skips it; LIMIT_COMPILED is the default of every
 # compiled_<shape> step), REPORT_RESERVE_S (seconds kept for the report, default 10), STEPS
-# (the steps to run, comma separated, default all: install, eager, warm, gpu_tests, memory,
-# decode, compiled), GPU_TESTS (the test files of gpu_tests, default the attention kernel's),
+# (the steps to run, comma separated, default all: install, eager, attention, warm, gpu_tests,
+# memory, decode, compiled), GPU_TESTS (the test files of gpu_tests, default the attention kernel's),
 # EAGER_SHAPES (default 1x512), COMPILE_SHAPES (default 8x2048,32x512,1x128), DECODE_BATCHES
 # (compiled, default 1,8,32), BENCH_ARGS (more arguments for every gpu_fp8.py step, e.g.
 # --host-profile), WARM_THREADS (Inductor compile threads of each warm process, default 8).
@@ -33,7 +34,7 @@ mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fp8export-inductor-cache}
 STATUS="$OUT/sections.tsv"
 : > "$STATUS"
-STEPS=${STEPS:-install,eager,warm,gpu_tests,memory,decode,compiled}
+STEPS=${STEPS:-install,eager,attention,warm,gpu_tests,memory,decode,compiled}
 GPU_TESTS=${GPU_TESTS:-tests/runtime/test_fp8_attention_gpu.py}
 EAGER_SHAPES=${EAGER_SHAPES:-1x512}
 COMPILE_SHAPES=${COMPILE_SHAPES:-8x2048,32x512,1x128}
@@ -78,6 +79,7 @@ BENCH=("$PY" bench/gpu_fp8.py --no-logits-check "${EXTRA[@]}" --parts)
 want install && step install 45 "$PY" -m pip install --no-deps --no-build-isolation -e .
 
 want eager && step eager 50 "${BENCH[@]}" eager --shapes "$EAGER_SHAPES" --out "$OUT/eager.json"
+want attention && step attention 60 "${BENCH[@]}" attention --out "$OUT/attention.json"
 
 # compile caches, in the background, while the GPU tests and the memory step run
 W=()
@@ -141,7 +143,7 @@ TESTS=$(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null | tr -d '"\\' | tr -s '=' | s
 } > "$OUT/sections.json"
 
 JSONS=()
-for part in memory decode compiled_* eager; do
+for part in attention memory decode compiled_* eager; do
   for f in "$OUT"/$part.json; do
     [[ -s "$f" ]] && JSONS+=("$f")
   done

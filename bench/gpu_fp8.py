@@ -598,7 +598,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-logits-check", dest="logits_check", action="store_false",
                     help="skip the FP8-vs-bf16-vs-emulated logits check at start")
     ap.add_argument("--host-profile", action="store_true",
-                    help="eager prefill and decode: also where the host's time per call goes "
+                    help="prefill and decode: also where the host's time per call goes "
                          "(cProfile, by package)")
     ap.add_argument("--note", default="", help="a line about this run, kept in the JSON")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
@@ -716,7 +716,8 @@ def main(argv=None) -> int:
                   "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
             RESULT["prefill_cudagraphs"] = rows = []
             bench_prefill(gm, cshapes, args.vocab, rows=rows, mask=args.compile_mask,
-                          warm_only=args.warm_only, on_row=lambda: save(args))
+                          warm_only=args.warm_only, on_row=lambda: save(args),
+                          host_reps=20 if args.host_profile else 0)
         section("prefill_cudagraphs", graphs, args)
     if "decode" in parts:
         section("decode", lambda: decode_section(model, fp8, args), args)

@@ -229,7 +229,7 @@ def _ms(x) -> str:
 
 
 STEP_OF = {"prefill_cudagraphs": "compiled", "prefill_eager": "eager", "kv_memory": "memory",
-           "decode": "decode"}
+           "decode": "decode", "attention": "attention"}
 """The step of ``gpu_attention_run.sh`` that measures each section."""
 
 
@@ -266,6 +266,9 @@ def _prefill_cause(x: dict, want: float, a: str, b: str) -> str:
         parts.append(f"wall − device {x[f'{b}_ms'] - f8_dev:.2f} ms for FP8 vs "
                      f"{x[f'{a}_ms'] - bf_dev:.2f} ms for bf16 (host work before the graph "
                      "launch counts: each forward starts on an idle GPU)")
+        host = _host_diff(x, a, b)
+        if host:
+            parts.append(host)
     elif f8_a > bf_a:
         parts.append("FP8 attention is slower than bf16's")
     return "; ".join(parts)
@@ -481,14 +484,19 @@ def attention_report(r: dict) -> str:
                        f"{pair('vs_emulation_rel_l2')} |")
         sweep = (r.get("attention") or {}).get("sweep") or []
         if sweep:
-            out += ["", "Tiles at prefill " + ", ".join(sorted({f"{x['batch']}×{x['seq']}"
-                                                                for x in sweep}))
-                    + " (P E4M3; BLOCK_M / warps / stages: ms): " + ", ".join(
-                        f"{x['BLOCK_M']}/{x['num_warps']}/{x['num_stages']}: {x['ms']}"
-                        for x in sweep) + "."]
+            for shape in dict.fromkeys(f"{x['batch']}×{x['seq']}" for x in sweep):
+                xs = [x for x in sweep if f"{x['batch']}×{x['seq']}" == shape]
+                out += ["", f"Tiles at prefill {shape} (P {xs[0].get('p', 'e4m3').upper()}; "
+                        "BLOCK_M / warps / stages" + (" / programs" if "programs" in xs[0]
+                                                      else "") + ": ms): " + ", ".join(
+                            f"{x['BLOCK_M']}/{x['num_warps']}/{x['num_stages']}"
+                            + (f"/{x['programs']}" if "programs" in x else "") + f": {x['ms']}"
+                            for x in xs) + "."]
         out.append("")
     hosts = [line for shape, x in eager.items()
              for line in host_table(f"eager prefill {shape}", x, "bf16", "fp8")]
+    hosts += [line for shape, x in graphs.items()
+              for line in host_table(f"compiled prefill {shape}", x, "bf16g", "fp8g")]
     hosts += [line for batch, x in decode.items()
               for line in host_table(f"decode b{batch}, compiled + CUDA graphs", x,
                                      "bf16_graphs", "fp8_graphs")]

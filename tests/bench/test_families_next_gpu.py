@@ -26,6 +26,7 @@ def test_table_from_a_pytest_junit(tmp_path):
         "def test_fp8_runtime_on_the_gpu(family, record_property):\n"
         "    for k, v in (('device', 'H200'), ('inputs', '2x96 tokens'), ('kl_mean', 1.5e-5),\n"
         "                 ('top1', 0.97), ('rel_l2_vs_emulation', 3e-3), ('quantized', 21),\n"
+        "                 ('layer_rel_l2_max', 1e-3), ('rel_l2_emulated_vs_bf16', 2e-2),\n"
         "                 ('on_fp8_path', 21), ('status', 'pass')):\n"
         "        record_property(k, v)\n"
         "    assert family == 'jamba', f'{family}: rel-L2 against the emulation 0.3 > 0.02'\n"
@@ -40,7 +41,8 @@ def test_table_from_a_pytest_junit(tmp_path):
     assert rows["jamba"]["outcome"] == "passed" and rows["whisper"]["outcome"] == "failed"
     assert rows["test_skipped"]["outcome"] == "skipped"
     text = bench.table(list(rows.values()), "j.xml")
-    assert "| jamba | pass | 2x96 tokens | 21 / 21 | 1.50e-05 | – | 0.970 | 3.00e-03 |" in text
+    assert "| jamba | pass | 2x96 tokens | 21 / 21 | 1.50e-05 | – | 0.970 | 1.00e-03 | " \
+           "3.00e-03 / 2.00e-02 |" in text
     assert "| whisper | FAIL: AssertionError: whisper: rel-L2 against the emulation 0.3 > " \
            "0.02 |" in text
     assert "| test_skipped | skipped: needs a CUDA GPU |" in text

@@ -158,8 +158,8 @@ def test_runner_stops_a_stuck_step_at_the_budget(tmp_path):
     s = status["sections"]
     assert s["install"]["timed_out"] and s["install"]["rc"] in (124, 137)
     assert s["install"]["limit_s"] <= 6
-    for name in ("gpu_tests", "memory", "decode", "eager", "compiled_8x2048", "compiled_32x512",
-                 "compiled_1x128"):
+    for name in ("gpu_tests", "memory", "decode", "eager", "attention", "compiled_8x2048",
+                 "compiled_32x512", "compiled_1x128"):
         assert s[name]["rc"] == "skipped", (name, s[name])
 
 
@@ -187,7 +187,8 @@ def test_runner_runs_the_steps_asked_for(tmp_path):
 @pytest.mark.slow  # imports torch twice (~20-60 s on a loaded 2-core machine)
 def test_runner_without_a_gpu_writes_the_report(tmp_path):
     env = {"PYTHON": sys.executable, "LIMIT_INSTALL": "0", "LIMIT_GPU_TESTS": "0",
-           "LIMIT_MEMORY": "0", "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0"}
+           "LIMIT_MEMORY": "0", "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0",
+           "LIMIT_ATTENTION": "0"}
     status, _ = _run(tmp_path, env, timeout=300)
     assert status["sections"]["decode"]["rc"] == 1  # gpu_fp8.py: "needs a CUDA GPU"
     text = (tmp_path / "out" / "gpu_fp8_attention.md").read_text()

@@ -10,11 +10,18 @@ layer runs only with an image); Whisper gets the log-mel features of two synthet
 (its feature extractor) and 96 decoder tokens.
 
 Checks per family: every quantized linear is an ``Fp8Linear`` on the real FP8 path (no
-fall-back) and ran; logits against the runtime's own emulation on the GPU (the function
-``verify`` computes on a CPU) within rel-L2 :data:`GPU_VS_EMULATION`; against bf16, mean KL
-and top-1 agreement within the family matrix's thresholds. Llama 4: where transformers cannot
-run its forward, loading must refuse it by name (``fp8export.models``); where it can, the same
-checks. Nothing is skipped on a GPU: a family the runtime cannot run fails with its reason.
+fall-back) and ran; each one's GPU output against its emulation on the same input (the
+function ``verify`` computes on a CPU) within rel-L2 :data:`LAYER_BOUND`; against the bf16
+model, mean KL and top-1 agreement within the family matrix's thresholds, and the KL within
+:data:`KL_AGREEMENT` of the emulated model's (what verify on a CPU reports must be what the GPU
+delivers). The end-to-end rel-L2 of the GPU logits against the emulated model's is recorded,
+not bounded: two correct runs of one FP8 model that differ only in the last bit of some bf16
+outputs drift apart by 20-45% of the FP8 error itself (measured on an H200, families_next_gpu.md)
+because the next layer re-quantizes those bits to E4M3, where one bit can move a value by a
+whole E4M3 step, and such steps cascade through the layers; so the sharp check is per layer.
+Llama 4: where transformers cannot run its forward, loading must refuse it by name
+(``fp8export.models``); where it can, the same checks. Nothing is skipped on a GPU: a family
+the runtime cannot run fails with its reason.
 
 Each test records its numbers (``record_property``: JUnit XML), which
 ``bench/families_next_gpu.py`` renders as ``bench/results/families_next_gpu.md``.
@@ -31,11 +38,17 @@ from test_family_matrix import THRESHOLDS
 
 pytestmark = pytest.mark.gpu
 
-GPU_VS_EMULATION = 2e-2
-"""rel-L2 bound of the GPU logits against the emulation's: the same E4M3 codes and scales on
-both sides; the GPU accumulates in another order and its bf16 outputs can differ in the last
-bit, and such a bit, re-quantized by the next layer, can move an input by one E4M3 step
-(test_moe_gpu.py's bound). A wrong scale moves the logits by tens of percent."""
+LAYER_BOUND = 5e-3
+"""rel-L2 of one quantized linear's GPU output against its emulation on the same input: the
+same E4M3 codes and scales on both sides (the input's quantize is bit for bit the
+emulation's: tests/runtime/test_fp8_quant.py), so what is left
+is the two bf16 roundings of the result (at most one bf16 step, 2⁻⁸ = 3.9e-3, per element) and
+the FP8 tensor cores' accumulation (about 14 bits per partial sum, promoted to fp32: under 2⁻¹⁰
+of these K ≤ 256 dots). A scale off by a factor, or a wrong rounding, is tens of percent."""
+
+KL_AGREEMENT = 0.25
+"""|KL(GPU) − KL(emulated)| / KL(emulated) allowed: the last-bit drift above moves the KL by a
+few percent (≤ 5% measured); a wrong scale moves it by orders of magnitude."""
 
 ROWS = (2, 96)
 _QWEN_VL = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
@@ -128,9 +141,18 @@ def measure(family: str, src, fp8, device: str = "cuda", mode: str = "scaled_mm"
     emulated = load_fp8_model(fp8, device=dev, mode="emulate")[0]
     ref = load_model(src, device=dev)[0]
     mods = fp8_modules(fp8_model)
-    calls = dict.fromkeys(mods, 0)
+    calls, worst = dict.fromkeys(mods, 0), dict.fromkeys(mods, 0.0)
+
+    def against_emulation(module, args, out, name):
+        """Count the call; the output against the module's emulation on the same input."""
+        calls[name] += 1
+        if out.numel():
+            want = module.forward_emulated(args[0]).float()
+            err = float((out.float() - want).norm() / want.norm().clamp_min(1e-30))
+            worst[name] = max(worst[name], err)
+
     for name, mod in mods.items():
-        mod.register_forward_hook(lambda m, a, o, n=name: calls.__setitem__(n, calls[n] + 1))
+        mod.register_forward_hook(lambda m, a, o, n=name: against_emulation(m, a, o, n))
     inputs, what = family_inputs(family, ref, dev)
     with torch.inference_mode():
         logits = {k: m(**inputs, use_cache=False).logits.float()
@@ -138,19 +160,24 @@ def measure(family: str, src, fp8, device: str = "cuda", mode: str = "scaled_mm"
     kl, top1 = kl_top1(logits["bf16"], logits["fp8"])
     kl_emu, _ = kl_top1(logits["bf16"], logits["emulated"])
     rel = float((logits["fp8"] - logits["emulated"]).norm() / logits["emulated"].norm())
+    fp8_error = float((logits["emulated"] - logits["bf16"]).norm() / logits["bf16"].norm())
     return {"family": family, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
             else "cpu", "mode": info["mode"], "inputs": what, "kl_mean": kl, "top1": top1,
             "kl_mean_emulated": kl_emu, "rel_l2_vs_emulation": rel,
+            "rel_l2_emulated_vs_bf16": fp8_error,
             "quantized": len(manifest["quantized"]), "fp8_linears": len(mods),
             "fallbacks": info["fallbacks"],
             "on_fp8_path": sorted(n for n, m in mods.items() if m.uses_scaled_mm(dev)),
             "not_run": sorted(n for n, c in calls.items() if not c),
+            "layer_rel_l2_max": max(worst.values(), default=0.0),
+            "layer_worst": max(worst, key=worst.get) if worst else None,
             "moe": info.get("moe")}
 
 
 def _record(record_property, result: dict) -> None:
     for key in ("family", "device", "mode", "inputs", "kl_mean", "top1", "kl_mean_emulated",
-                "rel_l2_vs_emulation", "quantized", "fp8_linears", "status"):
+                "rel_l2_vs_emulation", "rel_l2_emulated_vs_bf16", "layer_rel_l2_max",
+                "layer_worst", "quantized", "fp8_linears", "status"):
         if key in result:
             record_property(key, result[key])
     record_property("on_fp8_path", len(result.get("on_fp8_path", ())))
@@ -167,8 +194,13 @@ def _check(result: dict) -> None:
     assert not off, f"{fam}: {off} Fp8Linear modules off the FP8 GEMM path"
     assert not r["not_run"], f"{fam}: {len(r['not_run'])} FP8 linears never ran, e.g. " \
         f"{r['not_run'][:3]}"
-    assert r["rel_l2_vs_emulation"] <= GPU_VS_EMULATION, \
-        f"{fam}: rel-L2 against the emulation {r['rel_l2_vs_emulation']:.3g} > {GPU_VS_EMULATION}"
+    assert r["layer_rel_l2_max"] <= LAYER_BOUND, \
+        f"{fam}: {r['layer_worst']} against its emulation: rel-L2 " \
+        f"{r['layer_rel_l2_max']:.3g} > {LAYER_BOUND}"
+    drift = abs(r["kl_mean"] - r["kl_mean_emulated"]) / r["kl_mean_emulated"]
+    assert drift <= KL_AGREEMENT, \
+        f"{fam}: KL against bf16 {r['kl_mean']:.3g} on the GPU, {r['kl_mean_emulated']:.3g} " \
+        f"emulated ({drift:.0%} apart > {KL_AGREEMENT:.0%})"
     assert r["kl_mean"] <= THRESHOLDS["kl_mean"], \
         f"{fam}: KL against bf16 {r['kl_mean']:.3g} > {THRESHOLDS['kl_mean']}"
     assert r["top1"] >= THRESHOLDS["top1_agreement"], \
