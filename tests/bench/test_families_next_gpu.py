@@ -27,6 +27,7 @@ def test_table_from_a_pytest_junit(tmp_path):
         "    for k, v in (('device', 'H200'), ('inputs', '2x96 tokens'), ('kl_mean', 1.5e-5),\n"
         "                 ('top1', 0.97), ('rel_l2_vs_emulation', 3e-3), ('quantized', 21),\n"
         "                 ('layer_rel_l2_max', 1e-3), ('rel_l2_emulated_vs_bf16', 2e-2),\n"
+        "                 ('layer_over_budget_max', 0.12),\n"
         "                 ('on_fp8_path', 21), ('status', 'pass')):\n"
         "        record_property(k, v)\n"
         "    assert family == 'jamba', f'{family}: rel-L2 against the emulation 0.3 > 0.02'\n"
@@ -41,7 +42,7 @@ def test_table_from_a_pytest_junit(tmp_path):
     assert rows["jamba"]["outcome"] == "passed" and rows["whisper"]["outcome"] == "failed"
     assert rows["test_skipped"]["outcome"] == "skipped"
     text = bench.table(list(rows.values()), "j.xml")
-    assert "| jamba | pass | 2x96 tokens | 21 / 21 | 1.50e-05 | – | 0.970 | 1.00e-03 | " \
+    assert "| jamba | pass | 2x96 tokens | 21 / 21 | 1.50e-05 | – | 0.970 | 1.00e-03 / 0.12 | " \
            "3.00e-03 / 2.00e-02 |" in text
     assert "| whisper | FAIL: AssertionError: whisper: rel-L2 against the emulation 0.3 > " \
            "0.02 |" in text
