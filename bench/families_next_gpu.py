@@ -25,11 +25,16 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+TEST_MODULE = "test_next_families_gpu"
 
-def read_junit(path: Path) -> list[dict]:
-    """One dict per test case: its recorded properties, ``outcome`` and failure message."""
+
+def read_junit(path: Path, module: str | None = TEST_MODULE) -> list[dict]:
+    """One dict per test case of ``module`` (a run may hold other tests; None: every case):
+    its recorded properties, ``outcome`` and failure message."""
     rows = []
     for case in ET.parse(path).getroot().iter("testcase"):
+        if module and module not in case.get("classname", ""):
+            continue
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         failure = case.find("failure")
         if failure is None:
@@ -101,9 +106,13 @@ def main(argv=None) -> int:
     ap.add_argument("junit", type=Path)
     ap.add_argument("--md", type=Path, required=True)
     ap.add_argument("--source", default=None, help="the JUnit file's name in the report")
+    ap.add_argument("--notes", type=Path, default=None, help="appended to --md")
     args = ap.parse_args(argv)
     rows = read_junit(args.junit)
-    args.md.write_text(table(rows, args.source or str(args.junit)))
+    text = table(rows, args.source or str(args.junit))
+    if args.notes is not None:
+        text += "\n" + args.notes.read_text().rstrip() + "\n"
+    args.md.write_text(text)
     args.md.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     print(args.md.read_text())
     return 0

@@ -237,11 +237,12 @@ def calibrate_step(ctx: PartA) -> None:
     c = ctx.a["calibrate"] = {**runs, "tokens": tokens, "bound_bytes": bound, "peak_over_bound":
                               round((runs["streamed"]["peak_gpu_bytes"] or 0) / max(bound, 1),
                                     3)}
-    if ctx.whole:  # the amaxes (a device-map run adds a note saying so: compared apart)
+    if ctx.whole:  # a device-map run names its device "cuda:0" and adds a note saying it
+        # spread the model: everything else (the amaxes, groups, options) is compared
         files = [work / f"amax-{n}.json" for n in ("whole", "streamed")]
         c["amax_bytes_identical"] = files[0].read_bytes() == files[1].read_bytes()
-        x, y = ({k: v for k, v in json.loads(f.read_text()).items() if k != "notes"}
-                for f in files)
+        x, y = ({k: v for k, v in json.loads(f.read_text()).items()
+                 if k not in ("notes", "device")} for f in files)
         c["amax_identical"] = x == y
         if x != y:
             c["amax_largest_difference"] = _largest_difference(x, y)

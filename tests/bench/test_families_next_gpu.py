@@ -38,7 +38,8 @@ def test_table_from_a_pytest_junit(tmp_path):
                     "junit_family=xunit1", str(tmp_path / "test_fake.py"), "--junitxml",
                     str(xml)], cwd=tmp_path, capture_output=True, check=False)
     bench = _bench()
-    rows = {r["family"]: r for r in bench.read_junit(xml)}
+    assert bench.read_junit(xml) == []  # only the GPU family test's cases by default
+    rows = {r["family"]: r for r in bench.read_junit(xml, module="test_fake")}
     assert rows["jamba"]["outcome"] == "passed" and rows["whisper"]["outcome"] == "failed"
     assert rows["test_skipped"]["outcome"] == "skipped"
     text = bench.table(list(rows.values()), "j.xml")
@@ -48,3 +49,15 @@ def test_table_from_a_pytest_junit(tmp_path):
            "0.02 |" in text
     assert "| test_skipped | skipped: needs a CUDA GPU |" in text
     assert "Device: H200." in text
+
+
+def test_the_committed_table_is_rendered_from_its_junit(tmp_path):
+    """bench/results/families_next_gpu.md is what the script renders from the committed H200
+    JUnit file and notes (so its numbers are the run's)."""
+    results = REPO / "bench" / "results"
+    md = tmp_path / "families_next_gpu.md"
+    _bench().main([str(results / "families_next_gpu_h200" / "junit.xml"), "--md", str(md),
+                   "--source", "families_next_gpu_h200/junit.xml", "--notes",
+                   str(results / "families_next_gpu_h200" / "notes.md")])
+    assert md.read_text() == (results / "families_next_gpu.md").read_text()
+    assert md.with_suffix(".json").read_text() == (results / "families_next_gpu.json").read_text()

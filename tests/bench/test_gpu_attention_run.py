@@ -218,3 +218,18 @@ def test_report_names_where_the_host_time_goes(tmp_path):
     assert "fp8export/runtime +3.90 ms, C: torch +2.00 ms, torch/nn +0.10 ms" in cause
     assert "| fp8export/runtime | 0 | 3900.0 | +3900.0 |" in text
     assert "`fp8_gemm.py:40(fp8_matmul)`" in text
+
+
+def test_the_2026_11_29b_report_is_rendered_from_its_json(tmp_path):
+    """The issue's target table of the three H200 calls of 2026-11-29 is what the report
+    renders from the committed JSON (the merge order its notes give), the notes after it."""
+    report = _bench("gpu_fp8_report")
+    run = RESULTS / "gpu_attention_h200_2026-11-29b"
+    earlier = RESULTS / "gpu_attention_h200_2026-11-29"
+    md = tmp_path / "gpu_fp8_attention.md"
+    report.main([str(earlier / "memory.json"), str(earlier / "decode.json"),
+                 *(str(run / f) for f in ("decode.json", "eager.json", "attention.json",
+                                          "compiled_8x2048.json", "compiled_32x512.json",
+                                          "compiled_1x128.json", "sections.json")),
+                 "--md", str(md), "--notes", str(run / "notes.md")])
+    assert md.read_text() == (run / "gpu_fp8_attention.md").read_text()
