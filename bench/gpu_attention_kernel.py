@@ -30,7 +30,8 @@ def _rel(a, b) -> float:
 def bench_attention(args) -> dict:
     """The kernel alone at the model's shapes: device ms (CUDA graphs of 20 calls) against SDPA
     on bf16 with GQA, P in E4M3 vs bf16; accuracy against fp32 attention on the same 16-bit
-    inputs and agreement with the CPU emulation; a tile sweep at the large prefill shapes."""
+    inputs and agreement with the CPU emulation; a tile sweep at each prefill shape (P as
+    the model runs it; ``programs``: the launch's grid)."""
     import torch.nn.functional as F
 
     from fp8export.runtime.attention_math import (
@@ -98,15 +99,19 @@ def bench_attention(args) -> dict:
                                                                       start_t))
             rows.append(row)
             log_row(row)
-            if kind == "prefill" and b * t >= 16384:
-                for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
-                                          (128, 8, 3)):
+            if kind == "prefill":  # tiles, P as the model runs it
+                tiles = ((16, 4, 2), (32, 4, 2), (64, 4, 2), (128, 4, 2)) if b * t < 16384 \
+                    else ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))
+                for bm, warps, stages in tiles:
                     cfg = {"BLOCK_M": bm, "num_warps": warps, "num_stages": stages}
                     try:
                         ms = graph_ms(lambda cfg=cfg: launch_attention(
-                            q, k, v, ks, vs, None, None, 0, sm, True, 0, True, config=cfg))
+                            q, k, v, ks, vs, None, None, 0, sm, True, 0, not args.p_bf16,
+                            config=cfg))
                     except Exception as exc:  # a tiling that does not compile or fit
                         ms = f"{type(exc).__name__}: {str(exc)[:120]}"
-                    sweep.append({"batch": b, "seq": t, **cfg, "ms": ms})
+                    sweep.append({"batch": b, "seq": t, "p": "bf16" if args.p_bf16 else "e4m3",
+                                  **cfg, "programs": -(-(hq // hkv * t) // bm) * b * hkv,
+                                  "ms": ms})
                     log_row(sweep[-1])
     return {"rows": rows, "sweep": sweep}

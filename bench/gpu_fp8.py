@@ -68,6 +68,7 @@ from gpu_timing import (  # noqa: E402  (beside)
     dynamo_stats,
     graph_ms,
     host_and_wall_ms,
+    host_profile,
     log_row,
     profile_calls,
     reset_dynamo,
@@ -397,13 +398,15 @@ class WithEagerM(torch.nn.Module):
 
 def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, rounds: int = 5,
                   profile: bool = True, rows: list | None = None, mask: bool = False,
-                  warm_only: bool = False, on_row=None) -> list[dict]:
+                  warm_only: bool = False, on_row=None, host_reps: int = 0) -> list[dict]:
     """Median ms per forward of each model at each shape. The models take turns in ``rounds``
     rounds (``min_time / rounds`` seconds each), so that drift of the host or the clocks hits all
     of them alike; ``<label>_spread`` is the range of the per-round medians over their median.
     ``profile``: also the device time per forward and its kernel table (torch.profiler).
     ``mask``: pass an all-ones ``attention_mask``; ``rows``: append to it (``on_row`` after each
-    row); ``warm_only``: the first call of each model only (compilation), no timing."""
+    row); ``warm_only``: the first call of each model only (compilation), no timing;
+    ``host_reps``: also where the host's time per forward goes (``<label>_host_profile``, that
+    many forwards under cProfile)."""
     rows = [] if rows is None else rows
     g = torch.Generator(device="cuda").manual_seed(1)
     for b, s in shapes:
@@ -445,6 +448,8 @@ def bench_prefill(models: dict, shapes, vocab: int, min_time: float = 0.5, round
                 prof = profile_calls(calls[label], 3, top=8)
                 row[f"{label}_device_ms"] = round(prof["device_us"] / 1e3, 4)
                 row[f"{label}_profile"] = prof
+            if host_reps:
+                row[f"{label}_host_profile"] = host_profile(calls[label], host_reps)
         base = next(iter(models))
         for label in list(models)[1:]:
             row[f"speedup_{label}"] = round(row[f"{base}_ms"] / row[f"{label}_ms"], 3)
@@ -522,7 +527,9 @@ def bench_decode(model, label: str, batch: int, args, compiled: bool) -> dict:
     host, wall = host_and_wall_ms(run.step, args.decode_steps)
     synced = statistics.median(run.synced_step_ms() for _ in range(args.decode_steps))
     prof = profile_calls(run.step, 4, top=8)
-    return {f"{label}_ms": wall, f"{label}_host_ms": host,
+    extra = {f"{label}_host_profile": host_profile(run.step, args.decode_steps)} \
+        if args.host_profile else {}
+    return {**extra, f"{label}_ms": wall, f"{label}_host_ms": host,
             f"{label}_synced_ms": round(synced, 4),
             f"{label}_device_ms": round(prof["device_us"] / 1e3, 4),
             f"{label}_gemm_ms": round(sum(v for k, v in prof["by_class_us"].items()
@@ -590,6 +597,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch._dynamo recompiles per frame before it is an error")
     ap.add_argument("--no-logits-check", dest="logits_check", action="store_false",
                     help="skip the FP8-vs-bf16-vs-emulated logits check at start")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="prefill and decode: also where the host's time per call goes "
+                         "(cProfile, by package)")
     ap.add_argument("--note", default="", help="a line about this run, kept in the JSON")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_fp8.json"))
     ap.add_argument("--report", nargs="+", type=Path, metavar="JSON",
@@ -696,8 +706,9 @@ def main(argv=None) -> int:
     cshapes = [tuple(int(v) for v in s.split("x")) for s in args.compile_shapes.split(",") if s]
     if "eager" in parts and shapes and not args.warm_only:
         RESULT["prefill_eager"] = rows = []
-        section("prefill_eager", lambda: bench_prefill(models, shapes, args.vocab, rows=rows,
-                                                       on_row=lambda: save(args)), args)
+        section("prefill_eager", lambda: bench_prefill(
+            models, shapes, args.vocab, rows=rows, on_row=lambda: save(args),
+            host_reps=20 if args.host_profile else 0), args)
     if "compiled" in parts and cshapes:
         def graphs():
             reset_dynamo()
@@ -705,7 +716,8 @@ def main(argv=None) -> int:
                   "fp8g": torch.compile(fp8, mode="reduce-overhead", dynamic=False)}
             RESULT["prefill_cudagraphs"] = rows = []
             bench_prefill(gm, cshapes, args.vocab, rows=rows, mask=args.compile_mask,
-                          warm_only=args.warm_only, on_row=lambda: save(args))
+                          warm_only=args.warm_only, on_row=lambda: save(args),
+                          host_reps=20 if args.host_profile else 0)
         section("prefill_cudagraphs", graphs, args)
     if "decode" in parts:
         section("decode", lambda: decode_section(model, fp8, args), args)

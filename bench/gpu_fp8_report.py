@@ -229,14 +229,17 @@ def _ms(x) -> str:
 
 
 STEP_OF = {"prefill_cudagraphs": "compiled", "prefill_eager": "eager", "kv_memory": "memory",
-           "decode": "decode"}
+           "decode": "decode", "attention": "attention"}
 """The step of ``gpu_attention_run.sh`` that measures each section."""
 
 
-def _not_measured(results: dict, section: str) -> str:
-    """Why a section has no row: its status from the runner (gpu_attention_run.sh), else
-    its error, else that it was not run."""
-    status = (results.get("sections") or {}).get(STEP_OF.get(section, section))
+def _not_measured(results: dict, section: str, shape: str | None = None) -> str:
+    """Why a section has no row: its status from the runner (gpu_attention_run.sh; a shape's
+    own step where the runner ran one per shape), else its error, else that it was not run."""
+    sections = results.get("sections") or {}
+    step = STEP_OF.get(section, section)
+    status = sections.get(f"{step}_{shape}") if shape else None
+    status = status or sections.get(step)
     if status and status.get("rc") == "skipped":
         return "not measured: no time was left for it in the call"
     if status and status.get("timed_out"):
@@ -258,14 +261,50 @@ def _prefill_cause(x: dict, want: float, a: str, b: str) -> str:
     dev = bf_dev / f8_dev
     parts = [f"device time {dev:.2f}× (bf16 {bf_dev:.2f} → FP8 {f8_dev:.2f} ms): GEMMs "
              f"{bf_g:.2f} → {f8_g:.2f} ms, attention {bf_a:.2f} → {f8_a:.2f} ms, other kernels "
-             f"{bf_o:.2f} → {f8_o:.2f} ms"]
+             f"{bf_o:.2f} → {f8_o:.2f} ms; with only the GEMMs changed the device-time ceiling "
+             f"is {bf_dev / (f8_g + bf_a + bf_o):.2f}×"]
     if dev >= want:
         parts.append(f"wall − device {x[f'{b}_ms'] - f8_dev:.2f} ms for FP8 vs "
                      f"{x[f'{a}_ms'] - bf_dev:.2f} ms for bf16 (host work before the graph "
                      "launch counts: each forward starts on an idle GPU)")
+        host = _host_diff(x, a, b)
+        if host:
+            parts.append(host)
     elif f8_a > bf_a:
         parts.append("FP8 attention is slower than bf16's")
     return "; ".join(parts)
+
+
+def _host_diff(x: dict, a: str, b: str, n: int = 3) -> str:
+    """The host's time per call under cProfile (``<label>_host_profile``) of ``b`` against
+    ``a``, and the packages whose own time grew most; "" without profiles."""
+    pa, pb = x.get(f"{a}_host_profile"), x.get(f"{b}_host_profile")
+    if not pa or not pb:
+        return ""
+    ua, ub = pa["by_package_us"], pb["by_package_us"]
+    grew = sorted(((ub.get(k, 0) - ua.get(k, 0), k) for k in set(ua) | set(ub)), reverse=True)
+    return (f"host time under cProfile {pa['host_us_per_call_profiled'] / 1e3:.2f} → "
+            f"{pb['host_us_per_call_profiled'] / 1e3:.2f} ms per call; own time that grew most: "
+            + ", ".join(f"{k} +{d / 1e3:.2f} ms" for d, k in grew[:n] if d > 0))
+
+
+def host_table(title: str, x: dict, a: str, b: str) -> list[str]:
+    """Markdown: own host time per call by package, ``a`` against ``b`` (cProfile)."""
+    pa, pb = x.get(f"{a}_host_profile"), x.get(f"{b}_host_profile")
+    if not pa or not pb:
+        return []
+    ua, ub = pa["by_package_us"], pb["by_package_us"]
+    keys = sorted(set(ua) | set(ub), key=lambda k: -max(ua.get(k, 0), ub.get(k, 0)))
+    out = [f"**{title}**: host µs per call under cProfile {pa['host_us_per_call_profiled']} "
+           f"({a}) / {pb['host_us_per_call_profiled']} ({b}); own time by package:", "",
+           f"| package | {a} µs | {b} µs | {b} − {a} |", "|---|---|---|---|"]
+    out += [f"| {k} | {ua.get(k, 0)} | {ub.get(k, 0)} | {ub.get(k, 0) - ua.get(k, 0):+.1f} |"
+            for k in keys]
+    out += ["", f"Largest own times, {b}:", "", "| function | package | calls | own µs | cum µs |",
+            "|---|---|---|---|---|"]
+    out += [f"| `{t['function'].replace('|', '/')}` | {t['package']} | {t['calls']:g} | "
+            f"{t['own_us']} | {t['cum_us']} |" for t in pb["top_own"][:8]]
+    return out + [""]
 
 
 def _decode_cause(x: dict, want: float) -> str:
@@ -276,10 +315,12 @@ def _decode_cause(x: dict, want: float) -> str:
         return (f"the FP8 step skipped its CUDA graph ({skips}×; host {x['fp8_graphs_host_ms']:.3f}"
                 f" ms per step); device time {x['speedup_graphs_device_ms']}×")
     dev = x["speedup_graphs_device_ms"]
+    host = _host_diff(x, "bf16_graphs", "fp8_graphs")
     if dev < want:
-        return f"device time {dev}× ({gemm}; GEMM-only bound {x['gemm_only_bound']}×)"
+        return (f"device time {dev}× ({gemm}; GEMM-only bound {x['gemm_only_bound']}×)"
+                + (f"; {host}" if host else ""))
     return (f"device time {dev}× meets it ({gemm}); host {x['bf16_graphs_host_ms']:.3f} / "
-            f"{x['fp8_graphs_host_ms']:.3f} ms per step")
+            f"{x['fp8_graphs_host_ms']:.3f} ms per step" + (f"; {host}" if host else ""))
 
 
 def attention_report(r: dict) -> str:
@@ -303,9 +344,11 @@ def attention_report(r: dict) -> str:
                 f"process, same weights. {r.get('method', '')}", ""]
     if r.get("note"):
         out += [r["note"], ""]
+    files = r.get("gpu_test_files") or "tests/runtime/test_fp8_attention_gpu.py"
     if r.get("gpu_tests"):
-        out += ["GPU tests (`tests/runtime/test_fp8_attention_gpu.py`: the kernels against the "
-                f"CPU emulation, the cache write bit for bit): {r['gpu_tests']}", ""]
+        what = (": the kernels against the CPU emulation, the cache write bit for bit"
+                if files == "tests/runtime/test_fp8_attention_gpu.py" else "")
+        out += [f"GPU tests (`{files}`{what}): {r['gpu_tests']}", ""]
     eager = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_eager") or []}
     graphs = {f"{x['batch']}x{x['seq']}": x for x in r.get("prefill_cudagraphs") or []}
     decode = {str(x["batch"]): x for x in r.get("decode") or []}
@@ -319,7 +362,7 @@ def attention_report(r: dict) -> str:
         x = graphs.get(shape)
         name = f"compiled prefill {shape} ≥ {want}×"
         if x is None or "speedup_fp8g" not in x:
-            rows.append(f"| {name} | – | – | {_not_measured(r, 'prefill_cudagraphs')} |")
+            rows.append(f"| {name} | – | – | {_not_measured(r, 'prefill_cudagraphs', shape)} |")
             continue
         got = x["speedup_fp8g"]
         cause = "" if got >= want else _prefill_cause(x, want, "bf16g", "fp8g")
@@ -342,10 +385,11 @@ def attention_report(r: dict) -> str:
             rows.append(f"| {name} | – | – | {_not_measured(r, 'prefill_eager')} |")
             continue
         got = x["speedup_fp8"]
+        host = _host_diff(x, "bf16", "fp8")
         cause = "" if got >= want else (
             f"device time bf16 {x['bf16_device_ms']:.2f} → FP8 {x['fp8_device_ms']:.2f} ms; the "
             f"device is busy {x['fp8_device_ms'] / x['fp8_ms']:.0%} of the FP8 forward: "
-            "host-bound")
+            "host-bound" + (f"; {host}" if host else ""))
         rows.append(f"| {name} | {got}× ({x['bf16_ms']:.2f} → {x['fp8_ms']:.2f} ms) | "
                     f"{'yes' if got >= want else 'no'} | {cause} |")
     want = t["max_decode_batch"]
@@ -441,12 +485,24 @@ def attention_report(r: dict) -> str:
                        f"{pair('vs_emulation_rel_l2')} |")
         sweep = (r.get("attention") or {}).get("sweep") or []
         if sweep:
-            out += ["", "Tiles at prefill " + ", ".join(sorted({f"{x['batch']}×{x['seq']}"
-                                                                for x in sweep}))
-                    + " (P E4M3; BLOCK_M / warps / stages: ms): " + ", ".join(
-                        f"{x['BLOCK_M']}/{x['num_warps']}/{x['num_stages']}: {x['ms']}"
-                        for x in sweep) + "."]
+            for shape in dict.fromkeys(f"{x['batch']}×{x['seq']}" for x in sweep):
+                xs = [x for x in sweep if f"{x['batch']}×{x['seq']}" == shape]
+                out += ["", f"Tiles at prefill {shape} (P {xs[0].get('p', 'e4m3').upper()}; "
+                        "BLOCK_M / warps / stages" + (" / programs" if "programs" in xs[0]
+                                                      else "") + ": ms): " + ", ".join(
+                            f"{x['BLOCK_M']}/{x['num_warps']}/{x['num_stages']}"
+                            + (f"/{x['programs']}" if "programs" in x else "") + f": {x['ms']}"
+                            for x in xs) + "."]
         out.append("")
+    hosts = [line for shape, x in eager.items()
+             for line in host_table(f"eager prefill {shape}", x, "bf16", "fp8")]
+    hosts += [line for shape, x in graphs.items()
+              for line in host_table(f"compiled prefill {shape}", x, "bf16g", "fp8g")]
+    hosts += [line for batch, x in decode.items()
+              for line in host_table(f"decode b{batch}, compiled + CUDA graphs", x,
+                                     "bf16_graphs", "fp8_graphs")]
+    if hosts:
+        out += ["## Host time per call (cProfile)", "", *hosts]
     sections = r.get("sections") or {}
     if sections:
         out += ["## Sections of this run", "", "| section | seconds | limit s | exit | stopped |",
@@ -459,17 +515,29 @@ def attention_report(r: dict) -> str:
 
 
 MERGED_DICTS = ("errors", "section_s", "sections", "versions")
+ROW_LISTS = ("prefill_eager", "prefill_cudagraphs", "decode")
+"""Sections whose rows (one per shape or batch) several processes of a run measure apart."""
+
+
+def _row_key(row) -> tuple:
+    return (row.get("batch"), row.get("seq")) if isinstance(row, dict) else (row,)
 
 
 def merge_results(paths) -> dict:
     """Result files of one run's processes, merged in order: later keys win, except the
-    per-section dicts (errors, section_s, sections, versions), which are united."""
+    per-section dicts (errors, section_s, sections, versions), which are united, and the row
+    lists (:data:`ROW_LISTS`), whose rows are united by shape (a later row of the same shape
+    replaces the earlier one)."""
     merged: dict = {}
     for path in paths:
         part = json.loads(Path(path).read_text())
         for key, value in part.items():
             if key in MERGED_DICTS and isinstance(value, dict):
                 merged.setdefault(key, {}).update(value)
+            elif key in ROW_LISTS and isinstance(value, list):
+                rows = {_row_key(x): x for x in merged.get(key) or []}
+                rows.update({_row_key(x): x for x in value})
+                merged[key] = list(rows.values())
             else:
                 merged[key] = value
     return merged

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -115,6 +116,55 @@ def host_and_wall_ms(fn, reps: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     return round((t1 - t0) / reps * 1e3, 3), round((t2 - t0) / reps * 1e3, 3)
+
+def _host_bucket(file: str, func: str) -> str:
+    """Where a cProfile entry's own time goes: a C function by its name (``torch`` ops, their
+    launches and CUDA calls included), else the package (and subpackage) of its source file."""
+    if file == "~":
+        return "C: torch" if "torch" in func or "_C." in func else "C: other"
+    parts = Path(file).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            rest = parts[parts.index(anchor) + 1:]
+            return "/".join(rest[:2]) if len(rest) > 2 and rest[0] == "torch" else rest[0]
+    if "fp8export" in parts:
+        rest = parts[parts.index("fp8export") + 1:]
+        return "fp8export/" + rest[0].removesuffix(".py") if len(rest) > 1 else "fp8export"
+    return "python (stdlib, bench)"
+
+
+def host_profile(fn, reps: int, top: int = 12) -> dict:
+    """Where the host's time per call of ``fn`` goes: ``reps`` calls under cProfile (the
+    device runs on asynchronously), own time per call by package (:func:`_host_bucket`) and
+    the functions with the most own time (us). The profiler's own cost inflates Python time,
+    so compare two models' tables with each other, not with the unprofiled host time."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    host = time.perf_counter() - t0
+    sync()
+    rows, buckets = [], {}
+    for (file, line, func), (_cc, calls, own, cum, _callers) in pstats.Stats(prof).stats.items():
+        bucket = _host_bucket(file, func)
+        buckets[bucket] = buckets.get(bucket, 0.0) + own
+        rows.append((own, cum, calls, f"{Path(file).name}:{line}({func})"[:120], bucket))
+    rows.sort(reverse=True)
+    us = 1e6 / reps
+    return {"host_us_per_call_profiled": round(host * us, 1),
+            "by_package_us": {k: round(v * us, 1) for k, v in
+                              sorted(buckets.items(), key=lambda kv: -kv[1]) if v * us >= 1},
+            "top_own": [{"function": name, "package": bucket, "calls": round(calls / reps, 2),
+                         "own_us": round(own * us, 1), "cum_us": round(cum * us, 1)}
+                        for own, cum, calls, name, bucket in rows[:top]]}
+
 
 def reset_dynamo() -> None:
     torch._dynamo.reset()

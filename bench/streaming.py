@@ -15,6 +15,11 @@ runs, each against its baseline measured in the same run:
     ``torch.cuda.max_memory_allocated`` over each call; throughput is tokens per second of the
     whole call (reading the checkpoint included: both read it once), and of the pass alone.
     amax.json, the GPTQ shards and the verify metrics must be identical to the baselines'.
+    ``--whole map`` loads the baselines through accelerate's device map with everything on the
+    one GPU (``--offload none --max-memory 0=...``: weights read straight onto the GPU, where
+    ``full``, what ``--offload none`` alone does, builds the model on the CPU first: minutes
+    for 16 GiB); its pass carries accelerate's hooks on every module. ``--steps`` picks the
+    calls (calibrate, gptq, verify).
 (b) **Ranks** — ``torchrun --standalone --nproc-per-node N fp8export calibrate|verify`` with
     N = 1 and 2 (whole model on each GPU): wall time and the pass's own time, the speedups,
     and the bytes of amax.json / the report's metrics (identical for every N).
@@ -33,7 +38,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -120,18 +127,26 @@ def _sync():
 
 
 def measured(fn):
-    """``(result, seconds, peak GPU bytes or None)`` of one call."""
+    """``(result, seconds, peak GPU bytes or None)`` of one call: the peak over what was
+    allocated before it. Earlier calls' models are collected first: a model spread with
+    accelerate sits in reference cycles (its hooks) and stays on the GPU until the collector
+    runs, and a peak read on top of it measures the earlier call (16.6 GiB read so in one run)."""
+    import gc
+
     import torch
 
     cuda = torch.cuda.is_available()
+    base = 0
     if cuda:
+        gc.collect()
         torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     result = fn()
     _sync()
     seconds = time.perf_counter() - t0
-    return result, seconds, torch.cuda.max_memory_allocated() if cuda else None
+    return result, seconds, torch.cuda.max_memory_allocated() - base if cuda else None
 
 
 def _cap(args, gib: float) -> str:
@@ -151,20 +166,27 @@ def warm_up(work: Path, args) -> None:
                                       device=args.device, offload=off, batch_size=4))
 
 
+class PartA(NamedTuple):
+    """What the steps of (a) share."""
+    work: Path
+    args: argparse.Namespace
+    a: dict
+    save: Callable[[], None]
+    src: Path
+    calib: Path
+    evald: Path
+    whole: list
+
+
 def part_a(work: Path, args, out: dict, save) -> None:
     """The model larger than the caps, streamed, against the whole model."""
-    from fp8export import api
-    from fp8export.calibration.config import CalibrateConfig
-    from fp8export.convert.config import ConvertConfig
-    from fp8export.verify.config import VerifyConfig
-
     cfg = SMOKE if args.smoke else BIG
     src = work / "model"
     t0 = time.perf_counter()
     size = write_model(src, cfg, args.device if args.device == "cuda" else "cpu")
     caps = {"calibrate": args.cap_calib_gib, "gptq": args.cap_gptq_gib,
             "verify": args.cap_verify_gib}
-    a = out["a"] = {"model": cfg, "weights_bytes": size,
+    a = out["a"] = {"model": cfg, "weights_bytes": size, "whole_load": args.whole,
                     "caps_gib": caps, "model_over_cap": {k: round(size / (v * GiB), 2)
                                                          for k, v in caps.items()},
                     "write_s": round(time.perf_counter() - t0, 1)}
@@ -172,39 +194,100 @@ def part_a(work: Path, args, out: dict, save) -> None:
     warm_up(work, args)
     calib = write_data(work / "calib.npz", args.calib_samples, args.seq_len, cfg["vocab_size"])
     evald = write_data(work / "eval.npz", args.eval_samples, args.eval_len, cfg["vocab_size"])
+    ctx = PartA(work, args, a, save, src, calib, evald, _whole(args))
+    steps = args.steps.split(",")
+    for name, step in (("calibrate", calibrate_step), ("gptq", gptq_step),
+                       ("verify", verify_step)):
+        if name in steps:
+            step(ctx)
+
+
+def _whole(args) -> list[tuple[str, dict]]:
+    """The whole-model baseline's options (``--whole``): none, or one (name, options)."""
+    if args.whole == "none":
+        return []
+    if args.whole == "map":  # everything on the one GPU through accelerate's device map
+        import torch
+
+        free = torch.cuda.mem_get_info()[0] / GiB if args.device == "cuda" else 64
+        return [("whole", {"offload": "none", "max_memory": _cap(args, int(free * 0.9))})]
+    return [("whole", {"offload": "none"})]
+
+
+def calibrate_step(ctx: PartA) -> None:
+    from fp8export import api
+    from fp8export.calibration.config import CalibrateConfig
+
+    args, work = ctx.args, ctx.work
     tokens = args.calib_samples * args.seq_len
-    common = dict(checkpoint=src, calib_data=calib, batch_size=args.batch_size,
+    common = dict(checkpoint=ctx.src, calib_data=ctx.calib, batch_size=args.batch_size,
                   seq_len=args.seq_len, device=args.device, calib_samples=args.calib_samples)
-    runs = {}
-    for name, kw in (("whole", {"offload": "none"}),
-                     ("streamed", {"offload": "layers",
-                                   "max_memory": _cap(args, args.cap_calib_gib)})):
+    runs = {}  # streamed first: nothing of the whole model's run can be on the GPU yet
+    for name, kw in [("streamed", {"offload": "layers",
+                                   "max_memory": _cap(args, args.cap_calib_gib)}), *ctx.whole]:
         res, sec, peak = measured(lambda kw=kw, name=name: api.calibrate(CalibrateConfig(
             output=work / f"amax-{name}.json", force=True, **common, **kw)))
         runs[name] = {"seconds": round(sec, 2), "pass_s": res.seconds,
                       "tokens_per_s": round(tokens / sec), "pass_tokens_per_s":
                       round(tokens / res.seconds), "peak_gpu_bytes": peak,
                       "plan": res.streaming}
-    same = (work / "amax-whole.json").read_bytes() == (work / "amax-streamed.json").read_bytes()
     plan = runs["streamed"]["plan"] or {}
     bound = plan.get("layer_bytes", 0) + plan.get("activation_bytes", 0) + (
         plan.get("hidden_bytes", 0) if plan.get("tier") == "device" else 0)
-    a["calibrate"] = {**runs, "tokens": tokens, "amax_identical": same,
-                      "bound_bytes": bound, "peak_over_bound":
-                      round((runs["streamed"]["peak_gpu_bytes"] or 0) / max(bound, 1), 3),
-                      "throughput_ratio": round(runs["whole"]["seconds"] /
-                                                runs["streamed"]["seconds"], 3),
-                      "pass_throughput_ratio": round(runs["whole"]["pass_s"] /
-                                                     runs["streamed"]["pass_s"], 3)}
-    save()
+    c = ctx.a["calibrate"] = {**runs, "tokens": tokens, "bound_bytes": bound, "peak_over_bound":
+                              round((runs["streamed"]["peak_gpu_bytes"] or 0) / max(bound, 1),
+                                    3)}
+    if ctx.whole:  # a device-map run names its device "cuda:0" and adds a note saying it
+        # spread the model: everything else (the amaxes, groups, options) is compared
+        files = [work / f"amax-{n}.json" for n in ("whole", "streamed")]
+        c["amax_bytes_identical"] = files[0].read_bytes() == files[1].read_bytes()
+        x, y = ({k: v for k, v in json.loads(f.read_text()).items()
+                 if k not in ("notes", "device")} for f in files)
+        c["amax_identical"] = x == y
+        if x != y:
+            c["amax_largest_difference"] = _largest_difference(x, y)
+        c["throughput_ratio"] = round(runs["whole"]["seconds"] / runs["streamed"]["seconds"], 3)
+        c["pass_throughput_ratio"] = round(runs["whole"]["pass_s"] / runs["streamed"]["pass_s"],
+                                           3)
+    ctx.save()
+
+
+def _largest_difference(x, y) -> dict:
+    """Where two amax.json files differ most: the value and its two readings."""
+    out = {"path": None, "relative": 0.0}
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in set(a) | set(b):
+                walk(a.get(k), b.get(k), f"{path}/{k}")
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (u, v) in enumerate(zip(a, b)):
+                walk(u, v, f"{path}/{i}")
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b:
+            rel = abs(a - b) / max(abs(a), abs(b), 1e-30)
+            if rel > out["relative"]:
+                out.update(path=path, relative=rel, whole=a, streamed=b)
+        elif a != b and out["path"] is None:
+            out.update(path=path, whole=str(a)[:80], streamed=str(b)[:80])
+
+    walk(x, y, "")
+    return out
+
+
+def gptq_step(ctx: PartA) -> None:
+    from fp8export import api
+    from fp8export.convert.config import ConvertConfig
+
+    args, work = ctx.args, ctx.work
+    amax = work / ("amax-whole.json" if ctx.whole else "amax-streamed.json")
     gptq = {}
     modes = [("streamed", {"offload": "layers", "max_memory": _cap(args, args.cap_gptq_gib)})]
     if args.gptq_baseline:
         modes.insert(0, ("whole", {"offload": "none"}))
     for name, kw in modes:
         _, sec, peak = measured(lambda kw=kw, name=name: api.convert(ConvertConfig(
-            checkpoint=src, output=work / f"fp8-{name}", calib_amax=work / "amax-whole.json",
-            calib_data=calib, weight_rounding="gptq", calib_samples=args.gptq_samples,
+            checkpoint=ctx.src, output=work / f"fp8-{name}", calib_amax=amax,
+            calib_data=ctx.calib, weight_rounding="gptq", calib_samples=args.gptq_samples,
             batch_size=args.batch_size, seq_len=args.seq_len, device=args.device, force=True,
             **kw)))
         manifest = json.loads((work / f"fp8-{name}" / "fp8export.json").read_text())
@@ -216,25 +299,51 @@ def part_a(work: Path, args, out: dict, save) -> None:
                   for n in ("whole", "streamed")]
         gptq["shards_identical"] = [p.read_bytes() for p in shards[0]] == \
             [p.read_bytes() for p in shards[1]]
-    a["gptq"] = gptq
-    save()
+    ctx.a["gptq"] = gptq
+    ctx.save()
+
+
+def _verdict(api, cfg):
+    """verify's result, passed or not (a random model may miss the thresholds: the run is
+    timed, not judged)."""
+    from fp8export.errors import VerificationFailed
+
+    try:
+        return api.verify(cfg)
+    except VerificationFailed as exc:
+        return exc.result
+
+
+def verify_step(ctx: PartA) -> None:
+    """Verify of the streamed GPTQ folder; without the GPTQ step, of a weights-only convert."""
+    from fp8export import api
+    from fp8export.convert.config import ConvertConfig
+    from fp8export.verify.config import VerifyConfig
+
+    args, work = ctx.args, ctx.work
+    candidate = work / "fp8-streamed"
+    if not candidate.exists():
+        api.convert(ConvertConfig(checkpoint=ctx.src, output=candidate, scales="weights",
+                                  device=args.device, force=True))
+        ctx.a["verify_candidate"] = "convert --scales weights (no GPTQ step in this run)"
     ver = {}
-    vcommon = dict(reference=src, candidate=work / "fp8-streamed", data=evald,
+    vcommon = dict(reference=ctx.src, candidate=candidate, data=ctx.evald,
                    batch_size=args.batch_size, seq_len=args.eval_len, device=args.device,
                    thresholds="loose", write_reports=False)
     vtokens = args.eval_samples * args.eval_len
-    for name, kw in (("whole", {"offload": "none"}),
-                     ("streamed", {"offload": "layers",
-                                   "max_memory": _cap(args, args.cap_verify_gib)})):
-        res, sec, peak = measured(lambda kw=kw: api.verify(VerifyConfig(**vcommon, **kw)))
-        ver[name] = {"seconds": round(sec, 2), "peak_gpu_bytes": peak, "timing": res.timing,
+    for name, kw in [*ctx.whole, ("streamed", {"offload": "layers",
+                                               "max_memory": _cap(args, args.cap_verify_gib)})]:
+        res, sec, peak = measured(lambda kw=kw: _verdict(api, VerifyConfig(**vcommon, **kw)))
+        ver[name] = {"passed": not res.failures, "seconds": round(sec, 2),
+                     "peak_gpu_bytes": peak, "timing": res.timing,
                      "tokens_per_s": round(vtokens / sec), "metrics": res.metrics,
                      "noise_floor": res.noise_floor is not None,
                      "plan": res.candidate.get("streaming")}
-    ver["metrics_identical"] = ver["whole"]["metrics"] == ver["streamed"]["metrics"]
-    ver["throughput_ratio"] = round(ver["whole"]["seconds"] / ver["streamed"]["seconds"], 3)
-    a["verify"] = ver
-    save()
+    if ctx.whole:
+        ver["metrics_identical"] = ver["whole"]["metrics"] == ver["streamed"]["metrics"]
+        ver["throughput_ratio"] = round(ver["whole"]["seconds"] / ver["streamed"]["seconds"], 3)
+    ctx.a["verify"] = ver
+    ctx.save()
 
 
 def _free_port() -> int:
@@ -372,17 +481,20 @@ def table(out: dict) -> str:
                     continue
                 r = block[name]
                 plan = r.get("plan") or {}
-                lines.append(f"| {step} | {name} | {r['seconds']} | {r.get('tokens_per_s', '-')} "
+                label = "whole (device map)" if name == "whole" and a.get("whole_load") == \
+                    "map" else name
+                lines.append(f"| {step} | {label} | {r['seconds']} | {r.get('tokens_per_s', '-')} "
                              f"| {gib(r['peak_gpu_bytes'])} | {plan.get('tier', '-')} | "
                              f"{block.get(same, '-') if name == 'streamed' else ''} |")
         c = a.get("calibrate", {})
         if "bound_bytes" in c:
             on_device = (c["streamed"]["plan"] or {}).get("tier") == "device"
+            ratio = (f"; throughput {c['throughput_ratio']}x the whole model's (pass alone "
+                     f"{c['pass_throughput_ratio']}x)" if "throughput_ratio" in c else "")
             lines += ["", f"calibrate streamed: peak {gib(c['streamed']['peak_gpu_bytes'])} GiB "
                       f"= {c['peak_over_bound']}x (one layer + one batch's activations"
                       f"{' + hidden states' if on_device else ''} = {gib(c['bound_bytes'])} "
-                      f"GiB); throughput {c['throughput_ratio']}x the whole model's (pass "
-                      f"alone {c['pass_throughput_ratio']}x)"]
+                      f"GiB){ratio}"]
         v = a.get("verify", {})
         if "throughput_ratio" in v:
             lines.append(f"verify streamed: throughput {v['throughput_ratio']}x the whole "
@@ -431,6 +543,10 @@ def main() -> None:
     ap.add_argument("--dp-eval-samples", type=int, default=128)
     ap.add_argument("--ranks", type=int, nargs="*", default=[2])
     ap.add_argument("--parts", default="abc")
+    ap.add_argument("--steps", default="calibrate,gptq,verify",
+                    help="(a): which calls to measure, comma separated")
+    ap.add_argument("--whole", choices=("full", "map", "none"), default="full",
+                    help="(a): how the whole-model baselines load (see above), or none")
     args = ap.parse_args()
     import tempfile
 

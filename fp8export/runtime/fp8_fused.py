@@ -115,6 +115,17 @@ class Fp8LinearSlice(Fp8Linear):
         self.mode = group.mode
         self.out_dtype = group.out_dtype
         self.fallback_reason = group.fallback_reason
+        # the rest of Fp8Linear's state (print(model), the emulation, verify's layer check read
+        # it): a group is per-tensor, so its members are too
+        self.block, self.dynamic, self.group_size = group.block, group.dynamic, group.group_size
+
+    @property
+    def rowwise(self) -> bool:
+        return self.group.rowwise
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.group.per_tensor
 
     @property
     def weight(self) -> torch.Tensor:

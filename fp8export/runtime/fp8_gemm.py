@@ -131,7 +131,8 @@ def _small_m_kernel():
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (tile choices size their grids by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -167,7 +168,7 @@ def small_m_matmul(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Ten
         key = (m, n, k, x.get_device())
         config = _CONFIGS.get(key)
         if config is None:
-            config = _CONFIGS[key] = small_m_config(m, n, k, _sm_count(key[3]))
+            config = _CONFIGS[key] = small_m_config(m, n, k, sm_count(key[3]))
     cfg = config
     grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
     _launcher()(grid, (x, weight, out, bias if bias is not None else out, input_scale,

@@ -46,12 +46,17 @@ def test_arguments():
 def test_merge_unites_the_per_section_dicts(tmp_path):
     gpu = _bench("gpu_fp8_report")
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps({"device": "X", "section_s": {"decode": 1}, "decode": [1],
-                             "errors": {"decode": "boom"}}))
-    b.write_text(json.dumps({"device": "Y", "section_s": {"compiled": 2}, "decode": [2],
-                             "sections": {"eager": {"rc": 0}}}))
+    a.write_text(json.dumps({"device": "X", "section_s": {"decode": 1}, "decode": [
+        {"batch": 1, "ms": 1}, {"batch": 8, "ms": 1}], "errors": {"decode": "boom"},
+        "prefill_cudagraphs": [{"batch": 8, "seq": 2048, "ms": 3}]}))
+    b.write_text(json.dumps({"device": "Y", "section_s": {"compiled": 2}, "decode": [
+        {"batch": 8, "ms": 2}], "sections": {"eager": {"rc": 0}},
+        "prefill_cudagraphs": [{"batch": 1, "seq": 128, "ms": 4}]}))
     m = gpu.merge_results([a, b])
-    assert m["device"] == "Y" and m["decode"] == [2]
+    assert m["device"] == "Y"
+    # one process per shape: the rows are united, a later row of a shape replaces the earlier
+    assert m["decode"] == [{"batch": 1, "ms": 1}, {"batch": 8, "ms": 2}]
+    assert [(x["batch"], x["seq"]) for x in m["prefill_cudagraphs"]] == [(8, 2048), (1, 128)]
     assert m["section_s"] == {"decode": 1, "compiled": 2} and m["errors"] == {"decode": "boom"}
 
 
@@ -113,7 +118,10 @@ def test_report_says_why_a_target_was_not_measured(tmp_path):
     report = _bench("gpu_fp8_report")
     r = _fixture()
     del r["prefill_cudagraphs"], r["decode"], r["kv_memory"], r["memory"]
-    r["sections"]["compiled"] = {"seconds": 115, "limit_s": 110, "rc": 124, "timed_out": True}
+    r["sections"]["compiled_8x2048"] = {"seconds": 115, "limit_s": 110, "rc": 124,
+                                        "timed_out": True}
+    r["sections"]["compiled_1x128"] = {"seconds": 0, "limit_s": 2, "rc": "skipped",
+                                       "timed_out": False}
     r["sections"]["decode"] = {"seconds": 0, "limit_s": -3, "rc": "skipped", "timed_out": False}
     r["errors"] = {"kv_memory": "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory"}
     md = tmp_path / "report.md"
@@ -121,6 +129,9 @@ def test_report_says_why_a_target_was_not_measured(tmp_path):
     rows = _targets(md.read_text())
     assert rows["compiled prefill 8x2048 ≥ 1.6×"][2] == \
         "not measured: the section stopped at its limit of 110 s"
+    assert rows["compiled prefill 1x128 ≥ 1.2×"][2] == \
+        "not measured: no time was left for it in the call"
+    assert rows["compiled prefill 32x512 ≥ 1.6×"][2] == "not measured in this run"
     assert rows["decode b32, compiled + CUDA graphs ≥ 1.35×"][2] == \
         "not measured: no time was left for it in the call"
     assert rows["max decode batch at a fixed budget ≥ 1.8×"][2] == \
@@ -147,14 +158,37 @@ def test_runner_stops_a_stuck_step_at_the_budget(tmp_path):
     s = status["sections"]
     assert s["install"]["timed_out"] and s["install"]["rc"] in (124, 137)
     assert s["install"]["limit_s"] <= 6
-    for name in ("gpu_tests", "memory", "decode", "compiled", "eager"):
+    for name in ("gpu_tests", "memory", "decode", "eager", "attention", "compiled_8x2048",
+                 "compiled_32x512", "compiled_1x128"):
         assert s[name]["rc"] == "skipped", (name, s[name])
+
+
+def test_runner_runs_the_steps_asked_for(tmp_path):
+    """STEPS picks the steps (no status for the others), COMPILE_SHAPES one process per
+    shape, LIMIT_COMPILED the limit of each, GPU_TESTS and BENCH_ARGS what they run."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n')
+    fake.chmod(0o755)
+    status, _ = _run(tmp_path, {"PYTHON": str(fake), "BUDGET_S": "60",
+                                "STEPS": "gpu_tests,compiled", "COMPILE_SHAPES": "1x128,8x2048",
+                                "LIMIT_COMPILED": "7", "LIMIT_COMPILED_8X2048": "9",
+                                "GPU_TESTS": "tests/a_gpu.py tests/b_gpu.py",
+                                "BENCH_ARGS": "--host-profile"}, timeout=60)
+    s = status["sections"]
+    assert list(s) == ["gpu_tests", "compiled_1x128", "compiled_8x2048"]
+    assert s["compiled_1x128"]["limit_s"] == 7 and s["compiled_8x2048"]["limit_s"] == 9
+    assert status["gpu_test_files"] == "tests/a_gpu.py tests/b_gpu.py"
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "tests/a_gpu.py tests/b_gpu.py --junitxml" in calls[0]
+    assert calls[1].startswith("bench/gpu_fp8.py --no-logits-check --host-profile --parts "
+                               "compiled --compile-shapes 1x128 ")
 
 
 @pytest.mark.slow  # imports torch twice (~20-60 s on a loaded 2-core machine)
 def test_runner_without_a_gpu_writes_the_report(tmp_path):
     env = {"PYTHON": sys.executable, "LIMIT_INSTALL": "0", "LIMIT_GPU_TESTS": "0",
-           "LIMIT_MEMORY": "0", "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0"}
+           "LIMIT_MEMORY": "0", "LIMIT_WARM": "0", "LIMIT_COMPILED": "0", "LIMIT_EAGER": "0",
+           "LIMIT_ATTENTION": "0"}
     status, _ = _run(tmp_path, env, timeout=300)
     assert status["sections"]["decode"]["rc"] == 1  # gpu_fp8.py: "needs a CUDA GPU"
     text = (tmp_path / "out" / "gpu_fp8_attention.md").read_text()
@@ -162,3 +196,40 @@ def test_runner_without_a_gpu_writes_the_report(tmp_path):
     assert rows["decode b1, compiled + CUDA graphs ≥ 1.5×"][2] == \
         "not measured: the section exited 1 (see its log)"
     assert "needs a CUDA GPU" in (tmp_path / "out" / "decode.log").read_text()
+
+
+def test_report_names_where_the_host_time_goes(tmp_path):
+    """With cProfile tables in a row (--host-profile), the eager target's cause names the
+    packages whose own host time grew, and the report carries both tables."""
+    report = _bench("gpu_fp8_report")
+    r = _fixture()
+    e = next(x for x in r["prefill_eager"] if (x["batch"], x["seq"]) == (1, 512))
+    e["bf16_host_profile"] = {"host_us_per_call_profiled": 20000.0, "top_own": [],
+                              "by_package_us": {"C: torch": 9000.0, "torch/nn": 3000.0}}
+    e["fp8_host_profile"] = {"host_us_per_call_profiled": 26000.0, "by_package_us": {
+        "C: torch": 11000.0, "torch/nn": 3100.0, "fp8export/runtime": 3900.0}, "top_own": [
+            {"function": "fp8_gemm.py:40(fp8_matmul)", "package": "fp8export/runtime",
+             "calls": 96.0, "own_us": 900.0, "cum_us": 5000.0}]}
+    md = tmp_path / "report.md"
+    report.write_report(r, md, None)
+    text = md.read_text()
+    cause = _targets(text)["eager prefill 1x512 ≥ 0.95×"][2]
+    assert "host time under cProfile 20.00 → 26.00 ms per call" in cause
+    assert "fp8export/runtime +3.90 ms, C: torch +2.00 ms, torch/nn +0.10 ms" in cause
+    assert "| fp8export/runtime | 0 | 3900.0 | +3900.0 |" in text
+    assert "`fp8_gemm.py:40(fp8_matmul)`" in text
+
+
+def test_the_2026_11_29b_report_is_rendered_from_its_json(tmp_path):
+    """The issue's target table of the three H200 calls of 2026-11-29 is what the report
+    renders from the committed JSON (the merge order its notes give), the notes after it."""
+    report = _bench("gpu_fp8_report")
+    run = RESULTS / "gpu_attention_h200_2026-11-29b"
+    earlier = RESULTS / "gpu_attention_h200_2026-11-29"
+    md = tmp_path / "gpu_fp8_attention.md"
+    report.main([str(earlier / "memory.json"), str(earlier / "decode.json"),
+                 *(str(run / f) for f in ("decode.json", "eager.json", "attention.json",
+                                          "compiled_8x2048.json", "compiled_32x512.json",
+                                          "compiled_1x128.json", "sections.json")),
+                 "--md", str(md), "--notes", str(run / "notes.md")])
+    assert md.read_text() == (run / "gpu_fp8_attention.md").read_text()

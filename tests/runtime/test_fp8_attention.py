@@ -69,6 +69,22 @@ def test_emulation_is_fp8_attention(window, padded, q_start):
         assert err > 1e-5  # P is rounded: not the float64 softmax itself
 
 
+def test_prefill_tiles_fill_the_gpu(monkeypatch):
+    """128-row tiles for long prompts; halved while the grid would leave multiprocessors idle
+    (a short prompt on a 132-SM H200), never below 16 rows; the environment forces a tiling."""
+    from fp8export.runtime.fp8_attention import prefill_config
+
+    monkeypatch.delenv("FP8EXPORT_ATTN_CONFIG", raising=False)
+    assert prefill_config(4 * 2048, 8 * 8, 132)["BLOCK_M"] == 128  # 8x2048, GQA 32/8
+    assert prefill_config(4 * 512, 32 * 8, 132)["BLOCK_M"] == 128  # 32x512
+    assert prefill_config(4 * 128, 8, 132)["BLOCK_M"] == 16  # 1x128: 256 tiles, not 32
+    assert prefill_config(4 * 300, 2 * 2, 132)["BLOCK_M"] == 32  # 38 tiles of 32 x 4 heads
+    assert prefill_config(4 * 128, 8, 0)["BLOCK_M"] == 128  # no GPU known: as before
+    assert prefill_config(48, 1, 132)["BLOCK_M"] == 16 and prefill_config(48)["BLOCK_M"] == 64
+    monkeypatch.setenv("FP8EXPORT_ATTN_CONFIG", "128,8,3")
+    assert prefill_config(4 * 128, 8, 132) == {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
+
+
 def test_p_rounding_follows_the_kernels_key_blocks():
     """The emulation rounds each block's p against the running max, as the kernel does: over
     more than one block that differs from rounding the final probabilities."""

@@ -74,6 +74,25 @@ def test_each_slice_computes_its_member(static):
     torch.testing.assert_close(_dequantized(parent.v), _dequantized(members[2]))
 
 
+@pytest.mark.parametrize("static", [True, False])
+def test_a_slice_is_a_whole_fp8_linear(static):
+    """Everything an Fp8Linear offers works on a slice as on the member it replaced: its repr
+    (print(model)), its scale properties and its emulation (what a per-layer check calls)."""
+    members = _members(static=static)
+    x = torch.randn(7, 32) * 2
+    want = [(m.extra_repr(), m.rowwise, m.per_tensor, m.forward_emulated(x),
+             m.fake_quantized_input(x), m.weight_scale_rows()) for m in members]
+    parent = _Parent(members)
+    fuse_projections(parent, {"qkv": ["q", "k", "v"]})
+    assert "slice of ['q', 'k', 'v'][1]" in repr(parent)
+    for (rep, rowwise, per_tensor, out, xq, ws), s in zip(want, (parent.q, parent.k, parent.v)):
+        assert s.extra_repr().startswith(rep)
+        assert (s.rowwise, s.per_tensor) == (rowwise, per_tensor)
+        assert torch.equal(s.forward_emulated(x), out)
+        assert torch.equal(s.fake_quantized_input(x), xq)
+        assert torch.equal(s.weight_scale_rows(), ws)
+
+
 def test_a_member_called_with_another_input_recomputes():
     members = _members()
     parent = _Parent(members)
