@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 # later stage is listed separately.
 STAGES: list[tuple[str, set[str]]] = [
     ("foundation", {"fp8export", "errors", "config", "notes", "_lazy", "_progress",
-                    "_time_limit", "_timings", "_threads", "numerics", "io", "placement",
-                    "distributed"}),
+                    "_time_limit", "_timings", "_threads", "cpu_gemm", "numerics", "io",
+                    "placement", "distributed"}),
     ("read", {"checkpoint"}),
     ("scales", {"scales"}),
     ("fp8 folder", {"fp8dir"}),

@@ -276,7 +276,9 @@ def _numbers(value) -> list[float]:
 @pytest.mark.parametrize(("start", "end", "sources", "not_results"), [
     ("- **FP8 GPU runtime vs bf16**", "- **CPU threads**",
      ["gpu_fp8.md", "gpu_fp8_attention_h200.md",
-      "gpu_attention_h200_2026-11-29/gpu_fp8_attention.md"], ["2026"]),  # the run's date
+      "gpu_attention_h200_2026-11-29/gpu_fp8_attention.md",
+      "gpu_attention_h200_2026-11-29b/gpu_fp8_attention.md",
+      "gpu_attention_h200_2026-11-29b/notes.md"], ["2026"]),  # the run's date
     ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **verify's fixed cost**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15", "1.15"]),  # size, targets
