@@ -282,7 +282,9 @@ def _numbers(value) -> list[float]:
     ("- **CPU threads**", "- **Calibration overhead**", ["threads.md"], ["2", "6", "8", "64"]),
     ("- **Calibration overhead**", "- **verify's fixed cost**",
      ["calibrate_cuda.json", "calibrate_cpu.json"], ["1.1", "15", "1.15"]),  # size, targets
-    ("- **verify's fixed cost**", "- **Multi-GPU calibrate / verify**", ["verify_load.md"], []),
+    ("- **verify's fixed cost**", "- **16-bit linears on CPUs", ["verify_load.md"], []),
+    ("- **16-bit linears on CPUs", "- **Multi-GPU calibrate / verify**", ["cpu_gemm.md"],
+     ["16", "2", "128", "32"]),  # the unit width, rounds, samples
     ("- **Multi-GPU calibrate / verify**", "- **Layer streaming**", ["multi_gpu.md"], []),
     ("- **Layer streaming**", "- **Transformer Engine reader**",
      ["streaming_h200.md", "streaming_h200.json"],
