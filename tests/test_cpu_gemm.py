@@ -46,12 +46,17 @@ def test_native_keeps_torchs_kernel_and_fp32_models_are_untouched(gemm):
         assert torch.equal(lin(x), native)
     gemm("fp32")
     assert not cpu_gemm.converts(torch.float32)
-    assert cpu_gemm.fp32_linears(torch.nn.Linear(4, 4), "cuda") is not None  # GPUs: untouched
+    on_gpu = torch.nn.Linear(4, 4)
+    cpu_gemm.fp32_linears(on_gpu, "cuda")
+    assert "forward" not in vars(on_gpu)  # a model placed on a GPU keeps torch's forward
 
 
-def test_models_fp8export_runs_get_it_and_subclasses_keep_their_forward(gemm):
+def test_models_fp8export_runs_get_it_and_subclasses_keep_their_forward(gemm, tmp_path):
+    from fp8export.api import convert
+    from fp8export.convert.config import ConvertConfig
     from fp8export.models import load_model
     from fp8export.runtime.fp8_linear import Fp8Linear
+    from fp8export.runtime.fp8_model import load_fp8_model
 
     gemm("fp32")
     model, _ = load_model("samples/tiny-llama/model")
@@ -65,4 +70,12 @@ def test_models_fp8export_runs_get_it_and_subclasses_keep_their_forward(gemm):
     own = Own(4, 4)
     cpu_gemm.fp32_linears(own)
     assert "forward" not in vars(own)
-    assert not issubclass(Fp8Linear, torch.nn.Linear) or "forward" in vars(Fp8Linear)
+    # the FP8 runtime: its 16-bit layers (lm_head) get it, its FP8 layers keep their own
+    convert(ConvertConfig(checkpoint="samples/tiny-llama/model", output=tmp_path / "fp8",
+                          scales="weights"))
+    fp8_model = load_fp8_model(tmp_path / "fp8", mode="emulate")[0]
+    plain = [m for m in fp8_model.modules() if type(m) is torch.nn.Linear]
+    fp8 = [m for m in fp8_model.modules() if isinstance(m, Fp8Linear)]
+    assert plain and fp8
+    assert all("forward" in vars(m) for m in plain)
+    assert not any("forward" in vars(m) for m in fp8)

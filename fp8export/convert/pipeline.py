@@ -657,9 +657,11 @@ def write_step(cfg: ConvertConfig, ckpt: Checkpoint, out: Path, run: _Run, scale
         with atomic as tmp:
             if run.files is not None:
                 where = {i.name: st for st in run.files.values() for i in st.tensors}
+                # hashes a check took before writing (--calib-amax) are not taken again
                 record = write_shards_parallel(tmp, plans, where, scales.weight, scales.input,
                                                workers=run.workers, timings=run.timings,
-                                               on_tensor=lambda: next(ticks, None))
+                                               on_tensor=lambda: next(ticks, None),
+                                               hash_sources=run.hashes is None)
             else:
                 record, early = _write_shards(tmp, plans, ckpt, scales, ticks)
             _finish(ticks)

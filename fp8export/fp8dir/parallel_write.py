@@ -176,8 +176,10 @@ def in_byte_order(plan: ShardPlan, st: SafetensorsFile) -> bool:
 
 class _Writer:
     def __init__(self, out_dir: Path, plans: list[ShardPlan], where: dict[str, SafetensorsFile],
-                 weight_scales: dict, input_scales: dict, timings: Timings, workers: int):
+                 weight_scales: dict, input_scales: dict, timings: Timings, workers: int,
+                 hash_sources: bool = True):
         self.out_dir, self.plans, self.where, self.workers = out_dir, plans, where, workers
+        self.hash_sources = hash_sources
         self.weight_scales, self.input_scales, self.timings = weight_scales, input_scales, timings
         self.record = ParallelRecord()
         self.ws = _Workspace()
@@ -221,11 +223,15 @@ class _Writer:
             self.hashes.append(head)  # replaced below, once the budget is known
             st = self.where.get(next((e.source for e in plan.entries
                                       if e.kind in ("copy", "weight")), ""))
-            if st is not None and st.path not in self.sources and in_byte_order(plan, st):
+            if self.hash_sources and st is not None and st.path not in self.sources \
+                    and in_byte_order(plan, st):
                 with self.timings.clock("hash: read source", st.data_start):
                     src_head = bytearray(st.data_start)
-                    if pread_exact(st.fileno(), src_head, 0) != st.data_start:
-                        raise EOFError
+                    got = pread_exact(st.fileno(), src_head, 0)
+                if got != st.data_start:
+                    raise Fp8ExportError(f"{st.path}: cut short at byte {got} while reading its "
+                                         "header; the file changed while converting or is "
+                                         "truncated: re-download it.")
                 self.sources[st.path] = (st, bytes(src_head))
         largest = max((max(j.entry.tensor.nbytes, self._source_bytes(j)) for j in jobs),
                       default=0)
@@ -400,14 +406,16 @@ class _Writer:
 def write_shards_parallel(out_dir: Path, plans: list[ShardPlan],
                           where: dict[str, SafetensorsFile], weight_scales: dict,
                           input_scales: dict, *, workers: int, timings: Timings,
-                          on_tensor: Callable[[], None] | None = None) -> ParallelRecord:
+                          on_tensor: Callable[[], None] | None = None,
+                          hash_sources: bool = True) -> ParallelRecord:
     """Write every shard of ``plans`` under ``out_dir`` (fsynced); return the SQNRs and the
-    sha256 of every file written.
+    sha256 of every file written, and (``hash_sources``) of every source file read in order.
 
     ``where`` maps each source tensor name to its safetensors file. The first error of any
     worker stops the others and is raised here (an Fp8ExportError naming the tensor).
     """
-    writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings, max(1, workers))
+    writer = _Writer(out_dir, plans, where, weight_scales, input_scales, timings, max(1, workers),
+                     hash_sources)
     try:
         with timings.clock("write: create files"):
             jobs = writer.open_shards()

@@ -229,13 +229,7 @@ def _check(result: dict) -> None:
 
 @pytest.mark.parametrize("family", [f for f in NEXT_FAMILIES if f != "llama4"])
 def test_fp8_runtime_on_the_gpu(family, next_dir, next_fp8, record_property):
-    result = measure(family, next_dir(family), next_fp8(family))
-    passed = False
-    try:
-        _check(result)
-        passed = True
-    finally:
-        _record(record_property, {**result, "status": "pass" if passed else "fail"})
+    _check_and_record(record_property, measure(family, next_dir(family), next_fp8(family)))
 
 
 def test_llama4_on_the_gpu_or_refused_by_name(next_dir, tmp_path, record_property):
@@ -253,6 +247,11 @@ def test_llama4_on_the_gpu_or_refused_by_name(next_dir, tmp_path, record_propert
         _record(record_property, {"family": "llama4", "status": f"refused: {exc}"})
         assert "cannot run Llama4ForConditionalGeneration" in str(exc), f"llama4: {exc}"
         return
+    _check_and_record(record_property, result)
+
+
+def _check_and_record(record_property, result: dict) -> None:
+    """:func:`_check`, with the row (pass or fail) recorded in the JUnit file either way."""
     passed = False
     try:
         _check(result)
