@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-import types
+import weakref
 
 _ENV = "FP8EXPORT_CPU_GEMM"
 
@@ -59,6 +59,25 @@ def _forward(self, x):
     return torch.nn.functional.linear(x, w, self.bias)
 
 
+class _Fp32Forward:
+    """``module.forward`` for :func:`fp32_linears`: holds its module weakly, so the module is
+    freed when its last reference goes (a bound method in its own ``__dict__`` would make a
+    reference cycle, leaving a streamed layer's weights on the device until the collector
+    runs); a deep copy calls the copied module."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, x):
+        return _forward(self.module(), x)
+
+    def __deepcopy__(self, memo):
+        module = self.module()
+        return _Fp32Forward(memo.get(id(module), module))
+
+
 def fp32_linears(model, device="cpu"):
     """On a CPU ``device``: give every plain ``nn.Linear`` of ``model`` the forward above (it
     still decides per call, on the device and dtype it then sees); returns ``model``. Modules
@@ -71,5 +90,5 @@ def fp32_linears(model, device="cpu"):
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward \
                 and "forward" not in vars(module) and not hasattr(module, "_hf_hook"):
-            module.forward = types.MethodType(_forward, module)
+            module.forward = _Fp32Forward(module)
     return model

@@ -35,13 +35,13 @@ def _batches():
     return list(iter_batches(Samples(source=Path("x"), input_ids=tuple(ids), pad_id=0), 2))
 
 
-def _streamed(parts, batches, tier, per_block, tmp_path):
+def _streamed(parts, batches, tier, per_block, tmp_path, device="cpu"):
     from fp8export.streaming.stream import Blocks, Stream, each_block
 
-    stream = Stream(parts, batches, torch.device("cpu"), tier=tier, spill_dir=tmp_path)
+    stream = Stream(parts, batches, torch.device(device), tier=tier, spill_dir=tmp_path)
     try:
         stream.capture()
-        with Blocks(parts, per_block, torch.device("cpu")) as blocks:
+        with Blocks(parts, per_block, torch.device(device)) as blocks:
             for _k, block in each_block(blocks, "test"):
                 stream.run(block)
         with stream.tail() as logits:
@@ -70,6 +70,33 @@ def test_streamed_logits_equal_the_whole_model(name, tier, per_block, tmp_path,
     assert not list(tmp_path.iterdir())  # the spill file is gone
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tier", [("llama", "device"), ("llama", "host"),
+                                       ("llama", "spill"), ("mixtral", "host")])
+def test_streamed_logits_equal_the_whole_model_on_the_gpu(name, tier, tmp_path,
+                                                          tmp_path_factory):
+    """On a GPU the layers' weights and the host tier's hidden states move with copies the
+    host does not wait for (page-locked memory, a side stream): the logits stay the whole
+    model's, bit for bit."""
+    from fp8export.models import load_model
+    from fp8export.moe import unfuse_experts
+    from fp8export.streaming.parts import CheckpointParts
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    family = _family(name, tmp_path_factory)
+    batches = _batches()
+    model, _ = load_model(family, device="cuda")
+    unfuse_experts(model)
+    with torch.inference_mode():
+        want = [model(input_ids=b.input_ids.cuda(), attention_mask=b.attention_mask.cuda(),
+                      use_cache=False).logits for b in batches]
+    del model
+    with CheckpointParts(family, experts="routed") as parts:
+        got = _streamed(parts, batches, tier, 1, tmp_path, "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 def test_fp8_folder_streams_as_the_fp8_runtime_runs_it(tmp_path):
     """An FP8 folder (fused q/k/v and gate/up, static inputs) streamed through its layers
     gives the FP8 runtime's whole-model logits."""
@@ -92,6 +119,26 @@ def test_fp8_folder_streams_as_the_fp8_runtime_runs_it(tmp_path):
         got = _streamed(parts, batches, "device", 1, tmp_path / "fp8")
         assert not parts.unfused
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_layer_is_freed_with_its_last_reference(tmp_path):
+    """A built layer holds no reference cycle (the CPU GEMM's forward included): its weights
+    leave the device when the block's list lets it go, not when the collector next runs."""
+    import gc
+    import weakref
+
+    from fp8export.streaming.parts import CheckpointParts
+
+    with CheckpointParts(save_family("llama", tmp_path / "src")) as parts:
+        gc.collect()
+        gc.disable()
+        try:
+            layer = parts.build_layer(0, torch.device("cpu"))
+            refs = [weakref.ref(m) for m in layer.modules()]
+            del layer
+            assert not [r() for r in refs if r() is not None]
+        finally:
+            gc.enable()
 
 
 def test_one_block_at_a_time_on_the_device(tmp_path, monkeypatch):
