@@ -137,6 +137,18 @@ class WeightFilesCheckpoint(Checkpoint):
             self._scratch = torch.empty(end - begin, dtype=torch.uint8)
         return wf.load(name, scratch=self._scratch)
 
+    def load_pinned(self, name: str) -> torch.Tensor:
+        """Like :meth:`load`, into page-locked memory (for a copy to a GPU): safetensors data
+        is read straight into it, other files copied once."""
+        import torch
+
+        wf = self._where.get(name)
+        if not isinstance(wf, SafetensorsFile):
+            return self.load(name).pin_memory()
+        begin, end = wf.spans[name]
+        return wf.load(name, scratch=torch.empty(end - begin, dtype=torch.uint8,
+                                                 pin_memory=True))
+
     def close(self) -> None:
         self._scratch = None
         for wf in self._files:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,28 @@ from torch import nn
 from fp8export.errors import Fp8ExportError
 
 FOLDER = "\0folder"  # read_layer's entry holding an FP8 folder's stored tensors of the layer
+_READS = threading.local()  # .pin: this thread reads tensors into page-locked memory
+
+
+@contextlib.contextmanager
+def pinned_reads() -> Iterator[None]:
+    """While open, this thread's reads of checkpoint tensors land in page-locked memory (torch's
+    caching host allocator: the buffers of a layer already copied to the GPU are reused), so
+    the copy to the GPU neither waits for the device nor goes through a staging buffer."""
+    _READS.pin = True
+    try:
+        yield
+    finally:
+        _READS.pin = False
+
+
+def pin_tensors(obj: Any) -> Any:
+    """``obj`` (tensors in dicts) with every host tensor page-locked (copied unless it is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device.type != "cpu" or obj.is_pinned() else obj.pin_memory()
+    if isinstance(obj, dict):
+        return {k: pin_tensors(v) for k, v in obj.items()}
+    return obj
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -95,7 +118,10 @@ def materialize(module: nn.Module, values: dict[str, torch.Tensor], device: torc
                 raise Fp8ExportError(f"{where}: tensor {names[0]} has shape "
                                      f"{tuple(given.shape)} but the architecture expects "
                                      f"{tuple(current.shape)}.")
-            value = given.to(device)
+            # from page-locked memory the copy is queued, not waited for (the caching host
+            # allocator keeps the buffer until it is done)
+            value = given.to(device, non_blocking=given.device.type == "cpu"
+                             and given.is_pinned())
         elif current.device.type == "meta":
             raise Fp8ExportError(f"{where}: weight {names[0]} the architecture needs is "
                                  "missing. The checkpoint does not match its config.json.")
@@ -166,7 +192,9 @@ class Parts(abc.ABC):
         return {k[n:]: self._cast(k, self.loaders[k]()) for k in self.layer_keys[i]}
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.dtype) if t.is_floating_point() else t
+        if not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        return t.to(self.dtype, copy=False)
 
     @abc.abstractmethod
     def build_layer(self, i: int, device: torch.device,
@@ -289,7 +317,7 @@ class CheckpointParts(Parts):
                                         shapes={i.name: tuple(i.shape) for i in infos},
                                         empty=True)
             expected = set(self.skeleton.state_dict())
-            state = hf_state(self.skeleton, {i.name: (lambda n=i.name: self.ckpt.load(n))
+            state = hf_state(self.skeleton, {i.name: (lambda n=i.name: self._load(n))
                                              for i in infos}, self.path, lazy=True)
             self.loaders = {k: v for k, v in state.items() if k in expected}
             shapes = _converted_shapes(self.skeleton, infos, self.path)
@@ -304,6 +332,14 @@ class CheckpointParts(Parts):
         except BaseException:
             self.ckpt.close()
             raise
+
+    def _load(self, name: str) -> torch.Tensor:
+        """One stored tensor; under :func:`pinned_reads` read straight into page-locked
+        memory where the checkpoint can (safetensors), saving a copy."""
+        direct = getattr(self.ckpt, "load_pinned", None)
+        if getattr(_READS, "pin", False) and direct is not None:
+            return direct(name)
+        return self.ckpt.load(name)
 
     def build_layer(self, i, device, values=None):
         from fp8export.moe import unfuse_experts

@@ -33,8 +33,13 @@ import torch
 from torch import nn
 
 from fp8export.errors import Fp8ExportError
-from fp8export.streaming.parts import Parts, move_buffers
+from fp8export.streaming.parts import Parts, move_buffers, pin_tensors, pinned_reads
 from fp8export.streaming.store import HiddenStore
+
+IN_FLIGHT = 2
+"""Batches of a layer the host may queue ahead of the one the GPU has finished (host tier on a
+GPU): enough to hide the host's time per batch, few enough that their hidden states on the
+device stay small beside one batch's activations."""
 
 
 class _Stop(Exception):
@@ -77,11 +82,13 @@ def _layers_replaced(parts: Parts, make: Callable[[int], nn.Module]) -> Iterator
 
 def _move(obj: Any, device: torch.device, memo: dict[int, Any], pin: bool = False) -> Any:
     """``obj`` (tensors in tuples, lists, dicts) with every tensor on ``device``; a tensor met
-    twice (one mask shared by every layer) is moved once."""
+    twice (one mask shared by every layer) is moved once. A copy from page-locked memory does
+    not wait for the device (a blocking copy would stall the host until the GPU's queue
+    drains); ``pin``: tensors moved to the host are page-locked for that."""
     if isinstance(obj, torch.Tensor):
         got = memo.get(id(obj))
         if got is None:
-            got = obj.to(device)
+            got = obj.to(device, non_blocking=obj.device.type == "cpu" and obj.is_pinned())
             if pin and got.device.type == "cpu" and not got.is_pinned():
                 got = got.pin_memory()
             memo[id(obj)] = got
@@ -134,6 +141,7 @@ class Stream:
     store: HiddenStore | None = None
     args: list[list[tuple[tuple, dict]]] = field(default_factory=list)  # [batch][layer]
     as_tuple: bool = False
+    _side: Any = None  # the copy stream of the host tier on a GPU
 
     def __post_init__(self):
         self.device = torch.device(self.device)
@@ -220,12 +228,19 @@ class Stream:
 
     def _run_overlapped(self, block, before, after, write: bool) -> None:
         """Host tier on a GPU: the next batch's hidden states (and arguments) are copied in,
-        and the last batch's output copied out, on a side stream while this batch computes,
-        so the copies cost no time as long as the layer takes longer than they do. Only one
-        batch in and one out are on the device besides the one computing."""
+        and each output copied out, on a side stream while the batches compute, so the copies
+        cost no time as long as the layer takes longer than they do. Nothing here waits for
+        the GPU but the bound on the batches in flight (:data:`IN_FLIGHT`): the host queues
+        the next batches (and the next layer) while the GPU computes, and the device holds
+        at most that many batches' inputs and outputs beside the one computing. Every later
+        use of the host buffers is ordered after the copies (the side stream's own order, and
+        the main stream waits for it at the end)."""
         store, dev = self.store, self.device
-        side = torch.cuda.Stream(dev)
+        if self._side is None:
+            self._side = torch.cuda.Stream(dev)
+        side = self._side
         main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)  # the host buffers as the main stream last left them
 
         def fetch(b):
             with torch.cuda.stream(side):
@@ -237,7 +252,7 @@ class Stream:
             return h, args, ready
 
         pending = fetch(0)
-        out_done: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        flight: list[torch.cuda.Event] = []
         for b in range(len(self.batches)):
             h, args, ready = pending
             main.wait_event(ready)
@@ -254,6 +269,7 @@ class Stream:
                     h = first_tensor(out)
             if after is not None:
                 after(b, h)
+            finished = torch.cuda.Event()
             if write:
                 computed = torch.cuda.Event()
                 computed.record(main)
@@ -261,14 +277,14 @@ class Stream:
                     side.wait_event(computed)
                     store.items[b].copy_(h, non_blocking=True)
                     h.record_stream(side)
-                    done = torch.cuda.Event()
-                    done.record(side)
-                out_done.append((h, done))
-                while len(out_done) > 1:  # at most one output waiting to be copied out
-                    out_done.pop(0)[1].synchronize()
-        for _h, done in out_done:
-            done.synchronize()
-        side.synchronize()
+                    finished.record(side)
+            else:
+                finished.record(main)
+            del h, args
+            flight.append(finished)
+            if len(flight) > IN_FLIGHT:
+                flight.pop(0).synchronize()
+        main.wait_stream(side)
 
     # -- 3. tail ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -298,15 +314,20 @@ class Stream:
 
 
 class Prefetcher:
-    """Reads the tensors of the next block in a background thread while the current one runs."""
+    """Reads the tensors of the next block in a background thread while the current one runs;
+    ``pin``: into page-locked memory (for a GPU), so that putting the block on the device is
+    one fast copy per tensor that the host does not wait for."""
 
-    def __init__(self, parts: Parts, blocks: list[list[int]]):
-        self.parts, self.blocks = parts, blocks
+    def __init__(self, parts: Parts, blocks: list[list[int]], pin: bool = False):
+        self.parts, self.blocks, self.pin = parts, blocks, pin
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fp8export-prefetch")
         self.pending: dict[int, Any] = {}
 
     def _read(self, k: int):
-        return [self.parts.read_layer(i) for i in self.blocks[k]]
+        if not self.pin:
+            return [self.parts.read_layer(i) for i in self.blocks[k]]
+        with pinned_reads():
+            return [pin_tensors(self.parts.read_layer(i)) for i in self.blocks[k]]
 
     def get(self, k: int) -> list[dict[str, torch.Tensor]]:
         """Block ``k``'s tensors (waiting for them); block ``k + 1`` starts reading."""
@@ -336,7 +357,7 @@ class Blocks:
     def __init__(self, parts: Parts, per_block: int, device: torch.device, comm=None):
         self.parts, self.device, self.comm = parts, torch.device(device), comm
         self.blocks = layer_blocks(parts.count, per_block)
-        self.prefetch = Prefetcher(parts, self.blocks)
+        self.prefetch = Prefetcher(parts, self.blocks, pin=self.device.type == "cuda")
         self.last: list[weakref.ref] = []  # the modules of the block built last
 
     def alive(self) -> int:
