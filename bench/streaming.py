@@ -48,6 +48,11 @@ GiB = 1 << 30
 # matrix (8192^2) in float64 with its factors (~2.4 GB): the GPTQ cap below must hold that.
 BIG = dict(vocab_size=32000, hidden_size=3072, intermediate_size=8192, num_hidden_layers=84,
            num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=4096)
+# A narrow Llama (hidden 512) for GPTQ: its time goes to the column-by-column solve, about the
+# same per column whatever the width, and the cap a layer's solve needs grows with the width as
+# the layer does, so a model 4x the cap has a few times fewer columns in this shape than in BIG.
+NARROW = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=144,
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
 SMOKE = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=6,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
@@ -180,10 +185,18 @@ class PartA(NamedTuple):
 
 def part_a(work: Path, args, out: dict, save) -> None:
     """The model larger than the caps, streamed, against the whole model."""
-    cfg = SMOKE if args.smoke else BIG
-    src = work / "model"
+    cfg = SMOKE if args.smoke else NARROW if args.shape == "narrow" else BIG
+    if args.layers:
+        cfg = {**cfg, "num_hidden_layers": args.layers}
+    if args.vocab:
+        cfg = {**cfg, "vocab_size": args.vocab}
+    src = work / f"model-{args.shape}"
     t0 = time.perf_counter()
-    size = write_model(src, cfg, args.device if args.device == "cuda" else "cpu")
+    index = src / "model.safetensors.index.json"
+    if index.exists() and (src / "config.json").read_text() == json.dumps(llama_config(**cfg)):
+        size = json.loads(index.read_text())["metadata"]["total_size"]  # an earlier step's
+    else:
+        size = write_model(src, cfg, args.device if args.device == "cuda" else "cpu")
     caps = {"calibrate": args.cap_calib_gib, "gptq": args.cap_gptq_gib,
             "verify": args.cap_verify_gib}
     a = out["a"] = {"model": cfg, "weights_bytes": size, "whole_load": args.whole,
@@ -279,11 +292,20 @@ def gptq_step(ctx: PartA) -> None:
     from fp8export.convert.config import ConvertConfig
 
     args, work = ctx.args, ctx.work
-    amax = work / ("amax-whole.json" if ctx.whole else "amax-streamed.json")
+    amax = next((p for p in (work / "amax-whole.json", work / "amax-streamed.json")
+                 if p.exists()), None)
+    if amax is None:  # no calibrate step on this model: its scales, streamed (not timed)
+        from fp8export.calibration.config import CalibrateConfig
+
+        amax = work / "amax-streamed.json"
+        api.calibrate(CalibrateConfig(
+            checkpoint=ctx.src, calib_data=ctx.calib, output=amax, batch_size=args.batch_size,
+            seq_len=args.seq_len, device=args.device, calib_samples=args.calib_samples,
+            offload="layers", max_memory=_cap(args, args.cap_gptq_gib), force=True))
     gptq = {}
     modes = [("streamed", {"offload": "layers", "max_memory": _cap(args, args.cap_gptq_gib)})]
-    if args.gptq_baseline:
-        modes.insert(0, ("whole", {"offload": "none"}))
+    if args.gptq_baseline:  # the whole model as --whole loads it (default: built on the CPU)
+        modes.insert(0, ctx.whole[0] if ctx.whole else ("whole", {"offload": "none"}))
     for name, kw in modes:
         _, sec, peak = measured(lambda kw=kw, name=name: api.convert(ConvertConfig(
             checkpoint=ctx.src, output=work / f"fp8-{name}", calib_amax=amax,
@@ -293,7 +315,8 @@ def gptq_step(ctx: PartA) -> None:
         manifest = json.loads((work / f"fp8-{name}" / "fp8export.json").read_text())
         gptq[name] = {"seconds": round(sec, 2), "peak_gpu_bytes": peak,
                       "rounding_s": manifest["weight_rounding"]["seconds"],
-                      "layers": manifest["weight_rounding"]["layers"]}
+                      "layers": manifest["weight_rounding"]["layers"],
+                      "plan": manifest["weight_rounding"].get("streaming")}
     if args.gptq_baseline:
         shards = [sorted((work / f"fp8-{n}").glob("*.safetensors"))
                   for n in ("whole", "streamed")]
@@ -381,7 +404,7 @@ def _pass_seconds(stdout: str) -> float | None:
 def part_bc(work: Path, args, out: dict, save) -> None:
     """Data parallel: 1 and N ranks; two simulated hosts."""
     cfg = SMOKE if args.smoke else BIG
-    src = work / "model"
+    src = work / f"model-{args.shape}"
     calib = write_data(work / "dp-calib.npz", args.dp_samples, args.seq_len, cfg["vocab_size"])
     evald = write_data(work / "dp-eval.npz", args.dp_eval_samples, args.eval_len,
                        cfg["vocab_size"])
@@ -528,6 +551,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoint goes")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--shape", choices=("big", "narrow"), default="big",
+                    help="(a): the layer shape: Llama-3.2-3B's (84 layers) or hidden 512 (144)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="(a): decoder layers of the model (default: the shape's)")
+    ap.add_argument("--vocab", type=int, default=None, help="(a): vocabulary size")
     ap.add_argument("--cap-calib-gib", type=float, default=1.25)
     ap.add_argument("--cap-gptq-gib", type=float, default=4.0)
     ap.add_argument("--cap-verify-gib", type=float, default=3.0)

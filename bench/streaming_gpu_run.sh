@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One GPU call for layer streaming (bench/streaming_profile.py, bench/streaming.py): each step
+# in its own process under a hard time limit (timeout -k), clipped to what is left of BUDGET_S;
+# logs and JSONs land in $OUT.
+#
+#   OUT=/some/dir STEPS=install,profile,calibrate bash bench/streaming_gpu_run.sh
+#
+# Steps (default limit s): install (60); profile (200: streaming_profile.py, PROFILE_ARGS);
+# calibrate (200: streaming.py (a) calibrate, streamed then whole via the device map,
+# CALIB_ARGS); gptq (240: streaming.py (a) GPTQ streamed, GPTQ_ARGS); verify (240: (a) verify
+# streamed, VERIFY_ARGS). calibrate, gptq and verify share one work folder (the model is
+# written once). LIMIT_<STEP> changes a step's limit. Each step's log and files come back
+# as $OUT/<step>.tgz (a call returns at most 8 files).
+set -u
+OUT=${OUT:?set OUT to the output folder}
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET_S:-560}
+START=$(date +%s)
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+STEPS=${STEPS:-install,profile}
+WORK=${WORK:-/tmp/fp8export-streaming-work}
+export PYTHONUNBUFFERED=1 FP8EXPORT_NO_PROGRESS=1
+elapsed() { echo $(( $(date +%s) - START )); }
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+step() {
+  local name=$1 var="LIMIT_${1^^}" lim left t0 rc
+  lim=${!var:-$2}
+  left=$(( BUDGET - $(elapsed) - 5 ))
+  (( lim > left )) && lim=$left
+  shift 2
+  if (( lim < 5 )); then echo "== $name: skipped (no time left)"; return; fi
+  echo "== $name (limit ${lim}s, at $(elapsed)s)"
+  mkdir -p "$OUT/$name"
+  t0=$(date +%s)
+  timeout -k 5 "$lim" "$@" > "$OUT/$name/log.txt" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-25}" "$OUT/$name/log.txt"
+  # at most 8 files come back from a call: one archive per step
+  tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
+}
+read -r -a PARGS <<< "${PROFILE_ARGS:-}"
+read -r -a CARGS <<< "${CALIB_ARGS:-}"
+read -r -a GARGS <<< "${GPTQ_ARGS:-}"
+read -r -a VARGS <<< "${VERIFY_ARGS:-}"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
+want install && step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+want profile && step profile 200 "$PY" bench/streaming_profile.py --out "$OUT/profile" "${PARGS[@]}"
+want calibrate && step calibrate 200 "$PY" bench/streaming.py --parts a --steps calibrate \
+  --whole map --work "$WORK" --out "$OUT/calibrate/calibrate.json" "${CARGS[@]}"
+want gptq && step gptq 240 "$PY" bench/streaming.py --parts a --steps gptq --whole none \
+  --work "$WORK" --out "$OUT/gptq/gptq.json" "${GARGS[@]}"
+want verify && step verify 240 "$PY" bench/streaming.py --parts a --steps verify --whole none \
+  --work "$WORK" --out "$OUT/verify/verify.json" "${VARGS[@]}"
+echo "done in $(elapsed)s"
