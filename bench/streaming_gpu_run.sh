@@ -5,7 +5,8 @@
 #
 #   OUT=/some/dir STEPS=install,profile,calibrate bash bench/streaming_gpu_run.sh
 #
-# Steps (default limit s): install (60); profile (200: streaming_profile.py, PROFILE_ARGS);
+# Steps (default limit s): install (60); gpu_tests (90: the GPU tests of GPU_TESTS, default
+# tests/streaming/test_stream.py); profile (200: streaming_profile.py, PROFILE_ARGS);
 # calibrate (200: streaming.py (a) calibrate, streamed then whole via the device map,
 # CALIB_ARGS); gptq (240: streaming.py (a) GPTQ streamed, GPTQ_ARGS); verify (240: (a) verify
 # streamed, VERIFY_ARGS). calibrate, gptq and verify share one work folder (the model is
@@ -46,6 +47,8 @@ read -r -a GARGS <<< "${GPTQ_ARGS:-}"
 read -r -a VARGS <<< "${VERIFY_ARGS:-}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
 want install && step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+want gpu_tests && step gpu_tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
+  ${GPU_TESTS:-tests/streaming/test_stream.py}
 want profile && step profile 200 "$PY" bench/streaming_profile.py --out "$OUT/profile" "${PARGS[@]}"
 want calibrate && step calibrate 200 "$PY" bench/streaming.py --parts a --steps calibrate \
   --whole map --work "$WORK" --out "$OUT/calibrate/calibrate.json" "${CARGS[@]}"
