@@ -38,7 +38,7 @@ def compare_streamed(session: Session, inputs: Inputs, batches: list, acc,
     cfg, comm = session.cfg, current()
     runners = streamed_runners(session)
     device = torch.device(session.reference.device)
-    plan = streamed_plan(session, batches)
+    plan = streamed_plan(session, batches, layer_check)
     for line in plan.lines():
         info(line)
     for _, r in runners:
@@ -147,9 +147,11 @@ def streamed_runners(session: Session) -> list[tuple[str, Any]]:
     return runners
 
 
-def streamed_plan(session: Session, batches: list):
-    """The plan of a streamed verify over ``batches``: the largest of the models' layers, every
-    stream's hidden states, the heads of all of them at the end (agreed by the ranks)."""
+def streamed_plan(session: Session, batches: list, layer_check: bool = True):
+    """The plan of a streamed verify over ``batches``: the largest of the models' layers (with
+    ``layer_check`` and a streamed candidate, the reference's and the candidate's together:
+    both are on the device while the reference's runs), every stream's hidden states, the
+    heads of all of them at the end (agreed by the ranks)."""
     from fp8export.distributed import current
     from fp8export.streaming.plan import hidden_bytes, layout, widths
 
@@ -159,8 +161,14 @@ def streamed_plan(session: Session, batches: list):
     count = min(r.parts.count for _, r in runners)
     vocab = int(session.reference.config.get("vocab_size") or 0)
     tokens = max((b.input_ids.numel() for b in batches), default=0)
-    plan = layout(session.decision,
-                  [max(r.parts.layer_bytes(i) for _, r in runners) for i in range(count)],
+    by_name = dict(runners)
+    pair = ("reference", "candidate") if layer_check and "candidate" in by_name else ()
+
+    def held(i: int) -> int:
+        return max(max(r.parts.layer_bytes(i) for _, r in runners),
+                   sum(by_name[n].parts.layer_bytes(i) for n in pair))
+
+    plan = layout(session.decision, [held(i) for i in range(count)],
                   sum(r.parts.rest_bytes() for _, r in runners),
                   sum(hidden_bytes(batches, hidden, r.dtype.itemsize) for _, r in runners),
                   tokens, width, 4, batches=len(batches), ranks=comm.world,
