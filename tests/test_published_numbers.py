@@ -290,6 +290,8 @@ def _numbers(value) -> list[float]:
      ["streaming_h200.md", "streaming_h200.json"],
      ["2", "84", "3.2", "3", "1.15", "0.8"]),  # the GPU count, model shape, targets
     ("- **Transformer Engine reader**", "- **export-onnx**", ["te_reader.md"], []),
+    ("**Encoders** (`bench/minilm.py`", "**Accuracy budget** (`bench/budget.py`",
+     ["minilm.json"], ["48", "128", "0.999", "256"]),  # the data sizes, target, block size
     ("- **convert** (`bench/convert.py`", "## Reliability",
      ["convert.md", "convert_large.md", "convert_loaded.md", "convert_vs_main.md",
       "convert_vs_main_loaded.md"],

@@ -118,11 +118,31 @@ def split_counts(available: int, calibration: int, search: int, check: int) -> B
     return BudgetSplit(cal, rest - chk, chk, available, True)
 
 
+def check_language_model(checkpoint: Path, config: dict[str, Any]) -> None:
+    """The budget is a KL between token distributions and its scores follow the next-token
+    loss: a model without a language-model head (an encoder's hidden states, a classifier's
+    labels) has neither, so it is refused before any work rather than measured wrongly."""
+    from fp8export.errors import UsageError
+    from fp8export.models import task_of
+
+    archs = config.get("architectures") or []
+    if not archs or task_of(config) in ("causal-lm", "masked-lm"):
+        return
+    what = ("a classifier" if task_of(config) == "seq-cls" else
+            "an encoder without a language-model head, judged by pooled embeddings")
+    raise UsageError(
+        f"{checkpoint}: --accuracy-budget is a KL budget on token logits, and {archs[0]} is "
+        f"{what}. Convert without it and judge the folder with `fp8export verify`; for "
+        "encoders the recipe measured best is --weight-granularity block --weight-rounding "
+        "gptq --calib-data FILE (bench/results/minilm.md).")
+
+
 def plan_split(cfg, checkpoint: Path, config: dict[str, Any], calibration: int) -> BudgetSplit:
     """The split of ``cfg.calib_data`` (or the built-in set) for a budget whose calibration
     steps want the first ``calibration`` samples."""
     from fp8export.inputs.eval_data import load_verify_samples
 
+    check_language_model(checkpoint, config)
     search = cfg.accuracy_samples or DEFAULT_SAMPLES
     check = max(1, int(search * HELD_OUT_FRACTION))
     s, _ = load_verify_samples(cfg.calib_data, Path(checkpoint), config or {},

@@ -212,7 +212,8 @@ class _Rounder:
             self.names = {i.name for i in self.ckpt.tensors()}
         bias = self.ckpt.load(bias_name).to(torch.bfloat16) if bias_name in self.names else None
         return Fp8Linear(w, np.asarray(scale), input_scale, bias, mode=mode,
-                         out_dtype=torch.bfloat16, dynamic=dynamic)
+                         out_dtype=torch.bfloat16, dynamic=dynamic, block=self.block,
+                         group_size=self.block[1] if dynamic == "group" and self.block else None)
 
 
 def rounding_step(cfg, ckpt: Checkpoint, sel: Selection, weight_scales: dict[str, Any],

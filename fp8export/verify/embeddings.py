@@ -24,6 +24,12 @@ from fp8export.errors import Fp8ExportError
 from fp8export.verify.pooling import Pooling, pool
 
 MIN_NEIGHBOR_SAMPLES = 3  # with two samples each one's neighbour is the other, always
+# The recipe for encoders: of the all-FP8 recipes measured on all-MiniLM-L6-v2 by
+# bench/minilm.py, the only one whose mean pooled cosine reaches TARGET_COSINE on held-out
+# sentences (weight error dominates an encoder's; GPTQ cuts it, per-token-group inputs cut the
+# rest). verify recommends it when an encoder's folder misses the target with another recipe.
+TARGET_COSINE = 0.999
+ENCODER_RECIPE = "--weight-granularity block --weight-rounding gptq --calib-data FILE"
 
 
 class EmbeddingComparison:
@@ -116,3 +122,19 @@ def nearest_neighbors(emb: np.ndarray) -> np.ndarray:
     sim = unit @ unit.T
     np.fill_diagonal(sim, -np.inf)
     return sim.argmax(1)
+
+
+def recipe_note(metrics: dict[str, Any], options: dict[str, Any] | None) -> str | None:
+    """verify's recommendation for an encoder whose mean pooled cosine is under
+    :data:`TARGET_COSINE`: :data:`ENCODER_RECIPE`, unless ``options`` (the FP8 folder's
+    recorded convert options) say the folder was converted with it already."""
+    cos = metrics.get("cosine_mean")
+    if cos is None or cos >= TARGET_COSINE:
+        return None
+    opts = options or {}
+    if str(opts.get("weight_granularity")) == "block" and \
+            str(opts.get("weight_rounding", "")).startswith("gptq"):
+        return None
+    return (f"Mean pooled cosine {cos:.5f} is under {TARGET_COSINE}: for encoders convert with "
+            f"`{ENCODER_RECIPE}` (a few hundred lines like the served text), the recipe that "
+            "reaches it on all-MiniLM-L6-v2 (bench/results/minilm.md).")

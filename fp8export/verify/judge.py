@@ -18,6 +18,7 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
     themselves while active (``Runner.describe()``)."""
     from fp8export.analysis.confidence import assess
     from fp8export.verify import layer_check
+    from fp8export.verify.embeddings import recipe_note
     from fp8export.verify.family import MetricFamily
     from fp8export.verify.provenance import header
     from fp8export.verify.thresholds import evaluate
@@ -52,6 +53,10 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
                         tokens=int(compared["metrics"]["tokens"]))
     failures = [{k: c[k] for k in ("metric", "op", "threshold", "value", "message")}
                 for c in checks if c["status"] == "failed"]
+    if family is MetricFamily.EMBEDDINGS:
+        advice = recipe_note(compared["metrics"], _options(cfg.candidate, kind))
+        if advice:
+            notes.append(advice)
     folder = {}
     if session.folder_format is not None:
         notes.append(f"candidate FP8 folder: {session.folder_format.describe()}")
@@ -71,6 +76,20 @@ def judge(session: Session, inputs: Inputs, measured: Compared, thresholds_sourc
                                         (thresholds.get(layer_check.METRIC) or {}).get("value")),
         attention_cost=measured.attention_cost,
     )
+
+
+def _options(candidate, kind: str) -> dict[str, Any] | None:
+    """The convert options an fp8export folder recorded (None for anything else)."""
+    from fp8export.errors import Fp8ExportError
+    from fp8export.fp8dir.manifest import MANIFEST_NAME, read_manifest
+
+    if kind != "fp8-folder" or not (candidate / MANIFEST_NAME).is_file():
+        return None
+    try:
+        options = read_manifest(candidate).get("options")
+    except Fp8ExportError:  # an unreadable manifest is reported elsewhere; no advice from it
+        return None
+    return options if isinstance(options, dict) else None
 
 
 def runner_notes(cand_desc: dict[str, Any]) -> list[str]:

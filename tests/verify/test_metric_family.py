@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from fp8export.errors import Fp8ExportError
-from fp8export.verify.embeddings import EmbeddingComparison, nearest_neighbors
+from fp8export.verify.embeddings import (
+    ENCODER_RECIPE,
+    TARGET_COSINE,
+    EmbeddingComparison,
+    nearest_neighbors,
+    recipe_note,
+)
 from fp8export.verify.family import MetricFamily, family_of
 from fp8export.verify.pooling import MODES, Pooling, pool, read_pooling
 
@@ -110,6 +116,10 @@ def test_encoder_is_judged_by_pooled_embeddings(minilm, tmp_path):
     assert any("mean then L2-normalised (sentence-transformers modules.json)" in n
                for n in res.notes)
     assert res.noise_floor["metrics"]["cosine_min"] > 0.999
+    # the default recipe leaves the pooled cosine under the target: verify names the recipe
+    # for encoders, read from the folder's recorded options
+    assert m["cosine_mean"] < TARGET_COSINE
+    assert any(ENCODER_RECIPE in n for n in res.notes), res.notes
     # Our pooled reference embeddings are what sentence-transformers itself computes.
     model = st.SentenceTransformer(str(src), device="cpu")
     texts = list(BUILTIN_TEXTS[:4])
@@ -123,6 +133,19 @@ def test_encoder_is_judged_by_pooled_embeddings(minilm, tmp_path):
     junit = (tmp_path / "junit.xml").read_text()
     assert 'name="metric_family" value="embeddings"' in junit
     assert "**Judged by**: embeddings metrics" in (tmp_path / "report.md").read_text()
+
+
+def test_the_encoder_recipe_is_recommended_only_where_it_helps():
+    low, high = {"cosine_mean": TARGET_COSINE - 1e-4}, {"cosine_mean": TARGET_COSINE}
+    for options in (None, {}, {"weight_granularity": "tensor", "weight_rounding": "gptq"},
+                    {"weight_granularity": "block", "weight_rounding": "nearest"}):
+        note = recipe_note(low, options)
+        assert note and ENCODER_RECIPE in note and f"{TARGET_COSINE - 1e-4:.5f}" in note
+        assert recipe_note(high, options) is None  # the target met: nothing to recommend
+    for rounding in ("gptq", "gptq-sequential"):  # converted with it already
+        assert recipe_note(low, {"weight_granularity": "block",
+                                 "weight_rounding": rounding}) is None
+    assert recipe_note({"kl_mean": 1.0}, None) is None  # not an embeddings comparison
 
 
 def test_encoder_onnx_is_judged_by_embeddings(minilm, tmp_path):
