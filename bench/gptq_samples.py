@@ -121,7 +121,9 @@ def main() -> None:
                    "eval_layers_worse_than_nearest": worse,
                    "eval_gain_db_min": gains[0], "eval_gain_db_median": gains[len(gains) // 2],
                    "convert_s": round(secs, 1),
-                   **({} if args.no_kl else kl_of(folder, batches, ref, per_sample))}
+                   # kl_of's own "tokens" (the eval text's) must not overwrite the fitted count
+                   **({} if args.no_kl else {("eval_tokens" if k == "tokens" else k): v for k, v
+                                              in kl_of(folder, batches, ref, per_sample).items()})}
             doc["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "eval_layers_worse_than"
                               "_nearest"}), flush=True)

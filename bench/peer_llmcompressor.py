@@ -6,7 +6,8 @@ and compressed-tensors pins), never in the dev venv:
 
 SCHEME: ``FP8_DYNAMIC`` (per-channel weights, dynamic per-token inputs; data-free),
 ``FP8_BLOCK`` (128x128 block weights, per-token-group inputs; data-free) or
-``GPTQ_FP8_DYNAMIC`` (GPTQModifier with the FP8_DYNAMIC scheme, calibrated on CALIB_TXT).
+``GPTQ_FP8_DYNAMIC`` / ``GPTQ_FP8_BLOCK`` (GPTQModifier with that scheme, calibrated on
+CALIB_TXT; llm-compressor's GPTQ rounds on block scales too).
 ``lm_head`` stays in high precision, as in llm-compressor's examples.
 """
 
@@ -20,7 +21,7 @@ def main(scheme: str, model_dir: str, out: str, calib: str | None = None, sample
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    if scheme == "GPTQ_FP8_DYNAMIC":
+    if scheme.startswith("GPTQ_"):
         from datasets import Dataset
         from llmcompressor.modifiers.quantization import GPTQModifier
 
@@ -29,7 +30,8 @@ def main(scheme: str, model_dir: str, out: str, calib: str | None = None, sample
         enc = tok(lines, truncation=True, max_length=seq_len)
         data = Dataset.from_dict({k: v for k, v in enc.items()
                                   if k in ("input_ids", "attention_mask")})
-        recipe = GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
+        recipe = GPTQModifier(targets="Linear", scheme=scheme.removeprefix("GPTQ_"),
+                              ignore=["lm_head"])
         oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=seq_len,
                 num_calibration_samples=len(lines))
     else:
