@@ -93,7 +93,17 @@ def _has_cuda() -> bool:
 # `--dist loadfile --no-loadscope-reorder`: a file runs whole on one worker, files are handed out
 # in collection order), so that the workers end together instead of one running a long file
 # alone at the end. Order only: a file missing here just starts later. From `--durations`.
-HEAVY_FIRST: tuple[str, ...] = ()
+HEAVY_FIRST = (
+    "tests/corrupt/test_corpus.py",  # ~27% of a CI run: every hostile case as its own process
+    "tests/families/test_family_matrix.py",
+    "tests/families/test_next_families.py",
+    "tests/onnx/test_modelopt_reference.py",
+    "tests/onnx/test_onnx_sample_lm.py",
+    "tests/cli/test_readme_recipes.py",
+    "tests/test_distributed.py",
+    "tests/reliability/test_kill.py",
+    "tests/reliability/test_signals.py",
+)
 
 
 def _heavy_first(items) -> None:
