@@ -13,7 +13,15 @@ fi
 set +e
 .venv/bin/ruff check .
 lint_rc=$?
-.venv/bin/python -m pytest -q "$@"
+# One pytest-xdist worker per CPU (tests/conftest.py: pytest_xdist_auto_num_workers;
+# FP8EXPORT_TEST_WORKERS=N to choose, 0 for one process). Each test file runs whole on one
+# worker (module fixtures built once, the file's order kept); the heavy files start first
+# (tests/conftest.py: HEAVY_FIRST).
+workers=${FP8EXPORT_TEST_WORKERS:-auto}
+if [ "$workers" = 0 ]; then xdist=(); else
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+.venv/bin/python -m pytest -q "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -28,6 +28,16 @@ if "HF_MODULES_CACHE" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = _HF_MODULES
 SAMPLES = REPO / "samples"
 
+# Under pytest-xdist (scripts/test.sh runs one worker per core) the workers share the cores:
+# each gets its share of torch's intra-op threads, and so do the CLI processes the tests start
+# (they inherit it), unless the user set OMP_NUM_THREADS (fit_torch() leaves it alone). Set
+# before torch loads: OpenMP reads it once.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    from fp8export._threads import cpu_threads
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_threads() // _WORKERS))
+
 
 def _map_calibration() -> None:
     """Test this checkout's ``calibration/`` as ``fp8export.calibration``, installed or not.
@@ -79,7 +89,57 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Files whose tests take minutes together: sent to the workers first (scripts/test.sh runs
+# `--dist loadfile --no-loadscope-reorder`: a file runs whole on one worker, files are handed out
+# in collection order), so that the workers end together instead of one running a long file
+# alone at the end. Order only: a file missing here just starts later. From `--durations`.
+HEAVY_FIRST = (
+    "tests/corrupt/test_corpus.py",  # ~27% of a CI run: every hostile case as its own process
+    "tests/families/test_family_matrix.py",
+    "tests/families/test_next_families.py",
+    "tests/onnx/test_modelopt_reference.py",
+    "tests/onnx/test_onnx_sample_lm.py",
+    "tests/cli/test_readme_recipes.py",
+    "tests/test_distributed.py",
+    "tests/reliability/test_kill.py",
+    "tests/reliability/test_signals.py",
+)
+
+
+def _heavy_first(items) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per CPU this process may use (its affinity mask and cgroup
+    quota; xdist's own count ignores both), at most one per 3 GiB of available memory."""
+    from fp8export._threads import _allowed_cpus, _cgroup_quota
+
+    n = len(_allowed_cpus())
+    quota = _cgroup_quota()
+    memory = _available_memory()
+    if quota:
+        n = min(n, quota)
+    if memory:
+        n = min(n, memory // (3 << 30))
+    return max(1, n)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order the workers' files are handed out in
+        _heavy_first(items)
     run_slow = config.getoption("--run-slow") or os.environ.get("FP8EXPORT_SLOW") == "1"
     run_nightly = config.getoption("--run-nightly") or os.environ.get("FP8EXPORT_NIGHTLY") == "1"
     has_cuda = None

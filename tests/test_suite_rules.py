@@ -99,3 +99,33 @@ def test_a_session_leaves_nothing_in_the_temp_dir(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:]
     left = [p.name for p in temp.iterdir() if p.name.startswith("fp8export-test-")]
     assert left == []
+
+
+def test_test_sh_runs_one_worker_per_cpu_each_file_whole():
+    """scripts/test.sh spreads the files over xdist workers (`-n auto`, sized by conftest's
+    hook); --dist loadfile keeps each file on one worker (its module fixtures and order)."""
+    script = (TESTS.parent / "scripts" / "test.sh").read_text()
+    assert "-n \"$workers\" --dist loadfile --no-loadscope-reorder" in script
+    assert "workers=${FP8EXPORT_TEST_WORKERS:-auto}" in script
+
+
+def test_auto_workers_follow_the_affinity_mask_and_memory(monkeypatch):
+    """`-n auto` counts the CPUs this process may use (xdist's own count ignores the affinity
+    mask and the cgroup quota) and leaves 3 GiB of memory to each worker."""
+    from fp8export import _threads
+    from tests import conftest
+
+    monkeypatch.setattr(_threads, "_cgroup_quota", lambda: None)
+    monkeypatch.setattr(conftest, "_available_memory", lambda: 64 << 30)
+    monkeypatch.setattr(_threads, "_allowed_cpus", lambda: {0, 1, 2, 3})
+    assert conftest.pytest_xdist_auto_num_workers(None) == 4
+    monkeypatch.setattr(_threads, "_allowed_cpus", lambda: {3})
+    assert conftest.pytest_xdist_auto_num_workers(None) == 1
+    monkeypatch.setattr(_threads, "_allowed_cpus", lambda: set(range(64)))
+    monkeypatch.setattr(_threads, "_cgroup_quota", lambda: 2)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 2
+    monkeypatch.setattr(_threads, "_cgroup_quota", lambda: None)
+    monkeypatch.setattr(conftest, "_available_memory", lambda: 7 << 30)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 2
+    monkeypatch.setattr(conftest, "_available_memory", lambda: 1 << 30)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 1

@@ -25,10 +25,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_llmcompressor_peer import PEER_PY, _peer_ok, _tensors
-
-pytestmark = pytest.mark.skipif(not _peer_ok(), reason=(
-    f"llm-compressor peer venv missing ({PEER_PY}): run `bash scripts/peer_venv.sh`"))
+from peer_venv import PEER_PY, needs_peer  # noqa: F401  (a fixture, autouse)
+from test_llmcompressor_peer import _tensors
 
 OURS = {"qwen2.5-vl": {"scales": "weights", "weight_granularity": "channel"},
         "llava": {"scales": "weights", "weight_granularity": "channel"},

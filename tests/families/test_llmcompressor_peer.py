@@ -21,29 +21,17 @@ Measured differences, asserted as such:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from model_families import save_family
+from peer_venv import PEER_PY, needs_peer  # noqa: F401  (a fixture, autouse)
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = Path(os.environ.get("FP8EXPORT_PEER_VENV", ROOT / ".venv-peers")) / "bin" / "python"
 DATA = ROOT / "samples" / "tiny-llama" / "data" / "calib.txt"
 SAMPLES = 16
 MIXTRAL_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def _peer_ok() -> bool:
-    if not PEER_PY.exists():
-        return False
-    probe = subprocess.run([str(PEER_PY), "-c", "import llmcompressor"], capture_output=True)
-    return probe.returncode == 0
-
-
-pytestmark = pytest.mark.skipif(not _peer_ok(), reason=(
-    f"llm-compressor peer venv missing ({PEER_PY}): run `bash scripts/peer_venv.sh`"))
 
 
 def _tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -17,28 +17,15 @@ test_llmcompressor_peer_block.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from peer_venv import PEER_PY, needs_peer  # noqa: F401  (a fixture, autouse)
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = Path(os.environ.get("FP8EXPORT_PEER_VENV", ROOT / ".venv-peers")) / "bin" / "python"
 SAMPLE = ROOT / "samples" / "tiny-llama"
 HERE = Path(__file__).parent
-
-
-def _peer_ok() -> bool:
-    if not PEER_PY.exists():
-        return False
-    return subprocess.run([str(PEER_PY), "-c", "import llmcompressor"],
-                          capture_output=True).returncode == 0
-
-
-pytestmark = pytest.mark.skipif(not _peer_ok(), reason=(
-    f"llm-compressor peer venv missing ({PEER_PY}): run `bash scripts/peer_venv.sh`"))
 
 
 def _peer(script: str, *args) -> None:

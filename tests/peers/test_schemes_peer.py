@@ -10,17 +10,14 @@ this test skips, naming the script.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from peer_venv import PEER_PY
 
 from fp8export.convert.schemes import SCHEMES
 
-ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = Path(os.environ.get("FP8EXPORT_PEER_VENV", ROOT / ".venv-peers")) / "bin" / "python"
 ARGS = ("strategy", "dynamic", "block_structure", "group_size", "num_bits", "type")
 DUMP = f"""
 import json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -26,11 +27,17 @@ def test_timeout_says_how_far_the_run_got(tiny_llama, tiny_fp8, monkeypatch):
     """Stopped while comparing: the message names the stage and the batches done."""
     from fp8export.runners.torch_fp8_runner import TorchFp8Runner
 
-    real, calls = TorchFp8Runner._infer, []
+    real, calls, armed = TorchFp8Runner._infer, [], []
 
     def slow_third_batch(self, feed):
         calls.append(1)
         if len(calls) == 3:
+            # The run's own alarm (armed for the 60 s limit) brought forward to now, rather
+            # than waiting out the minute; an alarm that was never armed is left alone, and
+            # then the sleep runs its 120 s.
+            armed.append(signal.getitimer(signal.ITIMER_REAL)[0])
+            if armed[0] > 0:
+                signal.setitimer(signal.ITIMER_REAL, 0.01)
             time.sleep(120)  # the limit stops it long before
         return real(self, feed)
 
@@ -41,6 +48,7 @@ def test_timeout_says_how_far_the_run_got(tiny_llama, tiny_fp8, monkeypatch):
                                 samples=16, batch_size=4, timeout=60, write_reports=False,
                                 noise_floor=False))
     assert time.perf_counter() - t0 < 100
+    assert 0 < armed[0] <= 60  # the alarm was armed, for the limit asked
     assert "stopped by --timeout 60 s" in str(err.value)
     assert "while comparing logits on 16 sample(s): 2 of 4 batch(s) done" in str(err.value)
 
