@@ -295,3 +295,30 @@ def test_fuzz_flipped_zip_bytes(tiny, tmp_path_factory, flips):
         _open_all(path)
     except Fp8ExportError:
         pass
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug: HDF5 (through h5py) segfaults reading a corrupt attribute of this fuzzed "
+    "weights file, so the process dies instead of refusing it; the fix is to read Keras HDF5 "
+    "files in a limited child process, as the tokenizer is"))
+def test_weights_file_that_crashes_hdf5_is_refused(tmp_path):
+    """A .weights.h5 the exploring fuzz pass found (tests/reliability/test_fuzz.py): opening
+    it must end in one Fp8ExportError, not a crash. Run as a separate process so a crash
+    fails this test only."""
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent / "hostile"
+    (tmp_path / "m.weights.h5").write_bytes((here / "attr_segfault.weights.h5").read_bytes())
+    (tmp_path / "config.json").write_bytes((here / "attr_segfault.config.json").read_bytes())
+    code = ("import sys\n"
+            "from fp8export.checkpoint.source import open_checkpoint\n"
+            "from fp8export.errors import Fp8ExportError\n"
+            "try:\n"
+            "    with open_checkpoint(sys.argv[1]) as c:\n"
+            "        [c.load(t.name) for t in c.tensors()]\n"
+            "except Fp8ExportError as exc:\n"
+            "    print('refused:', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.weights.h5")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "m.weights.h5" in r.stdout, (r.returncode, r.stderr[-500:])
