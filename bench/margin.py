@@ -7,14 +7,14 @@ bf16 model on held-out text, with 95% bootstrap intervals, measured in one run b
 
 Peer folders come from ``bench/peer_llmcompressor.py`` run in the peer venv
 (``FP8EXPORT_PEER_VENV``, default ``/work/main/.venv-peers``; subprocess): FP8_DYNAMIC,
-FP8_BLOCK and GPTQ + FP8_DYNAMIC. Ours come from ``api.convert``. Every folder, ours and the
-peer's, is run by fp8export's FP8 runtime in emulation (the reader takes llm-compressor's
-compressed-tensors folders as vLLM reads them), so the same code measures all of them: the
-reference's bf16 logits of ``--eval-samples`` lines of ``eval.txt`` (disjoint from the
-calibration lines) are kept on disk, and each candidate's KL(reference || candidate) per token
-is summed per sample for the bootstrap. The margin is ``1 - KL_ours / KL_peer`` against the
-peer's best recipe; "intervals apart" when our upper bound is below its lower bound. Writes
-``bench/results/margin-<label>.json`` / ``.md``.
+FP8_BLOCK, GPTQ + FP8_DYNAMIC and GPTQ + FP8_BLOCK. Ours come from ``api.convert``. Every
+folder, ours and the peer's, is run by fp8export's FP8 runtime in emulation (the reader takes
+llm-compressor's compressed-tensors folders as vLLM reads them), so the same code measures all
+of them: the reference's bf16 logits of ``--eval-samples`` lines of ``eval.txt`` (disjoint
+from the calibration lines) are kept on disk, and each candidate's KL(reference || candidate)
+per token is summed per sample for the bootstrap. The margin is ``1 - KL_ours / KL_peer``
+against the peer's best recipe; "intervals apart" when our upper bound is below its lower
+bound. Writes ``bench/results/margin-<label>.json`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,16 @@ if str(REPO) not in sys.path:
 from bench._common import machine_info  # noqa: E402
 
 DATA = REPO / "samples" / "tiny-llama" / "data"
-PEERS = ("FP8_DYNAMIC", "FP8_BLOCK", "GPTQ_FP8_DYNAMIC")
+PEERS = ("FP8_DYNAMIC", "FP8_BLOCK", "GPTQ_FP8_DYNAMIC", "GPTQ_FP8_BLOCK")
 OURS = {
     "tensor + token": {"scales": "weights"},
     "channel + token": {"scales": "weights", "weight_granularity": "channel"},
     "tensor + token, GPTQ": {"scales": "weights", "weight_rounding": "gptq"},
     "channel + token, GPTQ": {"scales": "weights", "weight_granularity": "channel",
                               "weight_rounding": "gptq"},
+    "block + group": {"scales": "weights", "weight_granularity": "block"},
+    "block + group, GPTQ": {"scales": "weights", "weight_granularity": "block",
+                            "weight_rounding": "gptq"},
 }
 
 
@@ -106,6 +109,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--peers", nargs="*", default=list(PEERS))
     ap.add_argument("--ours", nargs="*", default=list(OURS))
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1),
+                    help="torch threads here (1 on a busy machine: GPTQ's small steps "
+                         "slow down badly when threads wait on each other)")
     args = ap.parse_args()
     import torch
 
@@ -114,7 +120,7 @@ def main() -> None:
     from fp8export.inputs.eval_data import load_verify_samples
     from fp8export.inputs.samples import iter_batches
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     peer_py = Path(os.environ.get("FP8EXPORT_PEER_VENV", "/work/main/.venv-peers")) / \
         "bin" / "python"
     cfg = json.loads((args.model / "config.json").read_text())
