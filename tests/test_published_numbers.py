@@ -290,6 +290,9 @@ def _numbers(value) -> list[float]:
      ["streaming_h200.md", "streaming_h200.json"],
      ["2", "84", "3.2", "3", "1.15", "0.8"]),  # the GPU count, model shape, targets
     ("- **Transformer Engine reader**", "- **export-onnx**", ["te_reader.md"], []),
+    ("**Against llm-compressor, and why not further**", "**Encoders** (`bench/minilm.py`",
+     ["margin-smollm2-block.md", "margin_explore-smollm2.md"],
+     ["135", "32", "20", "1"]),  # the model size, eval lines, target, threads
     ("**Encoders** (`bench/minilm.py`", "**Accuracy budget** (`bench/budget.py`",
      ["minilm.json"], ["48", "128", "0.999", "256"]),  # the data sizes, target, block size
     ("- **convert** (`bench/convert.py`", "## Reliability",
