@@ -16,10 +16,12 @@ lint_rc=$?
 # One pytest-xdist worker per CPU (tests/conftest.py: pytest_xdist_auto_num_workers;
 # FP8EXPORT_TEST_WORKERS=N to choose, 0 for one process). Each test file runs whole on one
 # worker (module fixtures built once, the file's order kept); the heavy files start first
-# (tests/conftest.py: HEAVY_FIRST).
+# (tests/conftest.py: HEAVY_FIRST). A worker that crashes (a segfault in a C library) ends
+# the run at once (--max-worker-restart=0): with a replacement worker, xdist 3.8's loadfile
+# scheduler gives it no work and the run hangs.
 workers=${FP8EXPORT_TEST_WORKERS:-auto}
 if [ "$workers" = 0 ]; then xdist=(); else
-  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder --max-worker-restart=0)
 fi
 .venv/bin/python -m pytest -q "${xdist[@]}" "$@"
 rc=$?

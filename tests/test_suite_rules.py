@@ -103,9 +103,11 @@ def test_a_session_leaves_nothing_in_the_temp_dir(tmp_path):
 
 def test_test_sh_runs_one_worker_per_cpu_each_file_whole():
     """scripts/test.sh spreads the files over xdist workers (`-n auto`, sized by conftest's
-    hook); --dist loadfile keeps each file on one worker (its module fixtures and order)."""
+    hook); --dist loadfile keeps each file on one worker (its module fixtures and order); a
+    crashed worker ends the run instead of being replaced (a replacement hangs the run)."""
     script = (TESTS.parent / "scripts" / "test.sh").read_text()
-    assert "-n \"$workers\" --dist loadfile --no-loadscope-reorder" in script
+    assert ("-n \"$workers\" --dist loadfile --no-loadscope-reorder --max-worker-restart=0"
+            in script)
     assert "workers=${FP8EXPORT_TEST_WORKERS:-auto}" in script
 
 
