@@ -34,6 +34,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from fp8export.checkpoint import keras_probe
 from fp8export.checkpoint.keras_files import keras_file
 from fp8export.checkpoint.source import Checkpoint, TensorInfo
 from fp8export.checkpoint.training.keras import FLOAT8_VARIABLES, Float8Layer, keras_training_state
@@ -182,11 +183,13 @@ class KerasCheckpoint(Checkpoint):
                     meta = _parse_json(archive.read_bytes("metadata.json", MAX_JSON_BYTES),
                                        f"{path}: metadata.json")
                     version = meta.get("keras_version") if isinstance(meta, dict) else None
+                _probe(path)
                 h5 = _open_member_h5(archive, path, closers)
                 sources = [path]
             else:
                 cfg_path = _config_beside(path)
                 config = _parse_json(_read_limited(cfg_path), str(cfg_path))
+                _probe(path)
                 h5 = _open_h5(path, str(path))
                 version, sources = None, [path, cfg_path]
             closers.insert(0, h5)
@@ -502,6 +505,12 @@ def _read_limited(path: Path) -> bytes:
 
 def _parse_json(raw: bytes, where: str) -> Any:
     return parse_json(raw, where, "Keras config")
+
+
+def _probe(path: Path) -> None:
+    """HDF5 can crash on a hostile file: walk it in a child process first (keras_probe)."""
+    if not keras_probe.in_child():
+        keras_probe.check(path)
 
 
 def _open_member_h5(archive: SafeZip, path: Path, closers: list) -> h5py.File:

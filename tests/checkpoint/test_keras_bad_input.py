@@ -297,14 +297,11 @@ def test_fuzz_flipped_zip_bytes(tiny, tmp_path_factory, flips):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: HDF5 (through h5py) segfaults reading a corrupt attribute of this fuzzed "
-    "weights file, so the process dies instead of refusing it; the fix is to read Keras HDF5 "
-    "files in a limited child process, as the tokenizer is"))
 def test_weights_file_that_crashes_hdf5_is_refused(tmp_path):
-    """A .weights.h5 the exploring fuzz pass found (tests/reliability/test_fuzz.py): opening
-    it must end in one Fp8ExportError, not a crash. Run as a separate process so a crash
-    fails this test only."""
+    """A .weights.h5 the exploring fuzz pass found (tests/reliability/test_fuzz.py) on which
+    HDF5 segfaults: opening it ends in one Fp8ExportError naming the file and the crash (the
+    walk runs in a child process first: fp8export.checkpoint.keras_probe). Run as a separate
+    process so a regression fails this test only."""
     import subprocess
     import sys
 
@@ -322,3 +319,13 @@ def test_weights_file_that_crashes_hdf5_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.weights.h5")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "m.weights.h5" in r.stdout, (r.returncode, r.stderr[-500:])
+    assert "crashed the HDF5 library (SIGSEGV" in r.stdout, r.stdout
+
+
+def test_probe_turns_a_hang_into_an_error(tiny, tmp_path, monkeypatch):
+    """A walk that does not finish in time is refused too (the child is killed)."""
+    from fp8export.checkpoint import keras_probe
+
+    monkeypatch.setattr(keras_probe, "TIMEOUT_S", 0.001)
+    with pytest.raises(Fp8ExportError, match="did not finish"):
+        open_checkpoint(tiny["keras"])

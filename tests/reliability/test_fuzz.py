@@ -232,7 +232,7 @@ def _test_keras_mutated_h5_member(work, keras_valid, data):
 
 
 test_keras_mutated_h5_member, test_keras_mutated_h5_member_slow = \
-    fuzz(300)(_test_keras_mutated_h5_member)
+    fuzz(150)(_test_keras_mutated_h5_member)
 
 
 def _test_keras_mutated_weights_h5_file(work, keras_valid, data):
