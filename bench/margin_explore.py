@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._common import machine_info  # noqa: E402
+from bench.margin import kl_to_reference  # noqa: E402
 
 DATA = REPO / "samples" / "tiny-llama" / "data"
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -321,10 +322,8 @@ def quantize_model(model32, calib_states, valid, spec, qcls):
 def evaluate(model, batches, ref_rows, per_sample):
     """KL(reference ‖ ``model``) per token, the model (quantized in fp32) run in bf16 as the
     FP8 runtime runs a folder."""
-    import numpy as np
     import torch
 
-    from fp8export.analysis.confidence import SampleStats, intervals
     from fp8export.cpu_gemm import fp32_linears
 
     # parameters to bf16 as a loaded folder has them; buffers (RoPE's inverse frequencies)
@@ -334,20 +333,9 @@ def evaluate(model, batches, ref_rows, per_sample):
     for n, b in buffers.items():
         mod, _, attr = n.rpartition(".")
         setattr(model.get_submodule(mod), attr, b)
-    kl_rows, agree = [], 0
-    with torch.inference_mode():
-        for (ids, mask), ref in zip(batches, ref_rows):
-            lg = model(input_ids=ids, attention_mask=mask).logits[mask > 0].float()
-            lp = torch.log_softmax(ref.float(), -1)
-            lq = torch.log_softmax(lg, -1)
-            kl_rows.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0))
-            agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
-    kl = torch.cat(kl_rows).double().numpy()
-    bounds = np.cumsum([0] + per_sample)
-    sums = np.asarray([kl[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
-    iv = intervals(SampleStats({"kl_sum": sums, "tokens": np.asarray(per_sample, float)}),
-                   ["kl_mean"])["kl_mean"]
-    return {"kl_mean": float(kl.mean()), "interval": iv, "top1_agreement": agree / len(kl)}
+    row = kl_to_reference(model, batches, ref_rows, per_sample)
+    row.pop("tokens")
+    return row
 
 
 def main() -> None:
