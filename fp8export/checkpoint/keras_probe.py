@@ -35,6 +35,11 @@ def check(path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", __name__, str(path)], env=env,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=TIMEOUT_S)
+    except OSError as exc:  # no process could start (a process limit, a missing interpreter)
+        raise Fp8ExportError(f"{path}: could not start the separate process that checks its "
+                             f"HDF5 weights ({exc}); HDF5 files are not opened without it. "
+                             "Raise the process limit or run where Python can start a child "
+                             "process.") from None
     except subprocess.TimeoutExpired:
         raise Fp8ExportError(f"{path}: walking its HDF5 weights did not finish in {TIMEOUT_S:.0f} "
                              "s (in a separate process); the file is damaged or not a Keras "

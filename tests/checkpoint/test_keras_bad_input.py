@@ -329,3 +329,15 @@ def test_probe_turns_a_hang_into_an_error(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(keras_probe, "TIMEOUT_S", 0.001)
     with pytest.raises(Fp8ExportError, match="did not finish"):
         open_checkpoint(tiny["keras"])
+
+
+def test_probe_that_cannot_start_is_one_error(tiny, monkeypatch):
+    """No child process (a process limit): one Fp8ExportError naming the file, not a crash."""
+    import subprocess
+
+    def refuse(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    with pytest.raises(Fp8ExportError, match="could not start the separate process"):
+        open_checkpoint(tiny["keras"])
