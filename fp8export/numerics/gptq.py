@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8export.numerics import gptq_kernel
 from fp8export.numerics.fp8 import E4M3_DTYPE, E4M3_MAX
 
 DAMP = 0.01
@@ -98,20 +99,24 @@ def gptq_round(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor | flo
                                      upper=True).to(torch.float32)
     except RuntimeError:  # not positive definite even damped: nearest is the safe answer
         return RoundedWeight(_codes(nearest, s_full), *_errors(w, nearest, nearest, hessian))
-    work = w[:, order].clone()
-    s_ord = s_full[:, order]
+    work = w[:, order].contiguous()
+    s_ord = s_full[:, order].contiguous()
     out = torch.empty_like(work)
+    fused = gptq_kernel.enabled(work)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         cols = work[:, i1:i2]  # a view: updates land in ``work``
-        err = torch.empty_like(cols)
+        err = torch.empty((w.shape[0], i2 - i1), dtype=torch.float32, device=dev)
         hb = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q = _round(cols[:, i:i + 1], s_ord[:, i1 + i:i1 + i + 1])
-            out[:, i1 + i:i1 + i + 1] = q
-            e = (cols[:, i:i + 1] - q) / hb[i, i]
-            cols[:, i:] -= e * hb[i:i + 1, i:]
-            err[:, i:i + 1] = e
+        if fused:  # the same arithmetic in one launch (launch-bound otherwise on a GPU)
+            gptq_kernel.round_block(cols, s_ord[:, i1:i2], hb, out[:, i1:i2], err)
+        else:
+            for i in range(i2 - i1):
+                q = _round(cols[:, i:i + 1], s_ord[:, i1 + i:i1 + i + 1])
+                out[:, i1 + i:i1 + i + 1] = q
+                e = (cols[:, i:i + 1] - q) / hb[i, i]
+                cols[:, i:] -= e * hb[i:i + 1, i:]
+                err[:, i:i + 1] = e
         work[:, i2:] -= err @ hinv[i1:i2, i2:]
     rounded = torch.empty_like(out)
     rounded[:, order] = out
