@@ -31,8 +31,8 @@ from fp8export.errors import Fp8ExportError
 def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
                    names: dict[str, str], per_block: int, comm, total: int,
                    first: int, on_layer: Callable[..., dict[str, Any] | None],
-                   sequential: bool = False, held: tuple[int, int, int] = (0, 0, 0)
-                   ) -> dict[str, Any]:
+                   sequential: bool = False, held: tuple[int, int, int] = (0, 0, 0),
+                   device_sums: bool = False) -> dict[str, Any]:
     """Run ``stream`` (a captured bf16 :class:`~fp8export.streaming.stream.Stream`) through
     its layers, collecting ``H`` of the input streams of ``modules`` (checkpoint names;
     ``names`` maps them to the model's).
@@ -41,7 +41,8 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
     stream's first batch (this rank's share). ``held``: ``(n, total, first)`` of the held-out
     batches, the stream's last ``n`` (none: ``(0, 0, 0)``). ``on_layer(i, hessians, tokens,
     held_hessians, held_tokens)`` gets layer ``i``'s matrices by stream key (rank 0; empty on
-    the other ranks) and token counts (every rank) and returns,
+    the other ranks; on the stream's device with ``device_sums``, else on the host) and token
+    counts (every rank) and returns,
     for ``sequential``, the model name -> module to run in place of each quantized linear of
     the layer (None: keep the layer as it is). Returns facts: streams, tokens, seconds.
     """
@@ -66,12 +67,13 @@ def layer_hessians(stream, modules: list[str], groups: dict[str, list[str]], *,
             ", layer by layer"
         for _k, block in each_block(blocks, desc):
             _block(stream, block, by_layer, names, comm, total, first, on_layer, sequential,
-                   tokens, held)
+                   tokens, held, device_sums)
     return {"streams": stream_of, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
 def _block(stream, block, by_layer, names, comm, total: int, first: int, on_layer,
-           sequential: bool, tokens: dict[str, int], held: tuple[int, int, int]) -> None:
+           sequential: bool, tokens: dict[str, int], held: tuple[int, int, int],
+           device_sums: bool) -> None:
     """One block: its matrices collected and handed over, the layer rounded in place for
     ``sequential`` and run again. A function of its own, so nothing of the block outlives it."""
     from fp8export.distributed import SlotSums
@@ -80,8 +82,8 @@ def _block(stream, block, by_layer, names, comm, total: int, first: int, on_laye
     n_held, held_total, held_first = held
     n_fit = len(batches) - n_held
     layer_keys = [k for i, _ in block for k in by_layer.get(i, [])]
-    fit = InputSums(SlotSums(comm, total))
-    kept = InputSums(SlotSums(comm, held_total)) if held_total else None
+    fit = InputSums(SlotSums(comm, total, device_sums))
+    kept = InputSums(SlotSums(comm, held_total, device_sums)) if held_total else None
     active = [fit]
     views = {i: parts.named(i, layer) for i, layer in block}
     handles = []

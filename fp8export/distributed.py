@@ -425,15 +425,20 @@ class SlotSums:
     """``Σ`` of float32 matrices over the batches, identical for any number of ranks.
 
     Each batch adds into its slot's partial sum (on the device, in batch order); a finished
-    slot goes to the host and folds with its completed siblings of one fixed binary tree over
+    slot goes to the host (stays on the device with ``on_device`` on one rank: at most
+    log2(slots) + 2 matrices per key there at once) and folds with its completed siblings of
+    one fixed binary tree over
     the slots (at most log2(slots) + 1 partials per key at a time); :meth:`total` folds the
     ranks' subtrees in the same tree, through point-to-point sends, onto rank 0. Float32
     addition is correctly rounded on every device, so the sums are the same bits however many
     ranks computed the slots. A slot that gave a key nothing is absent, not zero.
     """
 
-    def __init__(self, comm: Comm, n_batches: int):
+    def __init__(self, comm: Comm, n_batches: int, on_device: bool = False):
         self.comm = comm
+        # one rank's partials may stay where they were summed (no copy to the host per slot,
+        # the folds on the device: the same correctly rounded additions, the same bits)
+        self.on_device = on_device and comm.world == 1
         self.slot_of = comm.slot_of(n_batches)
         mine = comm.my_slots()
         self.first, self.end = mine.start, mine.stop
@@ -467,7 +472,7 @@ class SlotSums:
             k = self.next
             if k == self.slot:
                 for key, acc in self.current.items():
-                    self.nodes[key][(k, k + 1)] = acc.cpu()
+                    self.nodes[key][(k, k + 1)] = acc if self.on_device else acc.cpu()
                 self.current = {}
             for nodes in self.nodes.values():
                 _complete(nodes, k, self.first)
@@ -475,8 +480,9 @@ class SlotSums:
 
     def total(self, key_order: list[str], shapes: dict[str, tuple[int, ...]]
               ) -> dict[str, torch.Tensor]:
-        """The folded sums on rank 0 (host float32); other ranks get an empty dict. Every rank
-        calls it with the same ``key_order`` and ``shapes`` (all keys of the run)."""
+        """The folded sums on rank 0 (float32, on the host; where they were summed with
+        ``on_device``); other ranks get an empty dict. Every rank calls it with the same
+        ``key_order`` and ``shapes`` (all keys of the run)."""
         import torch
 
         self._close_until(self.end)

@@ -30,24 +30,28 @@ def test_shares_are_contiguous_whole_slots_covering_every_batch(world, n):
     assert all(s.start in starts and s.stop in starts for s in shares if len(s))
 
 
-def test_slot_sums_fold_the_slots_in_one_fixed_tree():
-    """One process: batch partials per slot, then ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))."""
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_slot_sums_fold_the_slots_in_one_fixed_tree(on_device, where):
+    """One process: batch partials per slot, then ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)), on the
+    host or (``on_device``) where the partials were summed: the same bits."""
     g = torch.Generator().manual_seed(0)
     n = 11
-    xs = [torch.randn(5, 3, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g)
-          for _ in range(n)]
-    sums = SlotSums(Comm(), n)
+    xs = [(torch.randn(5, 3, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g))
+          .to(where) for _ in range(n)]
+    sums = SlotSums(Comm(), n, on_device=on_device)
     for b, x in enumerate(xs):
         sums.begin_batch(b)
-        sums.accumulator("k", torch.empty(3, 3)).addmm_(x.t(), x)
+        sums.accumulator("k", torch.empty(3, 3, device=where)).addmm_(x.t(), x)
     got = sums.total(["k"], {"k": (3, 3)})["k"]
+    assert got.device.type == (where if on_device else "cpu")
     slots = []
     for r in slot_ranges(n, SLOTS):
         acc = None
         for b in r:
-            acc = torch.zeros(3, 3) if acc is None else acc
+            acc = torch.zeros(3, 3, device=where) if acc is None else acc
             acc.addmm_(xs[b].t(), xs[b])
-        slots.append(acc)
+        slots.append(acc.cpu() if acc is not None else None)
 
     def fold(lo, hi):
         if hi - lo == 1:
@@ -55,7 +59,7 @@ def test_slot_sums_fold_the_slots_in_one_fixed_tree():
         a, b = fold(lo, (lo + hi) // 2), fold((lo + hi) // 2, hi)
         return a if b is None else b if a is None else a + b
 
-    assert torch.equal(got, fold(0, SLOTS))
+    assert torch.equal(got.cpu(), fold(0, SLOTS))
 
 
 def _free_port() -> int:

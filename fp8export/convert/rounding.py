@@ -39,6 +39,9 @@ from fp8export.scales.select import Selection
 
 DEFAULT_SAMPLES = 128
 HOLDOUT = 4  # every fourth calibration sample checks the rounding instead of fitting it
+# partial sums per input stream on the device at once: the fitted set's (log2(8 slots) + 1,
+# its last slot still open) while the held-out set's run (as many, and one fold being formed)
+DEVICE_PARTIALS = 9
 
 
 class RoundedCheckpoint:
@@ -340,11 +343,25 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
         mine = [batches[b] for b in share] + [held_batches[b] for b in held_share]
         hidden, width = widths(parts.config)
         names = module_names(parts.skeleton, sel.modules)
-        plan = layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
-                      parts.rest_bytes(), hidden_bytes(mine, hidden, 2),
-                      max((b.input_ids.numel() for b in mine), default=0), width, 2,
-                      batches=len(mine), ranks=comm.world, passes=1,
-                      extra_bytes=_gptq_bytes(ckpt, sel, parts, units, names))
+        sums, solve = _gptq_bytes(ckpt, sel, parts, units, names)
+
+        def plan_with(extra: int):
+            return layout(decision, [parts.layer_bytes(i) for i in range(parts.count)],
+                          parts.rest_bytes(), hidden_bytes(mine, hidden, 2),
+                          max((b.input_ids.numel() for b in mine), default=0), width, 2,
+                          batches=len(mine), ranks=comm.world, passes=1, extra_bytes=extra)
+
+        # the input matrices' partial sums stay on the device where the budget holds them
+        # (one rank): copying each slot to the host and folding there took most of a layer's
+        # time on a GPU
+        device_sums = comm.world == 1 and device.type != "cpu"
+        if device_sums:
+            try:
+                plan = plan_with(max(DEVICE_PARTIALS * sums, 2 * sums + solve))
+            except Fp8ExportError:
+                device_sums = False
+        if not device_sums:
+            plan = plan_with(2 * sums + solve)
         plan.per_block = 1 if sequential else comm.agree_min(plan.per_block)
         for line in plan.lines():
             info(line)
@@ -372,7 +389,8 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
             facts = layer_hessians(stream, sel.modules, sel.groups, names=names,
                                    per_block=plan.per_block, comm=comm, total=len(batches),
                                    first=share.start, on_layer=on_layer, sequential=sequential,
-                                   held=(len(held_share), len(held_batches), held_share.start))
+                                   held=(len(held_share), len(held_batches), held_share.start),
+                                   device_sums=device_sums)
         finally:
             stream.close()
     reached = set(facts["tokens"])
@@ -388,12 +406,13 @@ def _round_by_layer(cfg, ckpt: Checkpoint, sel: Selection, rounder: _Rounder, un
 
 
 def _gptq_bytes(ckpt: Checkpoint, sel: Selection, parts, units: list[list[str]],
-                names: dict[str, str]) -> int:
-    """Device memory the rounding of one layer holds beside its weights: each input stream's
-    float32 ``H`` (fitted and held out) while the batches run, and the largest unit's solve
-    (``numerics/gptq.py``:
-    ``H`` and its Cholesky factors in float64, about 36 bytes per element of ``H`` at the
-    peak, and five float32 copies of the weight)."""
+                names: dict[str, str]) -> tuple[int, int]:
+    """Device memory the rounding of one layer holds beside its weights: the bytes of one
+    float32 ``H`` of each of the layer's input streams (the largest layer's; the fitted and
+    held-out sets each have one, and their partial sums while the batches run), and the
+    largest unit's solve (``numerics/gptq.py``: ``H`` and its Cholesky factors in float64,
+    about 36 bytes per element of ``H`` at the peak, and five float32 copies of the
+    weight)."""
     by_module = {t.module: t for t in sel.targets}
     shapes = {i.name: tuple(i.shape) for i in ckpt.tensors()}
     per_layer: dict[int, int] = {}
@@ -408,9 +427,9 @@ def _gptq_bytes(ckpt: Checkpoint, sel: Selection, parts, units: list[list[str]],
         rows = sum(o for o, _ in dims)
         i = next((i for i in range(parts.count)
                   if names[members[0]].startswith(parts.prefix[i])), -1)
-        per_layer[i] = per_layer.get(i, 0) + 2 * 4 * d * d  # fitted and held-out H
+        per_layer[i] = per_layer.get(i, 0) + 4 * d * d
         solve = max(solve, 36 * d * d + 20 * rows * d)
-    return max(per_layer.values(), default=0) + solve
+    return max(per_layer.values(), default=0), solve
 
 
 def _finite(x: float) -> float | None:

@@ -24,8 +24,9 @@ def src(request, tmp_path_factory):
 
 
 def _convert(src, out, **kw):
+    kw.setdefault("device", "cpu")
     convert(ConvertConfig(checkpoint=src, output=out, calib_data=DATA, calib_samples=12,
-                          batch_size=4, device="cpu", **kw))
+                          batch_size=4, **kw))
     manifest = json.loads((out / "fp8export.json").read_text())
     return {p.name: p.read_bytes() for p in out.glob("*.safetensors")}, manifest
 
@@ -38,6 +39,28 @@ def test_streamed_gptq_and_kv_cache_write_the_same_shards(src, tmp_path):
     assert m1["kv_cache"]["layers"] == m2["kv_cache"]["layers"]
     assert m1["weight_rounding"]["layers"] == m2["weight_rounding"]["layers"] > 0
     assert not m2["weight_rounding"]["nearest_layers"]
+
+
+@pytest.mark.gpu
+def test_streamed_gptq_on_the_gpu_sums_on_the_device_and_writes_the_same_shards(
+        src, tmp_path, monkeypatch):
+    """On a GPU the input matrices' partial sums stay on the device (no copy to the host per
+    slot): the same additions, so the same codes as the whole model's."""
+    from fp8export import distributed
+
+    kept = []
+    init = distributed.SlotSums.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        kept.append(self.on_device)
+
+    kw = {"weight_rounding": "gptq", "device": "cuda"}
+    whole, _ = _convert(src, tmp_path / "whole", **kw)
+    monkeypatch.setattr(distributed.SlotSums, "__init__", spy)
+    layers, _ = _convert(src, tmp_path / "layers", offload="layers", **kw)
+    assert kept and all(kept)
+    assert whole == layers
 
 
 def test_sequential_gptq_rounds_on_the_rounded_layers_inputs(src, tmp_path):
