@@ -197,6 +197,8 @@ def part_a(work: Path, args, out: dict, save) -> None:
         size = json.loads(index.read_text())["metadata"]["total_size"]  # an earlier step's
     else:
         size = write_model(src, cfg, args.device if args.device == "cuda" else "cpu")
+        for stale in work.glob("amax-*.json"):  # an earlier model's scales: convert refuses
+            stale.unlink()
     caps = {"calibrate": args.cap_calib_gib, "gptq": args.cap_gptq_gib,
             "verify": args.cap_verify_gib}
     a = out["a"] = {"model": cfg, "weights_bytes": size, "whole_load": args.whole,
@@ -304,8 +306,9 @@ def gptq_step(ctx: PartA) -> None:
             offload="layers", max_memory=_cap(args, args.cap_gptq_gib), force=True))
     gptq = {}
     modes = [("streamed", {"offload": "layers", "max_memory": _cap(args, args.cap_gptq_gib)})]
-    if args.gptq_baseline:  # the whole model as --whole loads it (default: built on the CPU)
-        modes.insert(0, ctx.whole[0] if ctx.whole else ("whole", {"offload": "none"}))
+    if args.gptq_baseline:  # the whole model as --whole loads it (default: built on the CPU),
+        # after the streamed run: a measured peak then has nothing of the baseline's in it
+        modes.append(ctx.whole[0] if ctx.whole else ("whole", {"offload": "none"}))
     for name, kw in modes:
         _, sec, peak = measured(lambda kw=kw, name=name: api.convert(ConvertConfig(
             checkpoint=ctx.src, output=work / f"fp8-{name}", calib_amax=amax,
