@@ -117,8 +117,9 @@ def _small_m_kernel():
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk)[None, :] < K
             x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok & k_ok, other=0.0)
-            # the DESIGN.md quantize, bit for bit: fp32 divide, clamp, RNE cast
-            xq = tl.clamp(x.to(tl.float32) / sx, -448.0, 448.0).to(tl.float8e4nv)
+            # the DESIGN.md quantize, bit for bit: fp32 divide (correctly rounded: Triton's
+            # ``/`` is approximate), clamp, RNE cast
+            xq = tl.clamp(tl.math.div_rn(x.to(tl.float32), sx), -448.0, 448.0).to(tl.float8e4nv)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok & k_ok, other=0.0)
             acc = tl.dot(xq, tl.trans(w), acc)
         y = acc * (sx * sw)

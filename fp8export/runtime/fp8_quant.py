@@ -51,7 +51,8 @@ def _kernel():
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(scale_ptr)
-        y = tl.clamp(x / s, -448.0, 448.0)
+        # correctly rounded, as torch divides (Triton's ``/`` on float32 is approximate)
+        y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0)
         tl.store(out_ptr + offs, y.to(tl.float8e4nv), mask=mask)
 
     return _quant_e4m3

@@ -39,6 +39,15 @@ def test_fused_is_bit_identical_on_gpu(dtype):
     one = torch.tensor(1.0, device="cuda")
     assert torch.equal(quantize_input(edges, one).view(torch.uint8),
                        quantize_e4m3(edges, one).view(torch.uint8))
+    # a scale that makes the division inexact, inputs whose quotient lands within an ulp or
+    # two of a rounding midpoint: an approximate division (Triton's plain ``/``) rounds some
+    # of them the other way
+    s = torch.tensor(0.3, device="cuda")
+    near = _edge_values("cuda")[:-7] * s
+    near = torch.cat([near, torch.nextafter(near, near * 2), torch.nextafter(near, near / 2)])
+    near = near.to(dtype)
+    assert torch.equal(quantize_input(near, s).view(torch.uint8),
+                       quantize_e4m3(near, s).view(torch.uint8))
 
 
 @pytest.mark.gpu
