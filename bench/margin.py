@@ -57,15 +57,17 @@ def reference_logits(model_dir: Path, batches, path: Path):
     from fp8export.models import load_model
 
     model, _ = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    rows, per_sample = [], []
+    per_sample = [n for _, mask in batches for n in (mask > 0).sum(1).tolist()]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    # written batch by batch: the logits of hundreds of samples are gigabytes
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.int16,
+                                   shape=(sum(per_sample), vocab))
+    start = 0
     with torch.inference_mode():
         for ids, mask in batches:
             lg = model(input_ids=ids, attention_mask=mask).logits[mask > 0]
-            rows.append(lg.view(torch.int16).numpy())
-            per_sample += (mask > 0).sum(1).tolist()
-    arr = np.concatenate(rows)
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.int16, shape=arr.shape)
-    mm[:] = arr
+            mm[start:start + len(lg)] = lg.view(torch.int16).numpy()
+            start += len(lg)
     mm.flush()
     return path, per_sample
 
