@@ -57,20 +57,23 @@ def reference_logits(model_dir: Path, batches, path: Path):
     from fp8export.models import load_model
 
     model, _ = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
-    rows, per_sample = [], []
+    per_sample = [n for _, mask in batches for n in (mask > 0).sum(1).tolist()]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    # written batch by batch: the logits of hundreds of samples are gigabytes
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.int16,
+                                   shape=(sum(per_sample), vocab))
+    start = 0
     with torch.inference_mode():
         for ids, mask in batches:
             lg = model(input_ids=ids, attention_mask=mask).logits[mask > 0]
-            rows.append(lg.view(torch.int16).numpy())
-            per_sample += (mask > 0).sum(1).tolist()
-    arr = np.concatenate(rows)
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.int16, shape=arr.shape)
-    mm[:] = arr
+            mm[start:start + len(lg)] = lg.view(torch.int16).numpy()
+            start += len(lg)
     mm.flush()
     return path, per_sample
 
 
-def kl_of(folder: Path, batches, ref_path: Path, per_sample: list[int]) -> dict:
+def kl_of(folder: Path, batches, ref_path: Path, per_sample: list[int], *,
+          sums: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -86,13 +89,16 @@ def kl_of(folder: Path, batches, ref_path: Path, per_sample: list[int]) -> dict:
             yield torch.from_numpy(np.array(ref_all[start:start + n])).view(torch.bfloat16)
             start += n
 
-    return kl_to_reference(model, batches, refs(), per_sample)
+    return kl_to_reference(model, batches, refs(), per_sample, sums=sums)
 
 
-def kl_to_reference(model, batches, refs, per_sample: list[int]) -> dict:
+def kl_to_reference(model, batches, refs, per_sample: list[int], *, sums: bool = False
+                    ) -> dict:
     """KL(reference ‖ ``model``) per token over ``batches`` (``refs``: the reference's logits
     of each batch's real tokens), its 95 % bootstrap interval (samples resampled with their
-    tokens, verify's code) and top-1 agreement: the one metric of the margin benchmarks."""
+    tokens, verify's code) and top-1 agreement: the one metric of the margin benchmarks.
+    ``sums``: also each sample's KL summed over its tokens (``kl_sums``, in sample order), for
+    a paired comparison of two candidates on the same samples."""
     import numpy as np
     import torch
 
@@ -108,11 +114,11 @@ def kl_to_reference(model, batches, refs, per_sample: list[int]) -> dict:
             agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
     kl = torch.cat(kl_rows).double().numpy()
     bounds = np.cumsum([0] + per_sample)
-    sums = np.asarray([kl[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
-    iv = intervals(SampleStats({"kl_sum": sums, "tokens": np.asarray(per_sample, float)}),
+    sample_kl = np.asarray([kl[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+    iv = intervals(SampleStats({"kl_sum": sample_kl, "tokens": np.asarray(per_sample, float)}),
                    ["kl_mean"])["kl_mean"]
     return {"kl_mean": float(kl.mean()), "interval": iv, "top1_agreement": agree / len(kl),
-            "tokens": int(len(kl))}
+            "tokens": int(len(kl)), **({"kl_sums": sample_kl.tolist()} if sums else {})}
 
 
 def main() -> None:

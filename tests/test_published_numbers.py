@@ -359,3 +359,46 @@ def test_te_reader_figures_are_te_reader_json():
     assert {f"{r['ratio']:.1f}" for r in rows} == {"1.2"} and "stays 1.2× `torch.load`" in text
     at_30k = next(r for r in rows if r["tensors"] == 30000)
     assert f"{at_30k['reader_s']:.0f} s now" in text
+
+
+def _signed(x: float) -> str:
+    return ("+" if x >= 0 else "") + _e(x, 1)
+
+
+def test_sequential_gptq_figures_are_gptq_sequential_json():
+    """The reports are rendered from bench/gptq_sequential.py's JSON, and README's and
+    docs/architecture.md's sentences on gptq-sequential quote it as rounded there, with the
+    verdict its paired interval gives (better only when the interval lies below zero)."""
+    module = _bench("gptq_sequential")
+    docs = {name: _json(f"{name}.json") for name in ("gptq_sequential", "gptq_sequential-eval256")}
+    for name, doc in docs.items():
+        assert (RESULTS / f"{name}.md").read_text().startswith(module.render(doc) + "\n"), name
+    wide = docs["gptq_sequential-eval256"]
+    assert wide["eval"]["samples"] == 256 and wide["calib"]["samples"] == 128
+    runs = wide["settings"]["dynamic"]["runs"]
+    seq, par = runs["gptq-sequential"], runs["gptq"]
+    d = wide["settings"]["dynamic"]["sequential_minus_parallel"]
+    static = docs["gptq_sequential"]["settings"]["static"]["sequential_minus_parallel"]
+
+    def kl(r):
+        return f"{r['kl_mean']:.4f} [{r['interval'][0]:.4f}, {r['interval'][1]:.4f}]"
+
+    def interval(x):
+        return f"[{_signed(x['interval'][0])}, {_signed(x['interval'][1])}]"
+
+    common = [f"KL {kl(seq)} against {kl(par)}", interval(d), "did not measurably beat `gptq`"]
+    readme = " ".join(README.split())
+    start = readme.index("- `--weight-rounding gptq-sequential`")
+    sentence = readme[start:readme.index("- `--kv-cache fp8`", start)]
+    for phrase in common + [
+            f"paired difference of {_e(d['kl_difference'], 1)} per token "
+            f"({100 * d['relative']:.1f}%)",
+            f"convert {seq['convert_s']:.0f} s against {par['convert_s']:.0f} s",
+            f"64 lines: {100 * static['relative']:.1f}%, its interval {interval(static)}"]:
+        assert phrase in sentence, phrase
+    arch = " ".join((REPO / "docs" / "architecture.md").read_text(encoding="utf-8").split())
+    for phrase in common + [f"paired difference {_e(d['kl_difference'], 1)} per token"]:
+        assert phrase in arch, phrase
+    # "did not measurably beat" is what an interval holding zero says
+    assert d["interval"][0] < 0 <= d["interval"][1] and static["interval"][0] < 0 <= \
+        static["interval"][1]
