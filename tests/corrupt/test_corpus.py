@@ -15,8 +15,8 @@ runs as a separate process; ``test_case_in_subprocess`` runs a representative ca
 as a real ``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that
 starts cold), and with ``--run-slow`` every case that ``test_case`` did not already run as one:
 each in a process of its own forked from a server that has torch and transformers imported
-(``warm_cli.py``; the same stdout/stderr, exit status and shutdown, without the seconds of
-imports that were most of this file's time).
+(tests/warm_process.py; the same stdout/stderr, exit status and shutdown, without the seconds
+of imports that were most of this file's time).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_corpus  # noqa: E402
-from warm_cli import WarmCli, same_env  # noqa: E402
+from warm_process import WarmPython, same_env  # noqa: E402
 
 from fp8export.cli import cli  # noqa: E402
 
@@ -175,12 +175,12 @@ def _env(c: make_corpus.Case) -> dict:
 
 
 def _subprocess(c: make_corpus.Case, timeout: float = 300,
-                warm: WarmCli | None = None) -> subprocess.CompletedProcess:
+                warm: WarmPython | None = None) -> subprocess.CompletedProcess:
     """``python -m fp8export.cli`` started cold, or forked by the warm server."""
     env = _env(c)
     try:
         if warm is not None and same_env(warm.env, env):  # else its packages loaded in another
-            return warm.run(c.argv, env=env, stdin=c.stdin, timeout=timeout)
+            return warm.run("-m fp8export.cli", c.argv, env=env, stdin=c.stdin, timeout=timeout)
         argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout, input=c.stdin or "",
@@ -190,18 +190,24 @@ def _subprocess(c: make_corpus.Case, timeout: float = 300,
                              "ends)") from exc
 
 
+# Third-party packages the commands import: never fp8export, which each child imports itself.
+WARM_PRELOAD = ("numpy", "torch", "safetensors.torch", "transformers",
+                "transformers.modeling_utils", "tokenizers", "onnx", "h5py", "click")
+
+
 @pytest.fixture(scope="module")
 def warm_cli(corpus):
-    """``warm_cli(case)``: the warm server (warm_cli.py, started on first use) for the exploring
-    pass, or None for the cases that run cold (SUBPROCESS_IDS)."""
+    """``warm_cli(case)``: the warm server (tests/warm_process.py, started on first use) for the
+    exploring pass, or None for the cases that run cold (SUBPROCESS_IDS)."""
     root, _ = corpus
     started = []
 
-    def get(c: make_corpus.Case) -> WarmCli | None:
+    def get(c: make_corpus.Case) -> WarmPython | None:
         if c.id in SUBPROCESS_IDS:
             return None
         if not started:
-            started.append(WarmCli(_env(c), REPO, root / "warm-cli"))
+            started.append(WarmPython(WARM_PRELOAD, env=_env(c), cwd=REPO,
+                                      scratch=root / "warm-cli"))
         return started[0]
 
     yield get
