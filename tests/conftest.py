@@ -198,6 +198,31 @@ def keras_float8_folder(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def keras_probe_server(tmp_path_factory):
+    """A warm server for the Keras probe's child (tests/warm_process.py), started on first use."""
+    from warm_process import KerasProbeLauncher, WarmPython
+
+    from fp8export.checkpoint import keras_probe
+
+    server = WarmPython(KerasProbeLauncher.PRELOAD, cwd=REPO,
+                        scratch=tmp_path_factory.mktemp("keras-probe"),
+                        env=dict(os.environ, **{keras_probe._CHILD_ENV: "1"}))
+    yield server
+    server.close()
+
+
+@pytest.fixture()
+def warm_keras_probe(keras_probe_server, monkeypatch):
+    """For the Keras fuzz tests: the probe's child forked from the warm server, not a fresh
+    interpreter (tests/warm_process.py: KerasProbeLauncher)."""
+    from warm_process import KerasProbeLauncher
+
+    from fp8export.checkpoint import keras_probe
+
+    monkeypatch.setattr(keras_probe, "subprocess", KerasProbeLauncher(keras_probe_server))
+
+
 @pytest.fixture()
 def dict_ckpt():
     """The DictCheckpoint class (a fixture, so tests need no import of a helper module)."""

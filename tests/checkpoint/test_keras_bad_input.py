@@ -210,6 +210,7 @@ def test_safezip_reads_within_bounds(tmp_path):
 
 
 # ---- fuzz: random and truncated bytes give Fp8ExportError, nothing else --------------------
+# (the Keras probe's child forked from a warm server: conftest's warm_keras_probe)
 def _open_all(path: Path) -> None:
     with open_checkpoint(path) as ckpt:
         for info in ckpt.tensors():
@@ -223,7 +224,7 @@ FUZZ = settings(max_examples=40, deadline=None,
 
 @FUZZ
 @given(data=st.binary(max_size=4096), suffix=st.sampled_from([".keras", ".weights.h5"]))
-def test_fuzz_random_bytes(tmp_path_factory, data, suffix):
+def test_fuzz_random_bytes(tmp_path_factory, warm_keras_probe, data, suffix):
     folder = tmp_path_factory.mktemp("fuzz")
     path = folder / f"m{suffix}"
     path.write_bytes(data)
@@ -247,7 +248,7 @@ _JSON = st.recursive(
 
 @FUZZ
 @given(config=_JSON)
-def test_fuzz_config_json(tiny, tmp_path_factory, config):
+def test_fuzz_config_json(tiny, tmp_path_factory, warm_keras_probe, config):
     """Any JSON beside real float8 weights: the reader either copes or says why, never crashes."""
     folder = tmp_path_factory.mktemp("cfg")
     h5 = copy_pair(tiny, folder)
@@ -260,7 +261,7 @@ def test_fuzz_config_json(tiny, tmp_path_factory, config):
 
 @FUZZ
 @given(cut=st.floats(0.0, 0.999))
-def test_fuzz_truncated_keras(tiny, tmp_path_factory, cut):
+def test_fuzz_truncated_keras(tiny, tmp_path_factory, warm_keras_probe, cut):
     data = tiny["keras"].read_bytes()
     path = tmp_path_factory.mktemp("trunc") / "m.keras"
     path.write_bytes(data[: int(len(data) * cut)])
@@ -270,7 +271,7 @@ def test_fuzz_truncated_keras(tiny, tmp_path_factory, cut):
 
 @FUZZ
 @given(cut=st.floats(0.0, 0.999))
-def test_fuzz_truncated_member(tiny, tmp_path_factory, cut):
+def test_fuzz_truncated_member(tiny, tmp_path_factory, warm_keras_probe, cut):
     members = _members(tiny["keras"])
     h5 = members["model.weights.h5"]
     members["model.weights.h5"] = h5[: int(len(h5) * cut)]
@@ -282,7 +283,7 @@ def test_fuzz_truncated_member(tiny, tmp_path_factory, cut):
 @FUZZ
 @given(flips=st.lists(st.tuples(st.floats(0, 0.999), st.integers(1, 255)), min_size=1,
                       max_size=8))
-def test_fuzz_flipped_zip_bytes(tiny, tmp_path_factory, flips):
+def test_fuzz_flipped_zip_bytes(tiny, tmp_path_factory, warm_keras_probe, flips):
     """Corrupt the archive's headers (not the HDF5 payload): errors are ours, not zipfile's."""
     raw = bytearray(tiny["keras"].read_bytes())
     start = raw.find(b"PK\x01\x02")  # central directory

@@ -13,13 +13,17 @@ Runtime: every case runs in-process through click's ``CliRunner`` (torch is impo
 except those marked ``isolate`` or with their own ``env`` / ``rlimits``, which ``test_case``
 runs as a separate process; ``test_case_in_subprocess`` runs a representative case per reader
 as a real ``python -m fp8export.cli`` process (stdout/stderr, exit status, an interpreter that
-starts cold), and with ``--run-slow`` every case that ``test_case`` did not already run as one.
+starts cold), and with ``--run-slow`` every case that ``test_case`` did not already run as one:
+each in a process of its own forked from a server that has torch and transformers imported
+(tests/warm_process.py; the same stdout/stderr, exit status and shutdown, without the seconds
+of imports that were most of this file's time).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +33,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_corpus  # noqa: E402
+from warm_process import WarmPython, same_env  # noqa: E402
 
 from fp8export.cli import cli  # noqa: E402
 
@@ -165,10 +170,18 @@ def _limits(c: make_corpus.Case):
     return apply
 
 
-def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1", **c.env}
-    argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
+def _env(c: make_corpus.Case) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1", **c.env}
+
+
+def _subprocess(c: make_corpus.Case, timeout: float = 300,
+                warm: WarmPython | None = None) -> subprocess.CompletedProcess:
+    """``python -m fp8export.cli`` started cold, or forked by the warm server."""
+    env = _env(c)
     try:
+        if warm is not None and same_env(warm.env, env):  # else its packages loaded in another
+            return warm.run("-m fp8export.cli", c.argv, env=env, stdin=c.stdin, timeout=timeout)
+        argv = [sys.executable, "-m", "fp8export.cli", *c.argv]
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout, input=c.stdin or "",
                               preexec_fn=_limits(c) if c.isolate or c.rlimits else None)
@@ -177,8 +190,33 @@ def _subprocess(c: make_corpus.Case, timeout: float = 300) -> subprocess.Complet
                              "ends)") from exc
 
 
+# Third-party packages the commands import: never fp8export, which each child imports itself.
+WARM_PRELOAD = ("numpy", "torch", "safetensors.torch", "transformers",
+                "transformers.modeling_utils", "tokenizers", "onnx", "h5py", "click")
+
+
+@pytest.fixture(scope="module")
+def warm_cli(corpus):
+    """``warm_cli(case)``: the warm server (tests/warm_process.py, started on first use) for the
+    exploring pass, or None for the cases that run cold (SUBPROCESS_IDS)."""
+    root, _ = corpus
+    started = []
+
+    def get(c: make_corpus.Case) -> WarmPython | None:
+        if c.id in SUBPROCESS_IDS:
+            return None
+        if not started:
+            started.append(WarmPython(WARM_PRELOAD, env=_env(c), cwd=REPO,
+                                      scratch=root / "warm-cli"))
+        return started[0]
+
+    yield get
+    for server in started:
+        server.close()
+
+
 @pytest.mark.parametrize("cid", _params(slow_unless=SUBPROCESS_IDS))
-def test_case_in_subprocess(corpus, cid):
+def test_case_in_subprocess(corpus, warm_cli, cid):
     _, cases = corpus
     c = cases[cid]
     if c.isolate or c.env or c.rlimits:
@@ -191,8 +229,26 @@ def test_case_in_subprocess(corpus, cid):
                 shutil.rmtree(out)
             else:
                 out.unlink(missing_ok=True)
-    r = _subprocess(c)
+    r = _subprocess(c, warm=warm_cli(c))
     check(c, r.returncode, r.stderr, r.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cid", ["st_truncated", "code_calibrate_tokenizer"])
+def test_a_warm_process_answers_as_a_cold_one(corpus, warm_cli, cid):
+    """The exploring pass's forked processes give what a cold ``python -m fp8export.cli``
+    gives: the same exit status, stdout and stderr (but for the seconds in the status line)."""
+    _, cases = corpus
+    c = cases[cid]
+    server = warm_cli(make_corpus.Case("warm", "", [], []))
+    cold, warm = _subprocess(c), _subprocess(c, warm=server)
+
+    def same(text: str) -> str:
+        return re.sub(r"\| [0-9.]+s$", "| Ns", text.strip(), flags=re.M)
+
+    assert (warm.returncode, same(warm.stdout), same(warm.stderr)) == \
+        (cold.returncode, same(cold.stdout), same(cold.stderr))
+    assert c.exit != 0 and warm.returncode == c.exit
 
 
 def test_script_writes_a_case_list(tmp_path):

@@ -218,7 +218,7 @@ def _zip(path: Path, members: dict) -> Path:
     return path
 
 
-def _test_keras_mutated_h5_member(work, keras_valid, data):
+def _test_keras_mutated_h5_member(work, keras_valid, warm_keras_probe, data):
     _, members = keras_valid
     h5 = members["model.weights.h5"]
     mutated = dict(members, **{"model.weights.h5": apply(h5, data.draw(mutations(len(h5))))})
@@ -235,7 +235,7 @@ test_keras_mutated_h5_member, test_keras_mutated_h5_member_slow = \
     fuzz(150)(_test_keras_mutated_h5_member)
 
 
-def _test_keras_mutated_weights_h5_file(work, keras_valid, data):
+def _test_keras_mutated_weights_h5_file(work, keras_valid, warm_keras_probe, data):
     saved, _ = keras_valid
     d = work / "h5"
     if not d.exists():
@@ -288,7 +288,7 @@ def _set(obj, path, value):
 _DELETE = object()
 
 
-def _test_keras_mutated_config(work, keras_valid, data):
+def _test_keras_mutated_config(work, keras_valid, warm_keras_probe, data):
     """Replace or delete any node of config.json with arbitrary JSON (dtype policies, layer
     lists, shapes, names): the reader must refuse it cleanly or read it."""
     _, members = keras_valid
@@ -451,6 +451,27 @@ def test_pt_zip64_multidisk_is_our_error(work, te_file):
     path.write_bytes(bytes(data))
     with pytest.raises(Fp8ExportError, match="multidisk.pt"):
         _open_all(path)
+
+
+def test_the_warm_probe_reports_a_crash_and_a_hang_as_a_cold_one(work, keras_valid,
+                                                                 warm_keras_probe, monkeypatch):
+    """The Keras properties' forked probe child: the weights file that segfaults HDF5 (from
+    tests/checkpoint/hostile) is refused as crashed, a walk past the time limit as unfinished."""
+    from fp8export.checkpoint import keras_probe
+
+    hostile = REPO / "tests" / "checkpoint" / "hostile"
+    d = work / "crash"
+    d.mkdir()
+    shutil.copy(hostile / "attr_segfault.weights.h5", d / "m.weights.h5")
+    shutil.copy(hostile / "attr_segfault.config.json", d / "config.json")
+    with pytest.raises(Fp8ExportError, match=r"m\.weights\.h5.*crashed the HDF5 library "
+                                             r"\(SIGSEGV"):
+        _open_all(d / "m.weights.h5")
+    saved, _ = keras_valid
+    assert _open_all(saved["keras"]) > 0  # a sound file still opens
+    monkeypatch.setattr(keras_probe, "TIMEOUT_S", 0.001)
+    with pytest.raises(Fp8ExportError, match="did not finish"):
+        _open_all(saved["keras"])
 
 
 def test_fuzz_targets_can_fail():
